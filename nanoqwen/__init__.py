@@ -1,0 +1,7 @@
+"""nanoqwen: a small, hand-written Qwen2.5 inference runtime over a paged KV cache."""
+
+from nanoqwen.runtime.engine import LLM, RequestOutput, StreamChunk
+from nanoqwen.runtime.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamChunk"]
+__version__ = "0.1.0"

@@ -1,0 +1,92 @@
+"""Qwen2ForCausalLM, hand-written over a flat token batch and a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoqwen.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
+from nanoqwen.weights.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, True, dtype, device)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
+        # Bound by the ModelRunner once the KV pool exists.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = self.backend.forward(
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            self.k_cache,
+            self.v_cache,
+            meta,
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype, device)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device
+        )
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states of every token, before the final norm."""
+        x = self.embed_tokens[input_ids]
+        for layer in self.layers:
+            x = layer(x, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: only the rows that need logits (norm is per token, so select first)."""
+        return torch.nn.functional.linear(self.norm(hidden), self.lm_head).float()

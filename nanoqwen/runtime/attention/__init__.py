@@ -1,0 +1,59 @@
+"""Attention backends, chosen by name."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoqwen.model.layers import RotaryEmbedding
+from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
+from nanoqwen.runtime.attention.torch_backend import TorchAttention
+
+BACKENDS = ("auto", "flash-attn", "torch")
+
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "create_backend",
+    "flash_attn_problem",
+]
+
+
+def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int):
+    """Why flash-attn cannot serve this setup, or None when it can."""
+    if device.type != "cuda":
+        return "it needs a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it needs float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "it needs an Ampere or newer GPU"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim} is not built into the flash-attn wheel (64, 128)"
+    if block_size % 256:
+        return f"block_size {block_size} is not a multiple of 256"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        return f"flash_attn does not import ({e})"
+    return None
+
+
+def create_backend(
+    name: str,
+    rotary: RotaryEmbedding,
+    scale: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is unknown: allowed {', '.join(BACKENDS)}")
+    problem = flash_attn_problem(device, dtype, head_dim, block_size)
+    if name == "flash-attn" and problem:
+        raise ValueError(f"attention_backend='flash-attn' is unavailable: {problem}")
+    if name == "torch" or problem:
+        return TorchAttention(rotary, scale)
+    from nanoqwen.runtime.attention.flash_backend import FlashAttention
+
+    return FlashAttention(rotary, scale)

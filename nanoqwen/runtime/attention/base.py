@@ -1,0 +1,56 @@
+"""The contract between the model and an attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nanoqwen.model.layers import RotaryEmbedding
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of a flat token batch drawn from many sequences.
+
+    Tokens of sequence i occupy rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of the batch; in decode
+    every sequence contributes exactly one token. context_lens counts the tokens of each
+    sequence that are in the KV cache once this step has written its own.
+    """
+
+    is_prefill: bool
+    positions: torch.Tensor  # [tokens] int64
+    slot_mapping: torch.Tensor  # [tokens] int64, cache slot = block * block_size + offset
+    context_lens: torch.Tensor  # [seqs] int32
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [seqs + 1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Prefill only: key offsets over the cached context of each sequence.
+    cu_seqlens_k: torch.Tensor | None = None
+
+
+class AttentionBackend(Protocol):
+    """Applies RoPE, writes the step's K/V into the paged cache, and attends.
+
+    q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim], all before RoPE.
+    k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim].
+    Returns [tokens, heads, head_dim].
+    """
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+class BackendFactory(Protocol):
+    def __call__(self, rotary: RotaryEmbedding, scale: float) -> AttentionBackend: ...

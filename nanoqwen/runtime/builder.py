@@ -1,0 +1,159 @@
+"""Assembles an engine: config, weights, attention backend, KV pool, scheduler, runner."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from nanoqwen.model.qwen2 import Qwen2ForCausalLM
+from nanoqwen.model.shapes import fill_random, shape_config
+from nanoqwen.runtime.attention import create_backend
+from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.model_runner import ModelRunner
+from nanoqwen.runtime.sampler import Sampler
+from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
+from nanoqwen.weights.config import ModelConfig
+from nanoqwen.weights.hub import resolve_model
+from nanoqwen.weights.loader import checkpoint_dtype, load_weights
+from nanoqwen.weights.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+@dataclass
+class EngineParts:
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    model: Qwen2ForCausalLM
+    scheduler: Scheduler
+    runner: ModelRunner
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is unknown: allowed cpu, cuda, cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device='cuda' but CUDA is not available on this machine: use --device cpu"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported: allowed cpu, cuda, cuda:N")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
+    if dtype == "auto":
+        return stored if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is unknown: allowed auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def log(message: str) -> None:
+    print(f"[nanoqwen] {message}", file=sys.stderr, flush=True)
+
+
+def build_engine(
+    model: str | None,
+    device: str,
+    dtype: str,
+    block_size: int,
+    num_kv_blocks: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int | None,
+    attention_backend: str,
+    enforce_eager: bool,
+    gpu_memory_utilization: float,
+    random_shape: str | None,
+    progress: bool,
+) -> EngineParts:
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} is invalid: allowed powers of two >= 1")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} is out of range: allowed (0, 1]"
+        )
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+    ):
+        if value < 1:
+            raise ValueError(f"{name}={value} is out of range: allowed >= 1")
+    dev = resolve_device(device)
+    if random_shape is not None:
+        cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
+    else:
+        path = resolve_model(model)
+        cfg = ModelConfig.from_file(path / "config.json")
+        tokenizer = Tokenizer(path)
+        stored = checkpoint_dtype(path)
+    torch_dtype = resolve_dtype(dtype, dev, stored)
+    net = Qwen2ForCausalLM(cfg, torch_dtype, dev)
+    if random_shape is not None:
+        fill_random(net)
+    else:
+        load_weights(net, path, progress=progress)
+    backend = create_backend(
+        attention_backend,
+        net.rotary,
+        cfg.head_dim**-0.5,
+        dev,
+        torch_dtype,
+        cfg.head_dim,
+        block_size,
+    )
+    net.set_attention_backend(backend)
+    if progress:
+        log(f"attention backend: {backend.name} ({dev}, {str(torch_dtype).removeprefix('torch.')})")
+
+    per_block = KVCache.bytes_per_block(cfg, block_size, torch_dtype)
+    if num_kv_blocks is None:
+        num_kv_blocks = _auto_num_blocks(dev, per_block, gpu_memory_utilization)
+    if num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks={num_kv_blocks} is out of range: allowed >= 1")
+    kv = KVCache.allocate(cfg, num_kv_blocks, block_size, torch_dtype, dev)
+    limit = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
+    max_len = min(max_model_len or limit, limit)
+    if progress:
+        log(
+            f"KV cache: {num_kv_blocks} blocks of {block_size} tokens = "
+            f"{num_kv_blocks * block_size} tokens ({num_kv_blocks * per_block / 2**30:.2f} GiB), "
+            f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
+        )
+    blocks = BlockManager(num_kv_blocks, block_size)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
+    graphs = None
+    if dev.type == "cuda" and not enforce_eager:
+        from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
+
+        graphs = CUDAGraphRunner(max_num_seqs, kv)
+    runner = ModelRunner(net, kv, blocks, Sampler(eos), graphs)
+    if graphs is not None:
+        graphs.capture(runner, max_len, progress=progress)
+    return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
+
+
+def _auto_num_blocks(dev: torch.device, per_block: int, utilization: float) -> int:
+    if dev.type == "cpu":
+        return max(1, CPU_KV_BUDGET_BYTES // per_block)
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    # Leave headroom for activations of the largest batch and the captured graphs.
+    usable = total * utilization - (total - free) - (1 << 30)
+    if usable < per_block:
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}"
+        )
+    return int(usable // per_block)

@@ -1,0 +1,52 @@
+"""Incremental detokenization and stop-string detection for one sequence."""
+
+from __future__ import annotations
+
+from nanoqwen.weights.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Emits text as tokens arrive, holding back incomplete UTF-8 and possible stop-string
+    prefixes, so that the streamed pieces join to exactly the final text."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self._hold = max((len(s) for s in stop_strings), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""  # decoded so far, trimmed at a stop string once one is found
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool = False) -> None:
+        """final: the sequence ended, so text held back for incomplete UTF-8 goes out too."""
+        if self.stopped:
+            return
+        self._ids.extend(token_ids)
+        # Decoding a short window keeps the cost per token constant on long outputs.
+        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return
+        start = len(self.text)
+        self.text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self.stop_strings:
+            self._find_stop(max(0, start - self._hold))
+
+    def _find_stop(self, search_from: int) -> None:
+        hits = [i for s in self.stop_strings if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def pending(self, final: bool) -> str:
+        """The text not yet handed out; unless final, what could still start a stop string
+        is kept back."""
+        held = 0 if final or self.stopped else self._hold
+        end = max(self._emitted, len(self.text) - held)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

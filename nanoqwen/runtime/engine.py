@@ -1,0 +1,244 @@
+"""LLM: the public engine. Owns the model, KV pool, scheduler and runner; drives steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from nanoqwen.runtime.builder import EngineParts, build_engine
+from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
+from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.runtime.sequence import Sequence
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only, a final EOS or stop token included
+    text: str
+    finish_reason: str  # "stop" or "length"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StreamChunk:
+    index: int  # position of the request in the prompts given
+    text: str  # new text since the last chunk of this request
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class LLM:
+    """Usage: LLM("path/or/hub-id").generate(["Hello"], SamplingParams(temperature=0))."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "cpu",
+        dtype: str = "auto",
+        block_size: int = 256,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        random_shape: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        parts: EngineParts = build_engine(
+            model=model,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            random_shape=random_shape,
+            progress=progress,
+        )
+        self.parts = parts
+        self.config = parts.config
+        self.tokenizer = parts.tokenizer
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.max_model_len = parts.max_model_len
+        self.eos_token_ids = parts.eos_token_ids
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} is out of range: allowed 0..{self.config.vocab_size - 1}"
+            )
+        return ids
+
+    def _add(self, prompt: Prompt, params: SamplingParams, detokenize: bool) -> Sequence:
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens: allowed at most {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len})"
+            )
+        seq = Sequence(ids, params)
+        seq.arrival_time = time.perf_counter()
+        if (detokenize or params.stop_strings) and self.tokenizer is not None:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        self.scheduler.add(seq)
+        return seq
+
+    def _add_all(self, prompts, sampling_params, detokenize: bool) -> list[Sequence]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+                )
+        return [self._add(p, sp, detokenize) for p, sp in zip(prompts, params)]
+
+    # ---- stepping -------------------------------------------------------------------------
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids:
+            return "stop"
+        if (
+            not p.ignore_eos
+            and token in self.eos_token_ids
+            and seq.num_output_tokens >= p.min_tokens
+        ):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[Sequence]:
+        """Runs one scheduler step; returns the sequences that received a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens = self.runner.step(batch)
+        completed = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        now = time.perf_counter()
+        for seq, token in zip(completed, tokens):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq, token)
+            detok = self._detok.get(seq.seq_id)
+            if detok is not None:
+                detok.add([token], final=reason is not None)
+                if (
+                    detok.stopped
+                    and reason is None
+                    and seq.num_output_tokens >= seq.params.min_tokens
+                ):
+                    reason = "stop"
+            if reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)
+        return completed
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self._detok.pop(seq.seq_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        detok = self._detok.pop(seq.seq_id, None)
+        if detok is not None:
+            text = detok.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids)
+        else:
+            text = ""
+        metrics = {}
+        if seq.first_token_time is not None and seq.finish_time is not None:
+            metrics = {
+                "ttft_s": seq.first_token_time - seq.arrival_time,
+                "latency_s": seq.finish_time - seq.arrival_time,
+            }
+        return RequestOutput(
+            seq.token_ids[: seq.num_prompt_tokens],
+            seq.output_token_ids,
+            text,
+            seq.finish_reason or "length",
+            metrics,
+        )
+
+    # ---- public API -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        seqs = self._add_all(prompts, sampling_params, detokenize=False)
+        bar = tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            done = 0
+            while any(not s.is_finished for s in seqs):
+                self.step()
+                finished = sum(s.is_finished for s in seqs)
+                bar.update(finished - done)
+                done = finished
+        finally:
+            bar.close()
+            self.abort(seqs)  # only an exception leaves any unfinished
+        return [self._output(s) for s in seqs]
+
+    def stream(
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Yields each request's new text as it is produced; closing the iterator early
+        (or Ctrl-C in the caller) aborts the unfinished requests."""
+        seqs = self._add_all(prompts, sampling_params, detokenize=True)
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        try:
+            while any(not s.is_finished for s in seqs):
+                for seq in self.step():
+                    if seq.seq_id not in index:
+                        continue
+                    detok = self._detok.get(seq.seq_id)
+                    text = detok.pending(final=seq.is_finished) if detok else ""
+                    yield StreamChunk(
+                        index[seq.seq_id],
+                        text,
+                        [seq.token_ids[-1]],
+                        seq.is_finished,
+                        seq.finish_reason,
+                    )
+        finally:
+            self.abort([s for s in seqs if not s.is_finished])
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        self.generate([[0] * 16], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))

@@ -1,0 +1,112 @@
+"""Turns a scheduled batch into tensors, runs the model, and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoqwen.model.qwen2 import Qwen2ForCausalLM
+from nanoqwen.runtime.attention.base import AttentionMetadata
+from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.sampler import Sampler
+from nanoqwen.runtime.scheduler import Batch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Qwen2ForCausalLM,
+        kv_cache: KVCache,
+        block_manager: BlockManager,
+        sampler: Sampler,
+        graphs=None,
+    ) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.blocks = block_manager
+        self.sampler = sampler
+        self.graphs = graphs  # CUDAGraphRunner for decode, or None for eager
+        self.device = model.embed_tokens.device
+        self._pin = self.device.type == "cuda"
+        model.bind_kv_cache(kv_cache.k, kv_cache.v)
+
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, batch: Batch, rows: int | None = None) -> torch.Tensor:
+        width = max(len(s.block_table) for s in batch.seqs)
+        pad = self.kv.scratch_block
+        tables = [s.block_table + [pad] * (width - len(s.block_table)) for s in batch.seqs]
+        tables += [[pad] * width] * ((rows or len(tables)) - len(tables))
+        return self._tensor(tables, torch.int32)
+
+    def prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q, cu_k, ctx, logit_rows = [0], [0], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self.blocks.slots(seq, start, end))
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            ctx.append(end)
+            if batch.completes(i):
+                logit_rows.append(cu_q[-1] - 1)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            positions=self._tensor(positions, torch.int64),
+            slot_mapping=self._tensor(slots, torch.int64),
+            context_lens=self._tensor(ctx, torch.int32),
+            block_tables=self._block_tables(batch),
+            cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=max(ctx),
+            cu_seqlens_k=self._tensor(cu_k, torch.int32),
+        )
+        return self._tensor(ids, torch.int64), meta, self._tensor(logit_rows, torch.int64)
+
+    def prepare_decode(self, batch: Batch, rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """rows >= len(batch.seqs): extra rows are padding that writes to the scratch block."""
+        pad = rows - len(batch.seqs)
+        scratch_slot = self.kv.scratch_block * self.kv.block_size
+        ids = [s.token_ids[-1] for s in batch.seqs] + [0] * pad
+        positions = [len(s) - 1 for s in batch.seqs] + [0] * pad
+        slots = [self.blocks.slot(s, len(s) - 1) for s in batch.seqs] + [scratch_slot] * pad
+        ctx = [len(s) for s in batch.seqs] + [1] * pad
+        meta = AttentionMetadata(
+            is_prefill=False,
+            positions=self._tensor(positions, torch.int64),
+            slot_mapping=self._tensor(slots, torch.int64),
+            context_lens=self._tensor(ctx, torch.int32),
+            block_tables=self._block_tables(batch, rows),
+            cu_seqlens_q=self._tensor(list(range(rows + 1)), torch.int32),
+            max_seqlen_q=1,
+            max_seqlen_k=max(ctx),
+        )
+        return self._tensor(ids, torch.int64), meta
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: Batch) -> torch.Tensor:
+        """[number of sequences that complete this step, vocab] float32 logits."""
+        if batch.is_prefill:
+            ids, meta, rows = self.prepare_prefill(batch)
+            hidden = self.model(ids, meta)
+            return self.model.compute_logits(hidden[rows])
+        n = len(batch.seqs)
+        if self.graphs is not None and self.graphs.can_run(n, batch):
+            return self.graphs.run(self, batch)[:n]
+        ids, meta = self.prepare_decode(batch, n)
+        return self.model.compute_logits(self.model(ids, meta))
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> list[int]:
+        """Runs one step; returns the new token of each sequence that completes this step."""
+        logits = self.compute_logits(batch)
+        seqs = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
+        if not seqs:
+            return []
+        return self.sampler(logits, seqs).tolist()

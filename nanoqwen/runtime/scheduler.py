@@ -1,0 +1,106 @@
+"""Continuous batching: decides which sequences run in each step, prefill first."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence]
+    is_prefill: bool
+    # Tokens each sequence feeds this step: a prompt chunk in prefill, always 1 in decode.
+    num_new_tokens: list[int]
+
+    def completes(self, i: int) -> bool:
+        """Whether sequence i reaches its last token this step, and so samples a new one."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        while self.waiting and budget > 0:
+            if len(self.running) + len(seqs) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            # A prompt gets all its blocks up front, so a chunked prefill never stalls halfway.
+            if not seq.block_table:
+                if not self.blocks.can_grow(seq, len(seq)):
+                    break
+                self.blocks.grow(seq, len(seq))
+            n = min(seq.num_uncomputed_tokens, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+            if n < seq.num_uncomputed_tokens:
+                break  # the rest of this prompt goes in the next step; it stays at the head
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return Batch(seqs, True, counts) if seqs else None
+
+    def _schedule_decode(self) -> Batch | None:
+        scheduled: list[Sequence] = []
+        running = deque(self.running)
+        while running:
+            seq = running.popleft()
+            while not self.blocks.can_grow(seq, len(seq)):
+                victim = running.pop() if running else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, len(seq))
+                scheduled.append(seq)
+        self.running = scheduled
+        return Batch(scheduled, False, [1] * len(scheduled)) if scheduled else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute later: drop its cache and put it first in line.
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        # Behind a half-prefilled head: that one already holds its blocks and must finish.
+        head_holds_blocks = bool(self.waiting and self.waiting[0].block_table)
+        self.waiting.insert(1 if head_holds_blocks else 0, seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,54 @@
+"""One request's tokens and progress as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from nanoqwen.runtime.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        self.seq_id = next(_ids)
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V are in the cache; reset to 0 on preemption.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.generator = None  # per-request torch.Generator when params.seed is set
+        self.arrival_time = 0.0
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

