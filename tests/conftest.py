@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random Qwen2 checkpoints written the way HF writes real ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
+    "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
+    "import torch\nx = torch.zeros(3)\nprint(x.sum())",
+    "你好，世界。今天天气很好。",
+    "system user assistant You are a helpful assistant.",
+]
+
+
+def build_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE like Qwen's, trained on a few lines: real merges, real decoding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    return tok
+
+
+def write_tiny_model(
+    path: Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 96,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+    max_position_embeddings: int = 2048,
+    chat_template: str | None = QWEN_CHAT_TEMPLATE,
+    eos: tuple[str, ...] = ("<|im_end|>",),
+):
+    """Writes an HF-format tiny Qwen2 checkpoint + tokenizer to path; returns the HF model.
+
+    initializer_range 0.2 (10x HF's default) gives peaked, varied greedy outputs instead of
+    the near-uniform logits of tiny default-init models, so ties do not decide tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tokenizer(min(400, vocab_size))
+    eos_ids = [tok.token_to_id(t) for t in eos]
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim or hidden_size // num_attention_heads,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.2,
+        rope_theta=10000.0,
+        eos_token_id=eos_ids[0],
+        bos_token_id=tok.token_to_id("<|endoftext|>"),
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    tok_cfg = {"eos_token": eos[0], "pad_token": "<|endoftext|>", "bos_token": None}
+    if chat_template is not None:
+        tok_cfg["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """(checkpoint dir, HF model) of the default tiny config, shared by a whole test run."""
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    return path, write_tiny_model(path)
