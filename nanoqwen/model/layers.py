@@ -23,17 +23,38 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm that can also absorb the residual add in front of it.
+
+    With fused=True (set for bf16/fp16 on CUDA) one Triton kernel does add + norm;
+    otherwise plain torch ops in HF's exact order.
+    """
+
+    fused = False
+
     def __init__(self, size: int, eps: float, dtype, device) -> None:
         super().__init__()
         self.weight = _empty(size, dtype=dtype, device=device)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # HF normalizes in float32 and casts back before the weight multiply.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); residual=None means x alone."""
+        if self.fused:
+            from nanoqwen.runtime.kernels import rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps), x
+            return rms_norm(x, self.weight, self.eps, residual), residual
+        residual = x if residual is None else residual + x
+        return self._norm(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,11 +89,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MLP(nn.Module):
+    fused = False
+
     def __init__(self, hidden: int, intermediate: int, dtype, device) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, False, dtype, device)
         self.down_proj = Linear(intermediate, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from nanoqwen.runtime.kernels import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -47,9 +47,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(h, cfg.intermediate_size, dtype, device)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's output, not yet added to the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, meta), residual)
+        return self.mlp(h), residual
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -72,6 +76,12 @@ class Qwen2ForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device
         )
 
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Triton add+norm and SiLU*up kernels, for bf16/fp16 on CUDA."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fused = enabled
+
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:
             layer.self_attn.backend = backend
@@ -80,13 +90,18 @@ class Qwen2ForCausalLM(nn.Module):
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Returns the final hidden states of every token, before the final norm."""
-        x = self.embed_tokens[input_ids]
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (last layer output, residual stream) of every token, before the final add
+        and norm, so that logits can be computed for only the rows that need them."""
+        x, residual = self.embed_tokens[input_ids], None
         for layer in self.layers:
-            x = layer(x, meta)
-        return x
+            x, residual = layer(x, residual, meta)
+        return x, residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: only the rows that need logits (norm is per token, so select first)."""
-        return torch.nn.functional.linear(self.norm(hidden), self.lm_head).float()
+    def compute_logits(self, hidden: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """hidden: forward()'s pair, already cut to the rows that need logits."""
+        x, residual = hidden
+        normed, _ = self.norm(x, residual)
+        return torch.nn.functional.linear(normed, self.lm_head).float()

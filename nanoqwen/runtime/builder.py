@@ -9,7 +9,7 @@ import torch
 
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import fill_random, shape_config
-from nanoqwen.runtime.attention import create_backend
+from nanoqwen.runtime.attention import AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.model_runner import ModelRunner
@@ -117,9 +117,16 @@ def build_engine(
     if progress:
         log(f"attention backend: {backend.name} ({dev}, {str(torch_dtype).removeprefix('torch.')})")
 
+    if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
+        net.use_fused_kernels(True)
     per_block = KVCache.bytes_per_block(cfg, block_size, torch_dtype)
     if num_kv_blocks is None:
-        num_kv_blocks = _auto_num_blocks(dev, per_block, gpu_memory_utilization)
+        if dev.type == "cpu":
+            num_kv_blocks = max(1, CPU_KV_BUDGET_BYTES // per_block)
+        else:
+            tokens = min(max_num_batched_tokens, max_model_len or cfg.max_position_embeddings)
+            peak = _profile_forward(net, tokens, min(max_num_seqs, tokens), block_size)
+            num_kv_blocks = _gpu_num_blocks(dev, per_block, peak, gpu_memory_utilization)
     if num_kv_blocks < 1:
         raise ValueError(f"num_kv_blocks={num_kv_blocks} is out of range: allowed >= 1")
     kv = KVCache.allocate(cfg, num_kv_blocks, block_size, torch_dtype, dev)
@@ -145,15 +152,47 @@ def build_engine(
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
 
 
-def _auto_num_blocks(dev: torch.device, per_block: int, utilization: float) -> int:
-    if dev.type == "cpu":
-        return max(1, CPU_KV_BUDGET_BYTES // per_block)
+@torch.inference_mode()
+def _profile_forward(net: Qwen2ForCausalLM, tokens: int, logit_rows: int, block_size: int) -> int:
+    """Peak bytes of a prefill as large as the scheduler can ever send, weights included."""
+    dev = net.embed_tokens.device
+    blocks = -(-tokens // block_size)
+    kv = KVCache.allocate(net.config, blocks, block_size, net.embed_tokens.dtype, dev)
+    net.bind_kv_cache(kv.k, kv.v)
     torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(
+        is_prefill=True,
+        positions=torch.arange(tokens, device=dev),
+        slot_mapping=torch.arange(tokens, device=dev),
+        context_lens=torch.tensor([tokens], **i32),
+        block_tables=torch.arange(blocks, **i32).unsqueeze(0),
+        cu_seqlens_q=torch.tensor([0, tokens], **i32),
+        max_seqlen_q=tokens,
+        max_seqlen_k=tokens,
+        cu_seqlens_k=torch.tensor([0, tokens], **i32),
+    )
+    ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+    x, residual = net(ids, meta)
+    net.compute_logits((x[-logit_rows:], residual[-logit_rows:]))
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    del kv, x, residual
+    net.bind_kv_cache([torch.empty(0)] * len(net.layers), [torch.empty(0)] * len(net.layers))
+    torch.cuda.empty_cache()
+    return peak
+
+
+def _gpu_num_blocks(dev: torch.device, per_block: int, peak: int, utilization: float) -> int:
     free, total = torch.cuda.mem_get_info(dev)
-    # Leave headroom for activations of the largest batch and the captured graphs.
-    usable = total * utilization - (total - free) - (1 << 30)
+    other_processes = total - free - torch.cuda.memory_reserved(dev)
+    # Room for the captured graphs' activations and allocator fragmentation.
+    headroom = 512 << 20
+    usable = total * utilization - peak - other_processes - headroom
     if usable < per_block:
         raise ValueError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}"
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
+            f"weights and activations peak at {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"
         )
     return int(usable // per_block)

@@ -86,6 +86,7 @@ class ModelRunner:
             cu_seqlens_q=self._tensor(list(range(rows + 1)), torch.int32),
             max_seqlen_q=1,
             max_seqlen_k=max(ctx),
+            cache_seqlens=self._tensor([c - 1 for c in ctx], torch.int32),
         )
         return self._tensor(ids, torch.int64), meta
 
@@ -94,10 +95,10 @@ class ModelRunner:
         """[number of sequences that complete this step, vocab] float32 logits."""
         if batch.is_prefill:
             ids, meta, rows = self.prepare_prefill(batch)
-            hidden = self.model(ids, meta)
-            return self.model.compute_logits(hidden[rows])
+            x, residual = self.model(ids, meta)
+            return self.model.compute_logits((x[rows], residual[rows]))
         n = len(batch.seqs)
-        if self.graphs is not None and self.graphs.can_run(n, batch):
+        if self.graphs is not None and self.graphs.can_run(n):
             return self.graphs.run(self, batch)[:n]
         ids, meta = self.prepare_decode(batch, n)
         return self.model.compute_logits(self.model(ids, meta))

@@ -29,6 +29,8 @@ class AttentionMetadata:
     max_seqlen_k: int
     # Prefill only: key offsets over the cached context of each sequence.
     cu_seqlens_k: torch.Tensor | None = None
+    # Decode only: tokens each sequence had cached before this step (context_lens - 1).
+    cache_seqlens: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

@@ -1,0 +1,223 @@
+"""`nanoqwen bench`: decode latency and serving throughput, optionally side by side with HF."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from nanoqwen.model.shapes import SHAPES
+from nanoqwen.runtime.attention import BACKENDS
+from nanoqwen.runtime.engine import LLM
+from nanoqwen.runtime.sampling_params import SamplingParams
+
+H200_COPY_GBPS = 4300.0  # measured device-to-device copy rate, the batch-1 decode ceiling
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint dir or hub id (default: random weights)")
+    p.add_argument("--shape", choices=SHAPES, default="0.5B", help="random-weight Qwen2.5 shape")
+    p.add_argument("--mode", choices=("latency", "throughput", "all"), default="all")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch-sizes", default="1,8,32,128", help="latency mode, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=128, help="latency mode prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=256, help="latency mode new tokens")
+    p.add_argument("--num-requests", type=int, default=256, help="throughput mode requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="default 0.9, or 0.45 with --compare hf so HF fits beside")  # fmt: skip
+    p.add_argument("--compare", choices=("hf",), help="run HF transformers on the same weights")
+    p.add_argument("--hf-num-requests", type=int, default=None,
+                   help="throughput requests given to HF (default: all)")  # fmt: skip
+    p.add_argument("--json", dest="json_path", help="write all results to this JSON file")
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes one decode step reads: every weight, minus the embedding table when the
+    lm_head is separate (decode gathers only a few embedding rows)."""
+    cfg = llm.config
+    params = cfg.num_parameters()
+    if not cfg.tie_word_embeddings:
+        params -= cfg.vocab_size * cfg.hidden_size
+    return params * llm.runner.model.embed_tokens.element_size()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _sync(llm: LLM) -> None:
+    if llm.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def latency_run(llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random.Random):
+    prompts = [[rng.randrange(10000) for _ in range(prompt_len)] for _ in range(bs)]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    seqs = [llm._add(p, params, detokenize=False) for p in prompts]
+    _sync(llm)
+    start = time.perf_counter()
+    step_ms: list[float] = []
+    first_token_s = None
+    with tqdm(total=new_tokens - 1, desc=f"bs={bs}", leave=False, file=sys.stderr) as bar:
+        while any(not s.is_finished for s in seqs):
+            t0 = time.perf_counter()
+            batch_was_prefill = bool(llm.scheduler.waiting)
+            llm.step()
+            dt = time.perf_counter() - t0
+            if first_token_s is None and all(s.first_token_time for s in seqs):
+                first_token_s = time.perf_counter() - start
+            elif not batch_was_prefill:
+                step_ms.append(dt * 1e3)
+                bar.update()
+    total = time.perf_counter() - start
+    decode_s = sum(step_ms) / 1e3
+    return {
+        "batch_size": bs,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "ttft_ms": first_token_s * 1e3,
+        "step_ms_p50": statistics.median(step_ms),
+        "step_ms_p99": pct(step_ms, 99),
+        "decode_tok_s": bs * len(step_ms) / decode_s,
+        "e2e_tok_s": bs * new_tokens / total,
+        "weight_gb_s": weight_bytes(llm) / (statistics.median(step_ms) / 1e3) / 1e9,
+    }
+
+
+def throughput_workload(num_requests: int, seed: int):
+    """nano-vllm's benchmark workload: all prompts drawn first, then all output lengths."""
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)
+    ]
+    out_lens = [rng.randint(100, 1024) for _ in range(num_requests)]
+    return prompts, out_lens
+
+
+def throughput_run(llm: LLM, num_requests: int, seed: int):
+    prompts, out_lens = throughput_workload(num_requests, seed)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+    llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up call
+    if llm.runner.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    total = time.perf_counter() - start
+    ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs]
+    tpot = [
+        (o.metrics["latency_s"] - o.metrics["ttft_s"]) * 1e3 / (len(o.token_ids) - 1)
+        for o in outputs
+    ]
+    out_tokens = sum(len(o.token_ids) for o in outputs)
+    peak = torch.cuda.max_memory_allocated() if llm.runner.device.type == "cuda" else 0
+    return {
+        "requests": num_requests,
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": out_tokens,
+        "total_s": total,
+        "output_tok_s": out_tokens / total,
+        **{f"ttft_ms_p{q}": pct(ttft, q) for q in (50, 90, 99)},
+        **{f"tpot_ms_p{q}": pct(tpot, q) for q in (50, 90, 99)},
+        "peak_gpu_mem_gib": peak / 2**30,
+        "preemptions": llm.scheduler.num_preemptions,
+    }
+
+
+def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    print(f"\n{title}")
+    print(" | ".join(h for h, _, _ in columns))
+    print(" | ".join("---" for _ in columns))
+    for row in rows:
+        cells = [format(row[k], f) if k in row else "-" for _, k, f in columns]
+        print(" | ".join(cells))
+
+
+def run(args) -> int:
+    from nanoqwen.runtime.bench_hf import hf_latency, hf_model_from, hf_throughput
+
+    util = args.gpu_memory_utilization or (0.45 if args.compare else 0.9)
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        random_shape=None if args.model else args.shape,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=util,
+    )
+    backend = llm.runner.model.layers[0].self_attn.backend.name
+    setup = {
+        "model": args.model or f"random Qwen2.5-{args.shape} shape",
+        "dtype": args.dtype,
+        "device": torch.cuda.get_device_name() if llm.runner.device.type == "cuda" else "cpu",
+        "attention_backend": backend,
+        "cuda_graphs": llm.runner.graphs is not None,
+        "weight_gb": weight_bytes(llm) / 1e9,
+    }
+    print(json.dumps(setup), file=sys.stderr)
+    hf = hf_model_from(llm) if args.compare == "hf" else None
+    results: dict = {"setup": setup}
+    rng = random.Random(args.seed)
+    if args.mode in ("latency", "all"):
+        latency_run(llm, 1, 16, 8, rng)  # warm-up
+        rows = []
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            row = latency_run(llm, bs, args.prompt_len, args.new_tokens, rng)
+            if hf is not None:
+                row["hf_tok_s"] = hf_latency(hf, bs, args.prompt_len, args.new_tokens, rng)
+                row["x_hf"] = row["e2e_tok_s"] / row["hf_tok_s"]
+            rows.append(row)
+        results["latency"] = rows
+        _print_table(
+            f"latency: {setup['model']}, {args.dtype}, {backend}, graphs={setup['cuda_graphs']}",
+            rows,
+            [
+                ("bs", "batch_size", "d"), ("TTFT ms", "ttft_ms", ".1f"),
+                ("step ms p50", "step_ms_p50", ".3f"), ("p99", "step_ms_p99", ".3f"),
+                ("decode tok/s", "decode_tok_s", ",.0f"), ("e2e tok/s", "e2e_tok_s", ",.0f"),
+                ("weights GB/s", "weight_gb_s", ",.0f"), ("HF tok/s", "hf_tok_s", ",.1f"),
+                ("x HF", "x_hf", ".1f"),
+            ],
+        )  # fmt: skip
+        print(f"(weight-read ceiling: ~{H200_COPY_GBPS:,.0f} GB/s on an H200)")
+    if args.mode in ("throughput", "all"):
+        row = throughput_run(llm, args.num_requests, args.seed)
+        if hf is not None:
+            n = args.hf_num_requests or args.num_requests
+            row["hf_output_tok_s"] = hf_throughput(hf, *throughput_workload(n, args.seed))
+            row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
+        results["throughput"] = row
+        _print_table(
+            f"throughput: {args.num_requests} requests, prompts and outputs uniform in [100, 1024]",
+            [row],
+            [
+                ("output tok/s", "output_tok_s", ",.0f"), ("total s", "total_s", ".2f"),
+                ("TTFT p50/p90/p99 ms", "ttft_ms_p50", ".0f"), ("", "ttft_ms_p90", ".0f"),
+                ("", "ttft_ms_p99", ".0f"), ("TPOT p50/p90/p99 ms", "tpot_ms_p50", ".2f"),
+                ("", "tpot_ms_p90", ".2f"), ("", "tpot_ms_p99", ".2f"),
+                ("peak GiB", "peak_gpu_mem_gib", ".1f"), ("HF tok/s", "hf_output_tok_s", ",.0f"),
+                ("x HF", "x_hf", ".1f"),
+            ],
+        )  # fmt: skip
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

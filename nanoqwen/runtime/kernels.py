@@ -1,0 +1,126 @@
+"""Triton kernels for the GPU path: each fuses what plain torch would run as several kernels.
+
+They reproduce HF's bf16 rounding points (the residual sum, the normalized activations, SiLU's
+output) so the fused path computes the same function as the reference layers, just in one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride, out_stride, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+        # The sum is rounded to the model dtype, as HF's residual add is.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * res_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """norm(x) or, with residual, residual += x (in place) then norm(residual)."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(rows,)](
+        x, res, weight, out, cols, x.stride(0), res.stride(0), out.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+        num_warps=4 if cols <= 2048 else 8,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * gu_stride + n_cols + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    y = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2n] holding gate then up -> silu(gate) * up, [rows, n]."""
+    rows, two_n = gate_up.shape
+    n = two_n // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr, qkv_stride, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One program per token: rotate q in place, rotate k, and write k and v to their slot."""
+    tok = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    pos = tl.load(pos_ptr + tok)
+    d = tl.arange(0, half)
+    cos = tl.load(cos_ptr + pos * half + d)
+    sin = tl.load(sin_ptr + pos * half + d)
+    row = qkv_ptr + tok * qkv_stride
+    dtype = qkv_ptr.dtype.element_ty
+    for h in tl.static_range(NUM_HEADS):
+        x1 = tl.load(row + h * HEAD_DIM + d).to(tl.float32)
+        x2 = tl.load(row + h * HEAD_DIM + half + d).to(tl.float32)
+        tl.store(row + h * HEAD_DIM + d, (x1 * cos - x2 * sin).to(dtype))
+        tl.store(row + h * HEAD_DIM + half + d, (x2 * cos + x1 * sin).to(dtype))
+    slot = tl.load(slot_ptr + tok)
+    k_row = row + NUM_HEADS * HEAD_DIM
+    v_row = k_row + NUM_KV_HEADS * HEAD_DIM
+    cache = slot * NUM_KV_HEADS * HEAD_DIM
+    for h in tl.static_range(NUM_KV_HEADS):
+        x1 = tl.load(k_row + h * HEAD_DIM + d).to(tl.float32)
+        x2 = tl.load(k_row + h * HEAD_DIM + half + d).to(tl.float32)
+        tl.store(k_cache_ptr + cache + h * HEAD_DIM + d, (x1 * cos - x2 * sin).to(dtype))
+        tl.store(k_cache_ptr + cache + h * HEAD_DIM + half + d, (x2 * cos + x1 * sin).to(dtype))
+        v1 = tl.load(v_row + h * HEAD_DIM + d)
+        v2 = tl.load(v_row + h * HEAD_DIM + half + d)
+        tl.store(v_cache_ptr + cache + h * HEAD_DIM + d, v1)
+        tl.store(v_cache_ptr + cache + h * HEAD_DIM + half + d, v2)
+
+
+def rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_half: torch.Tensor,
+    sin_half: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """q, k, v are the three column ranges of one qkv row-major buffer (q first, then k, v):
+    rotates q in place and writes rotated k plus v into the paged cache."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    _rope_store_kernel[(tokens,)](
+        q, q.stride(0), positions, cos_half, sin_half, slot_mapping, k_cache, v_cache,
+        NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=1,
+    )  # fmt: skip
