@@ -40,11 +40,12 @@ def shape_config(name: str) -> ModelConfig:
 @torch.no_grad()
 def fill_random(model: torch.nn.Module, seed: int = 0) -> None:
     """Weights scaled like a trained model's (so activations stay finite in bf16)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    device = next(model.parameters()).device
+    # Drawn where the weights live: a 7B fill on the CPU would take a minute.
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("layernorm.weight") or name == "norm.weight":
             p.fill_(1.0)
         else:
             std = 0.02 if p.dim() == 2 else 0.01
-            # Drawn on the CPU so the same seed gives the same weights on every device.
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+            p.normal_(0.0, std, generator=gen)

@@ -221,3 +221,9 @@ def run(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m nanoqwen.runtime.bench")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

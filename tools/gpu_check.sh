@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: install the flash-attn wheel, run the GPU tests, then the benchmarks.
+# Usage (device tool, carry .whl): bash tools/gpu_check.sh [tests|bench|all] [bench args...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, flash_attn, triton, transformers; print('torch', torch.__version__, 'flash_attn', flash_attn.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest tests/gpu -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  for shape in 0.5B 7B; do
+    python3 -m nanoqwen.runtime.bench --shape "$shape" --json "$OUT/bench_${shape}.json" "$@" 2>&1 \
+      | grep -v '\r' | tee "$OUT/bench_${shape}.log"
+  done
+fi
