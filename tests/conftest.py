@@ -101,3 +101,13 @@ def tiny_model(tmp_path_factory):
     """(checkpoint dir, HF model) of the default tiny config, shared by a whole test run."""
     path = tmp_path_factory.mktemp("tiny-qwen2")
     return path, write_tiny_model(path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/gpu/ is marked gpu and skipped on machines without CUDA."""
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.path.parts:
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
