@@ -51,7 +51,9 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         while self.waiting and budget > 0:
-            if len(self.running) + len(seqs) >= self.config.max_num_seqs:
+            # Admitted prompts are already in self.running (only a partial one is not, and
+            # it ends the loop), so counting seqs too would halve the admissions per step.
+            if len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
             # A prompt gets all its blocks up front, so a chunked prefill never stalls halfway.
