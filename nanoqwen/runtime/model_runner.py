@@ -99,7 +99,7 @@ class ModelRunner:
             return self.model.compute_logits((x[rows], residual[rows]))
         n = len(batch.seqs)
         if self.graphs is not None and self.graphs.can_run(n):
-            return self.graphs.run(self, batch)[:n]
+            return self.graphs.run(batch.seqs)[:n]
         ids, meta = self.prepare_decode(batch, n)
         return self.model.compute_logits(self.model(ids, meta))
 

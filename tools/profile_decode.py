@@ -1,0 +1,83 @@
+"""Where one decode step's time goes: GPU time of the captured graph vs the CPU around it.
+
+Usage: python tools/profile_decode.py --shape 0.5B [--max-model-len N] [--batch-sizes 1,64]
+Prints, per batch size: the whole engine step (median), the graph replay alone (CUDA
+events), the CPU phases of a step, and the heaviest kernels of one replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from nanoqwen import LLM, SamplingParams
+
+
+def median_ms(fn, n: int = 100) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def replay_ms(graph, n: int = 200) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):
+        graph.replay()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="0.5B")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--kernels", action="store_true", help="print the top kernels of a replay")
+    args = p.parse_args()
+    llm = LLM(random_shape=args.shape, device="cuda", dtype="bfloat16",
+              max_model_len=args.max_model_len, progress=False)  # fmt: skip
+    graphs = llm.runner.graphs
+    print(f"shape {args.shape}, max_model_len {llm.max_model_len}, table width {graphs.width}")
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        seqs = [llm._add([7] * args.prompt_len, params, False) for _ in range(bs)]
+        while llm.scheduler.waiting:
+            llm.step()
+        for _ in range(5):
+            llm.step()
+        step = median_ms(llm.step)
+        batch = llm.scheduler.schedule()
+        phases = {"schedule": lambda: llm.scheduler.schedule()}
+        phases["prepare+copy"] = lambda b=batch: graphs.prepare(b.seqs)
+        logits = llm.runner.compute_logits(batch)
+        torch.cuda.synchronize()
+        phases["sample+tolist"] = lambda b=batch, x=logits: llm.runner.sampler(x, b.seqs).tolist()
+        cpu = {name: median_ms(fn, 50) for name, fn in phases.items()}
+        graph = graphs.graphs[graphs.padded_size(bs)][0]
+        gpu = replay_ms(graph)
+        print(
+            f"bs {bs}: step {step:.3f} ms | graph replay {gpu:.3f} ms | "
+            + " | ".join(f"{k} {v:.3f} ms" for k, v in cpu.items())
+        )
+        if args.kernels:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    graph.replay()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+        llm.abort(seqs)
+
+
+if __name__ == "__main__":
+    main()
