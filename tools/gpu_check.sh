@@ -4,7 +4,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -16,5 +16,11 @@ if [[ $what == bench || $what == all ]]; then
   for shape in 0.5B 7B; do
     python3 -m nanoqwen.runtime.bench --shape "$shape" --json "$OUT/bench_${shape}.json" "$@" 2>&1 \
       | grep -v '\r' | tee "$OUT/bench_${shape}.log"
+  done
+fi
+if [[ $what == profile ]]; then
+  for shape in 0.5B 7B; do
+    python3 tools/profile_decode.py --shape "$shape" --kernels "$@" 2>&1 | tee "$OUT/profile_${shape}.log"
+    python3 tools/profile_decode.py --shape "$shape" --max-model-len 4096 "$@" 2>&1 | tee -a "$OUT/profile_${shape}.log"
   done
 fi

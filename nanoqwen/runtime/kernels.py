@@ -73,6 +73,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
+    """HF's q * cos + rotate_half(q) * sin with its bf16/fp16 rounding after every op."""
+    c1 = (x1.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    s2 = (x2.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    c2 = (x2.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    s1 = (x1.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    return (c1 - s2).to(dtype), (c2 + s1).to(dtype)
+
+
+@triton.jit
 def _rope_store_kernel(
     qkv_ptr, qkv_stride, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -80,30 +90,34 @@ def _rope_store_kernel(
     """One program per token: rotate q in place, rotate k, and write k and v to their slot."""
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
+    dtype: tl.constexpr = qkv_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + tok)
     d = tl.arange(0, half)
-    cos = tl.load(cos_ptr + pos * half + d)
-    sin = tl.load(sin_ptr + pos * half + d)
+    # HF casts the float32 tables to the activation dtype before using them.
+    cos = tl.load(cos_ptr + pos * half + d).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * half + d).to(dtype).to(tl.float32)
     row = qkv_ptr + tok * qkv_stride
-    dtype = qkv_ptr.dtype.element_ty
     for h in tl.static_range(NUM_HEADS):
-        x1 = tl.load(row + h * HEAD_DIM + d).to(tl.float32)
-        x2 = tl.load(row + h * HEAD_DIM + half + d).to(tl.float32)
-        tl.store(row + h * HEAD_DIM + d, (x1 * cos - x2 * sin).to(dtype))
-        tl.store(row + h * HEAD_DIM + half + d, (x2 * cos + x1 * sin).to(dtype))
+        x1 = tl.load(row + h * HEAD_DIM + d)
+        x2 = tl.load(row + h * HEAD_DIM + half + d)
+        r1, r2 = _rotate(x1, x2, cos, sin, dtype)
+        tl.store(row + h * HEAD_DIM + d, r1)
+        tl.store(row + h * HEAD_DIM + half + d, r2)
     slot = tl.load(slot_ptr + tok)
     k_row = row + NUM_HEADS * HEAD_DIM
     v_row = k_row + NUM_KV_HEADS * HEAD_DIM
     cache = slot * NUM_KV_HEADS * HEAD_DIM
     for h in tl.static_range(NUM_KV_HEADS):
-        x1 = tl.load(k_row + h * HEAD_DIM + d).to(tl.float32)
-        x2 = tl.load(k_row + h * HEAD_DIM + half + d).to(tl.float32)
-        tl.store(k_cache_ptr + cache + h * HEAD_DIM + d, (x1 * cos - x2 * sin).to(dtype))
-        tl.store(k_cache_ptr + cache + h * HEAD_DIM + half + d, (x2 * cos + x1 * sin).to(dtype))
-        v1 = tl.load(v_row + h * HEAD_DIM + d)
-        v2 = tl.load(v_row + h * HEAD_DIM + half + d)
-        tl.store(v_cache_ptr + cache + h * HEAD_DIM + d, v1)
-        tl.store(v_cache_ptr + cache + h * HEAD_DIM + half + d, v2)
+        x1 = tl.load(k_row + h * HEAD_DIM + d)
+        x2 = tl.load(k_row + h * HEAD_DIM + half + d)
+        r1, r2 = _rotate(x1, x2, cos, sin, dtype)
+        tl.store(k_cache_ptr + cache + h * HEAD_DIM + d, r1)
+        tl.store(k_cache_ptr + cache + h * HEAD_DIM + half + d, r2)
+        tl.store(v_cache_ptr + cache + h * HEAD_DIM + d, tl.load(v_row + h * HEAD_DIM + d))
+        tl.store(
+            v_cache_ptr + cache + h * HEAD_DIM + half + d,
+            tl.load(v_row + h * HEAD_DIM + half + d),
+        )
 
 
 def rope_and_store(
