@@ -17,6 +17,7 @@ from jinja2.exceptions import TemplateError
 from nanoqwen import __version__
 from nanoqwen.runtime.attention import BACKENDS
 from nanoqwen.runtime.builder import DTYPES
+from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
 
 PROG = "nanoqwen"
@@ -34,15 +35,15 @@ class UsageError(CLIError):
     code = 2
 
 
+class ArgumentError(UsageError):
+    """argparse's complaint about the command line."""
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):  # no "(default: None/False/[])" noise
         if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
-
-
-class ArgumentError(UsageError):
-    """argparse's complaint about the command line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -201,9 +202,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         raise UsageError(message) from None
 
 
-def load_llm(args: argparse.Namespace):
-    from nanoqwen.runtime.engine import LLM
-
+def load_llm(args: argparse.Namespace) -> LLM:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -262,7 +261,7 @@ def _read_prompt_file(name: str) -> list[str]:
     return prompts
 
 
-def encode_prompt(llm, prompt: str, args: argparse.Namespace) -> list[int]:
+def encode_prompt(llm: LLM, prompt: str, args: argparse.Namespace) -> list[int]:
     tok = llm.tokenizer
     if args.no_chat or tok.chat_template is None:
         if args.system is not None:
