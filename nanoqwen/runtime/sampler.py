@@ -39,11 +39,14 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def ban_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]):
-    """min_tokens: until a sequence has that many outputs, EOS and stop tokens cannot win."""
+    """min_tokens: until a sequence has that many outputs, EOS and stop tokens cannot win.
+
+    As in vLLM, EOS stays banned under ignore_eos too: the first min_tokens tokens of a
+    request never contain an EOS or stop token, whatever else it asks for."""
     for i, seq in enumerate(seqs):
         p = seq.params
         if seq.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            banned = set(p.stop_token_ids) | set(eos_ids)
             banned = [t for t in banned if t < logits.shape[1]]
             if banned:
                 logits[i, banned] = float("-inf")
@@ -60,8 +63,10 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
         sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep a token while the mass before it is below top_p; the first always stays.
+        # Rows with top_p 1 keep everything, even where rounding lifts the cumsum past 1.
         before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before > _column(top_p, logits), float("-inf"))
+        limit = _column([p if p < 1.0 else float("inf") for p in top_p], logits)
+        sorted_logits = sorted_logits.masked_fill(before >= limit, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(p > 0.0 for p in min_p):
         probs = logits.softmax(dim=-1)
@@ -86,17 +91,19 @@ class Sampler:
     def __init__(self, eos_token_ids: frozenset[int]) -> None:
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits: [len(seqs), vocab] float32 -> next token ids [len(seqs)]."""
-        params = [s.params for s in seqs]
-        if any(p.needs_penalties for p in params):
+    def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalties and min_tokens bans applied: greedy rows take the argmax of these."""
+        if any(s.params.needs_penalties for s in seqs):
             logits = apply_penalties(logits, seqs)
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = ban_stop_tokens(logits.clone(), seqs, self.eos_token_ids)
-        greedy = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy
-        # Greedy rows divide by 1 here and their sampled token is discarded below.
+        return logits
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each row samples from, given processed logits: temperature, then
+        top-k, top-p and min-p. Greedy rows get temperature 1 (their sample is unused)."""
+        params = [s.params for s in seqs]
         temps = _column([p.temperature if not p.greedy else 1.0 for p in params], logits)
         logits = filter_logits(
             logits / temps,
@@ -104,7 +111,16 @@ class Sampler:
             [p.top_p for p in params],
             [p.min_p for p in params],
         )
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: [len(seqs), vocab] float32 -> next token ids [len(seqs)]."""
+        params = [s.params for s in seqs]
+        logits = self.processed_logits(logits, seqs)
+        greedy = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy
+        probs = self.probabilities(logits, seqs)
         # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
         sampled = (probs / exponential_noise(seqs, probs.shape, probs.device)).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
