@@ -7,11 +7,18 @@ from nanoqwen.weights.tokenizer import Tokenizer
 
 class IncrementalDetokenizer:
     """Emits text as tokens arrive, holding back incomplete UTF-8 and possible stop-string
-    prefixes, so that the streamed pieces join to exactly the final text."""
+    prefixes, so that the streamed pieces join to exactly the final text.
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...]) -> None:
+    As in vLLM, a stop string counts only once more than min_tokens tokens are out: one that
+    ends within the text of the first min_tokens tokens is ignored."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop_strings: tuple[str, ...], min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
+        self.min_tokens = min_tokens
+        self._stop_floor = 0  # stop strings must end past this text offset
         self._hold = max((len(s) for s in stop_strings), default=1) - 1
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -33,11 +40,18 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        if self.stop_strings:
-            self._find_stop(max(0, start - self._hold))
+        if len(self._ids) <= self.min_tokens:
+            self._stop_floor = len(self.text)
+        elif self.stop_strings:
+            self._find_stop(max(start, self._stop_floor))
 
-    def _find_stop(self, search_from: int) -> None:
-        hits = [i for s in self.stop_strings if (i := self.text.find(s, search_from)) >= 0]
+    def _find_stop(self, new_from: int) -> None:
+        """Finds the first stop string that ends in text[new_from:]."""
+        hits = [
+            i
+            for s in self.stop_strings
+            if (i := self.text.find(s, max(0, new_from - len(s) + 1))) >= 0
+        ]
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True
