@@ -103,7 +103,9 @@ class LLM:
         seq = Sequence(ids, params)
         seq.arrival_time = time.perf_counter()
         if (detokenize or params.stop_strings) and self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+            self._detok[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, params.stop_strings, params.min_tokens
+            )
         self.scheduler.add(seq)
         return seq
 
@@ -118,7 +120,14 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
                 )
-        return [self._add(p, sp, detokenize) for p, sp in zip(prompts, params)]
+        seqs: list[Sequence] = []
+        try:
+            for p, sp in zip(prompts, params):
+                seqs.append(self._add(p, sp, detokenize))
+        except BaseException:
+            self.abort(seqs)  # a bad prompt leaves none of the earlier ones queued
+            raise
+        return seqs
 
     # ---- stepping -------------------------------------------------------------------------
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -227,7 +236,10 @@ class LLM:
                 for seq in self.step():
                     if seq.seq_id not in index:
                         continue
-                    detok = self._detok.get(seq.seq_id)
+                    # A finished request's detokenizer is done with: drop it.
+                    detok = (self._detok.pop if seq.is_finished else self._detok.get)(
+                        seq.seq_id, None
+                    )
                     text = detok.pending(final=seq.is_finished) if detok else ""
                     yield StreamChunk(
                         index[seq.seq_id],
