@@ -50,9 +50,8 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
         if "Qwen2ForCausalLM" not in archs and not (not archs and model_type == "qwen2"):
-            raise ConfigError(
-                f"architectures={archs or model_type!r}: nanoqwen runs only Qwen2ForCausalLM"
-            )
+            field, value = ("architectures", archs) if archs else ("model_type", model_type)
+            raise ConfigError(f"{field}={value!r}: nanoqwen runs only Qwen2ForCausalLM")
         rope_theta = _rope_theta(raw)
         for key in ("use_sliding_window",):
             if raw.get(key):
@@ -109,8 +108,9 @@ def _rope_theta(raw: dict[str, Any]) -> float:
         theta = params.get("rope_theta", theta)
         scaling = scaling or params
     if scaling:
-        kind = scaling.get("rope_type") or scaling.get("type") or "default"
+        key = "rope_type" if scaling.get("rope_type") else "type"
+        kind = scaling.get(key) or "default"
         if kind != "default":
-            field = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
-            raise ConfigError(f"{field}.rope_type={kind!r}: only default RoPE is supported")
+            field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+            raise ConfigError(f"{field}.{key}={kind!r}: only default RoPE is supported")
     return float(theta if theta is not None else 10000.0)

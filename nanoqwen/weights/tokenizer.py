@@ -91,15 +91,18 @@ def _load_chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
 
 
 def _eos_ids(model_dir: Path, tok: Tokenizer) -> frozenset[int]:
+    """generation_config.json's eos_token_id (config.json's when it names none), plus the
+    tokenizer's eos_token."""
     ids: set[int] = set()
-    gen = model_dir / "generation_config.json"
-    source = gen if gen.exists() else model_dir / "config.json"
-    if source.exists():
-        eos = json.loads(source.read_text()).get("eos_token_id")
-        if isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-        elif eos is not None:
-            ids.add(int(eos))
+    eos = None
+    for name in ("generation_config.json", "config.json"):
+        source = model_dir / name
+        if eos is None and source.exists():
+            eos = json.loads(source.read_text()).get("eos_token_id")
+    if isinstance(eos, list):
+        ids.update(int(e) for e in eos)
+    elif eos is not None:
+        ids.add(int(eos))
     if tok.eos_token is not None:
         eos_id = tok.token_to_id(tok.eos_token)
         if eos_id is not None:
