@@ -17,7 +17,8 @@ from nanoqwen.chat import run_chat
 from nanoqwen.runtime.engine import StreamChunk
 
 REPO = Path(__file__).resolve().parents[1]
-GREEDY = ["--temperature", "0", "--max-tokens", "12"]
+# --device cpu: the in-process reference LLM runs on the CPU, even where CUDA is available.
+GREEDY = ["--device", "cpu", "--temperature", "0", "--max-tokens", "12"]
 
 
 class Result:
@@ -98,7 +99,7 @@ def test_stop_string_cuts_the_answer(model, llm):
     if len(full) < 8:
         pytest.skip("the tiny model's answer is too short to cut")
     stop = full[4:6]
-    flags = ["--temperature", "0", "--max-tokens", "20", "-q", "--stop", stop]
+    flags = ["--device", "cpu", "--temperature", "0", "--max-tokens", "20", "-q", "--stop", stop]
     r = cli("generate", "--model", model, *flags, "Hello world")
     assert r.returncode == 0, r.stderr
     assert r.stdout == as_printed(full[: full.index(stop)])
