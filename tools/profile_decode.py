@@ -59,12 +59,12 @@ def main() -> None:
         step = median_ms(llm.step)
         batch = llm.scheduler.schedule()
         phases = {"schedule": lambda: llm.scheduler.schedule()}
-        phases["prepare+copy"] = lambda b=batch: graphs.prepare(b.seqs)
+        phases["prepare+copy"] = lambda b=batch: graphs.prepare(llm.runner, b.seqs)
         logits = llm.runner.compute_logits(batch)
         torch.cuda.synchronize()
         phases["sample+tolist"] = lambda b=batch, x=logits: llm.runner.sampler(x, b.seqs).tolist()
         cpu = {name: median_ms(fn, 50) for name, fn in phases.items()}
-        graph = graphs.graphs[graphs.padded_size(bs)][0]
+        graph = graphs.graphs[(graphs.padded_size(bs), args.prompt_len < 2048)][0]
         gpu = replay_ms(graph)
         print(
             f"bs {bs}: step {step:.3f} ms | graph replay {gpu:.3f} ms | "

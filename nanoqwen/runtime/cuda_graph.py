@@ -9,11 +9,34 @@ from tqdm import tqdm
 from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.kv_cache import KVCache
 
+# Batches whose longest context fits here replay a graph with a narrow block table and one
+# KV split. flash-attn sizes its split count from the table width, so a graph captured
+# for the full model length splits even a 100-token context 60 ways and spends most of a
+# small decode step merging the splits.
+SHORT_CONTEXT = 2048
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
+
+
+class _HostMirror:
+    """Pinned host copies of the graphs' input buffers, with numpy views to fill them.
+
+    int64 part: ids, positions, slot_mapping, and for a token still in flight the row of the
+    previous step's output that holds it. int32 part: context_lens, cache_seqlens, tables.
+    """
+
+    def __init__(self, n: int, width: int) -> None:
+        self.t64 = torch.zeros(4 * n, dtype=torch.int64, pin_memory=True)
+        self.t32 = torch.zeros(2 * n + n * width, dtype=torch.int32, pin_memory=True)
+        h64, h32 = self.t64.numpy(), self.t32.numpy()
+        self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
+        self.sources = h64[3 * n :]
+        self.ctx, self.cached = h32[:n], h32[n : 2 * n]
+        self.tables = h32[2 * n :].reshape(n, width)
 
 
 class CUDAGraphRunner:
@@ -22,56 +45,58 @@ class CUDAGraphRunner:
 
     The graphs read static device buffers. Each step fills pinned host mirrors of them with
     numpy and sends them in two asynchronous copies (one per dtype), so preparing a step
-    costs no allocation and no per-tensor launch.
+    costs no allocation and no per-tensor launch. Two mirrors take turns: while step N's
+    copy may still be queued behind step N-1, step N+1 fills the other one.
     """
 
     def __init__(self, max_num_seqs: int, kv: KVCache) -> None:
         self.sizes = capture_sizes(max_num_seqs)
         self.kv = kv
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.meta: dict[int, AttentionMetadata] = {}
+        # Keyed by (batch size, short): short graphs serve contexts up to SHORT_CONTEXT.
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.meta: dict[tuple[int, bool], AttentionMetadata] = {}
 
     def _allocate(self, device: torch.device, max_model_len: int) -> None:
         n = self.max_bs = self.sizes[-1]
         self.width = width = -(-max_model_len // self.kv.block_size)
         self.max_model_len = max_model_len
-        # int64 rows: ids, positions, slot_mapping. int32: context_lens, cache_seqlens, tables.
-        self.host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.zeros(2 * n + n * width, dtype=torch.int32, pin_memory=True)
-        self.dev64 = self.host64.to(device)
-        self.dev32 = self.host32.to(device)
-        h64, h32 = self.host64.numpy(), self.host32.numpy()
-        self.h_ids, self.h_pos, self.h_slots = h64[:n], h64[n : 2 * n], h64[2 * n :]
-        self.h_ctx, self.h_cached = h32[:n], h32[n : 2 * n]
-        self.h_tables = h32[2 * n :].reshape(n, width)
-        self._fill_padding(0, n)
-        self.dev64.copy_(self.host64)
-        self.dev32.copy_(self.host32)
+        self.short_len = min(SHORT_CONTEXT, max_model_len)
+        self.variants = [True] if self.short_len == max_model_len else [True, False]
+        self.mirrors = [_HostMirror(n, width) for _ in range(2)]
+        for m in self.mirrors:
+            self._fill_padding(m, 0, n)
+        self.turn = 0
+        self.dev64 = self.mirrors[0].t64.to(device)
+        self.dev32 = self.mirrors[0].t32.to(device)
         self.ids = self.dev64[:n]
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
 
-    def _fill_padding(self, start: int, end: int) -> None:
+    def _fill_padding(self, m: _HostMirror, start: int, end: int) -> None:
         """Rows start:end become padding: they write to the scratch block and read only it."""
         scratch = self.kv.scratch_block
-        self.h_ids[start:end] = 0
-        self.h_pos[start:end] = 0
-        self.h_slots[start:end] = scratch * self.kv.block_size
-        self.h_ctx[start:end] = 1
-        self.h_cached[start:end] = 0
-        self.h_tables[start:end] = scratch
+        m.ids[start:end] = 0
+        m.sources[start:end] = 0
+        m.pos[start:end] = 0
+        m.slots[start:end] = scratch * self.kv.block_size
+        m.ctx[start:end] = 1
+        m.cached[start:end] = 0
+        m.tables[start:end] = scratch
 
-    def _static_meta(self, bs: int) -> AttentionMetadata:
+    def _static_meta(self, bs: int, short: bool) -> AttentionMetadata:
         n, d64, d32 = self.max_bs, self.dev64, self.dev32
+        max_len = self.short_len if short else self.max_model_len
+        width = -(-max_len // self.kv.block_size)
         return AttentionMetadata(
             is_prefill=False,
             positions=d64[n : n + bs],
             slot_mapping=d64[2 * n : 2 * n + bs],
             context_lens=d32[:bs],
-            block_tables=d32[2 * n :].view(n, self.width)[:bs],
+            block_tables=d32[2 * n :].view(n, self.width)[:bs, :width],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             max_seqlen_q=1,
-            max_seqlen_k=self.max_model_len,
+            max_seqlen_k=max_len,
             cache_seqlens=d32[n : n + bs],
+            num_splits=1 if short else 0,
         )
 
     @torch.inference_mode()
@@ -80,9 +105,10 @@ class CUDAGraphRunner:
         self._allocate(runner.device, max_model_len)
         pool = None
         # Largest first: smaller graphs then fit inside the memory pool the largest reserved.
-        sizes = sorted(self.sizes, reverse=True)
-        for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=not progress, leave=False):
-            meta = self._static_meta(bs)
+        keys = [(bs, short) for bs in sorted(self.sizes, reverse=True) for short in self.variants]
+        for key in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, leave=False):
+            bs = key[0]
+            meta = self._static_meta(*key)
             ids = self.ids[:bs]
             model.compute_logits(model(ids, meta))  # warm-up: autotuning, lazy init
             torch.cuda.synchronize()
@@ -90,8 +116,8 @@ class CUDAGraphRunner:
             with torch.cuda.graph(graph, pool=pool):
                 logits = model.compute_logits(model(ids, meta))
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
-            self.meta[bs] = meta
+            self.graphs[key] = (graph, logits)
+            self.meta[key] = meta
         torch.cuda.synchronize()
 
     def can_run(self, num_seqs: int) -> bool:
@@ -101,33 +127,40 @@ class CUDAGraphRunner:
         return next(s for s in self.sizes if s >= num_seqs)
 
     @torch.inference_mode()
-    def prepare(self, seqs) -> int:
-        """Writes the decode inputs of seqs into the static buffers; returns the graph size.
-        Only host arithmetic and two async copies: nothing here waits for the GPU."""
+    def prepare(self, runner, seqs) -> tuple[int, bool]:
+        """Writes the decode inputs of seqs into the static buffers; returns the key of the
+        graph to replay (padded batch size, short context).
+        Only host arithmetic and async device work: nothing here waits for the GPU."""
         n = len(seqs)
         bs = self.padded_size(n)
         block_size = self.kv.block_size
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-        self.h_ids[:n] = [s.token_ids[-1] for s in seqs]
-        self.h_pos[:n] = lens - 1
-        self.h_ctx[:n] = lens
-        self.h_cached[:n] = lens - 1
-        tables = self.h_tables
+        ids, sources, pending = runner.token_sources(seqs)
+        # This mirror was last copied from two steps ago, and the engine has read that
+        # step's tokens back since, so the copy is done and the mirror free to refill.
+        m = self.mirrors[self.turn]
+        self.turn ^= 1
+        m.ids[:n] = ids
+        m.sources[:n] = sources
+        m.pos[:n] = lens - 1
+        m.ctx[:n] = lens
+        m.cached[:n] = lens - 1
         # Columns past a sequence's own blocks keep stale ids; every kernel stops reading at
         # the context length, so they are never used.
         for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        last_block = tables[np.arange(n), (lens - 1) // block_size]
-        self.h_slots[:n] = last_block * block_size + (lens - 1) % block_size
-        self._fill_padding(n, bs)
-        # The previous step's copies have completed: its sampled tokens were read back.
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        return bs
+            m.tables[i, : len(s.block_table)] = s.block_table
+        last_block = m.tables[np.arange(n), (lens - 1) // block_size]
+        m.slots[:n] = last_block * block_size + (lens - 1) % block_size
+        self._fill_padding(m, n, bs)
+        self.dev64.copy_(m.t64, non_blocking=True)
+        self.dev32.copy_(m.t32, non_blocking=True)
+        if pending:
+            ids, rows = self.dev64[:n], self.dev64[3 * self.max_bs :][:n]
+            ids.copy_(runner.fill_placeholders(ids, rows))
+        return bs, int(lens.max()) <= self.short_len
 
     @torch.inference_mode()
-    def run(self, seqs) -> torch.Tensor:
-        bs = self.prepare(seqs)
-        graph, logits = self.graphs[bs]
+    def run(self, runner, seqs) -> torch.Tensor:
+        graph, logits = self.graphs[self.prepare(runner, seqs)]
         graph.replay()
         return logits

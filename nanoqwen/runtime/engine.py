@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
+from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 
@@ -78,6 +79,7 @@ class LLM:
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._launched: LaunchedStep | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -130,52 +132,90 @@ class LLM:
         return seqs
 
     # ---- stepping -------------------------------------------------------------------------
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Why seq ends with token at position length - 1, or None to go on."""
         p = seq.params
+        outputs = length - seq.num_prompt_tokens
         if token in p.stop_token_ids:
             return "stop"
-        if (
-            not p.ignore_eos
-            and token in self.eos_token_ids
-            and seq.num_output_tokens >= p.min_tokens
-        ):
+        if not p.ignore_eos and token in self.eos_token_ids and outputs >= p.min_tokens:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        if outputs >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 
-    def step(self) -> list[Sequence]:
-        """Runs one scheduler step; returns the sequences that received a token."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        tokens = self.runner.step(batch)
-        completed = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
+    def _launch(self, batch) -> LaunchedStep:
+        launched = self.runner.launch(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        for seq in launched.seqs:
+            seq.token_ids.append(PLACEHOLDER)
+            if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                # It ends with this token whatever the token is: schedule it no further.
+                self.scheduler.retire(seq)
+        return launched
+
+    def _resolve(self) -> list[tuple[Sequence, int]]:
+        """Reads back the launched step's tokens and applies them: stop checks, detokenizing,
+        freeing finished sequences. Returns (sequence, token) for each live sequence."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return []
         now = time.perf_counter()
-        for seq, token in zip(completed, tokens):
-            seq.token_ids.append(token)
+        resolved = []
+        for seq, token in zip(launched.seqs, launched.result()):
+            if seq.is_finished:  # aborted while its token was in flight
+                continue
+            # At most two tokens are in flight per sequence; this step's is the older one.
+            pos = len(seq.token_ids) - 1
+            if seq.token_ids[pos - 1] == PLACEHOLDER and pos > seq.num_prompt_tokens:
+                pos -= 1
+            seq.token_ids[pos] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, pos + 1)
             detok = self._detok.get(seq.seq_id)
             if detok is not None:
                 detok.add([token], final=reason is not None)
-                if (
-                    detok.stopped
-                    and reason is None
-                    and seq.num_output_tokens >= seq.params.min_tokens
-                ):
+                if detok.stopped and reason is None:
                     reason = "stop"
             if reason is not None:
+                del seq.token_ids[pos + 1 :]  # a newer step's token in flight, if any
                 seq.finish_time = now
                 self.scheduler.finish(seq, reason)
-        return completed
+            resolved.append((seq, token))
+        return resolved
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        """Schedules and launches one step, then applies the previous step's tokens, so the
+        host work of one step overlaps the device work of the next.
+
+        Returns (sequence, new token) for the sequences whose token was applied."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return self._resolve()
+        if any(s.params.needs_penalties for s in batch.seqs):
+            # Penalties read each sequence's full history: apply pending tokens first.
+            resolved = self._resolve()
+            batch.drop_finished()
+            if not batch.seqs:
+                return resolved
+            self._launched = self._launch(batch)
+            return resolved + self._resolve()
+        launched = self._launch(batch)
+        resolved = self._resolve()
+        self._launched = launched
+        return resolved
+
+    def drain(self) -> list[tuple[Sequence, int]]:
+        """Applies the step still in flight, if any."""
+        return self._resolve()
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if not seq.is_finished:
+                while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
+                    seq.token_ids.pop()
                 self.scheduler.finish(seq, "abort")
                 self._detok.pop(seq.seq_id, None)
 
@@ -217,6 +257,7 @@ class LLM:
                 finished = sum(s.is_finished for s in seqs)
                 bar.update(finished - done)
                 done = finished
+            self.drain()
         finally:
             bar.close()
             self.abort(seqs)  # only an exception leaves any unfinished
@@ -233,7 +274,7 @@ class LLM:
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         try:
             while any(not s.is_finished for s in seqs):
-                for seq in self.step():
+                for seq, token in self.step():
                     if seq.seq_id not in index:
                         continue
                     # A finished request's detokenizer is done with: drop it.
@@ -244,7 +285,7 @@ class LLM:
                     yield StreamChunk(
                         index[seq.seq_id],
                         text,
-                        [seq.token_ids[-1]],
+                        [token],
                         seq.is_finished,
                         seq.finish_reason,
                     )

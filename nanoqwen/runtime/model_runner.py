@@ -1,6 +1,14 @@
-"""Turns a scheduled batch into tensors, runs the model, and samples the next tokens."""
+"""Turns a scheduled batch into tensors, runs the model, and samples the next tokens.
+
+Steps are launched without waiting for their result (LaunchedStep), so the engine can
+schedule and launch step N+1 while the GPU still runs step N. A token not yet read back
+sits in its sequence as PLACEHOLDER; the next decode step takes it straight from the
+device tensor that step N sampled into.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -10,6 +18,23 @@ from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.sampler import Sampler
 from nanoqwen.runtime.scheduler import Batch
+from nanoqwen.runtime.sequence import Sequence
+
+PLACEHOLDER = -1
+
+
+@dataclass
+class LaunchedStep:
+    seqs: list[Sequence]  # the sequences that receive a token from this step
+    tokens: torch.Tensor  # their sampled tokens, on the device
+    host: torch.Tensor  # pinned copy of tokens, filled when `done` fires
+    done: torch.cuda.Event | None
+
+    def result(self) -> list[int]:
+        if self.done is None:
+            return self.tokens.tolist()
+        self.done.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -29,6 +54,19 @@ class ModelRunner:
         self.device = model.embed_tokens.device
         self._pin = self.device.type == "cuda"
         model.bind_kv_cache(kv_cache.k, kv_cache.v)
+        # The last launched step's tokens and each sequence's row in them.
+        self._last_tokens = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._last_rows: dict[int, int] = {}
+
+    def token_sources(self, seqs: list[Sequence]) -> tuple[list[int], list[int], bool]:
+        """Each sequence's newest token id (PLACEHOLDER if not read back yet), the row of
+        the last launched step that holds it, and whether any is a placeholder."""
+        ids = [s.token_ids[-1] for s in seqs]
+        rows = [self._last_rows.get(s.seq_id, 0) for s in seqs]
+        return ids, rows, PLACEHOLDER in ids
+
+    def fill_placeholders(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return torch.where(ids == PLACEHOLDER, self._last_tokens[rows], ids)
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
@@ -73,7 +111,8 @@ class ModelRunner:
         """rows >= len(batch.seqs): extra rows are padding that writes to the scratch block."""
         pad = rows - len(batch.seqs)
         scratch_slot = self.kv.scratch_block * self.kv.block_size
-        ids = [s.token_ids[-1] for s in batch.seqs] + [0] * pad
+        ids, sources, pending = self.token_sources(batch.seqs)
+        ids += [0] * pad
         positions = [len(s) - 1 for s in batch.seqs] + [0] * pad
         slots = [self.blocks.slot(s, len(s) - 1) for s in batch.seqs] + [scratch_slot] * pad
         ctx = [len(s) for s in batch.seqs] + [1] * pad
@@ -88,7 +127,10 @@ class ModelRunner:
             max_seqlen_k=max(ctx),
             cache_seqlens=self._tensor([c - 1 for c in ctx], torch.int32),
         )
-        return self._tensor(ids, torch.int64), meta
+        ids_t = self._tensor(ids, torch.int64)
+        if pending:
+            ids_t = self.fill_placeholders(ids_t, self._tensor(sources + [0] * pad, torch.int64))
+        return ids_t, meta
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor:
@@ -99,15 +141,25 @@ class ModelRunner:
             return self.model.compute_logits((x[rows], residual[rows]))
         n = len(batch.seqs)
         if self.graphs is not None and self.graphs.can_run(n):
-            return self.graphs.run(batch.seqs)[:n]
+            return self.graphs.run(self, batch.seqs)[:n]
         ids, meta = self.prepare_decode(batch, n)
         return self.model.compute_logits(self.model(ids, meta))
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> list[int]:
-        """Runs one step; returns the new token of each sequence that completes this step."""
+    def launch(self, batch: Batch) -> LaunchedStep:
+        """Queues one step on the device and returns at once; result() waits for it."""
         logits = self.compute_logits(batch)
         seqs = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
         if not seqs:
-            return []
-        return self.sampler(logits, seqs).tolist()
+            empty = torch.empty(0, dtype=torch.int64)
+            return LaunchedStep([], empty, empty, None)
+        tokens = self.sampler(logits, seqs)
+        self._last_tokens = tokens
+        self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        if not self._pin:
+            return LaunchedStep(seqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(seqs, tokens, host, done)

@@ -22,6 +22,11 @@ class Batch:
     # Tokens each sequence feeds this step: a prompt chunk in prefill, always 1 in decode.
     num_new_tokens: list[int]
 
+    def drop_finished(self) -> None:
+        keep = [i for i, s in enumerate(self.seqs) if not s.is_finished]
+        self.seqs = [self.seqs[i] for i in keep]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in keep]
+
     def completes(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, and so samples a new one."""
         seq = self.seqs[i]
@@ -97,6 +102,12 @@ class Scheduler:
         head_holds_blocks = bool(self.waiting and self.waiting[0].block_table)
         self.waiting.insert(1 if head_holds_blocks else 0, seq)
         self.num_preemptions += 1
+
+    def retire(self, seq: Sequence) -> None:
+        """Stop scheduling seq (its last token is in flight and ends it); its blocks stay
+        until finish()."""
+        if seq in self.running:
+            self.running.remove(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -31,6 +31,8 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     # Decode only: tokens each sequence had cached before this step (context_lens - 1).
     cache_seqlens: torch.Tensor | None = None
+    # Decode only: flash-attn's split-KV count; 0 lets it choose from the block-table width.
+    num_splits: int = 0
 
 
 class AttentionBackend(Protocol):

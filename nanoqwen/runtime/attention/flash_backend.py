@@ -71,5 +71,6 @@ class FlashAttention:
             softmax_scale=self.scale,
             causal=True,
             rotary_interleaved=False,
+            num_splits=meta.num_splits,
         )
         return out.squeeze(1)

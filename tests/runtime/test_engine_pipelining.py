@@ -1,0 +1,52 @@
+"""The engine launches step N+1 before it reads back step N's tokens."""
+
+from __future__ import annotations
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.model_runner import PLACEHOLDER
+
+
+def _llm(tiny_model) -> LLM:
+    path, _ = tiny_model
+    return LLM(str(path), block_size=16, num_kv_blocks=64, progress=False)
+
+
+def test_a_step_applies_the_previous_steps_tokens(tiny_model):
+    llm = _llm(tiny_model)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    seqs = [llm._add([5, 6, 7], params, False), llm._add([9] * 20, params, False)]
+    assert llm.step() == []  # prefill launched; nothing read back yet
+    assert all(s.token_ids[-1] == PLACEHOLDER for s in seqs)
+    first = [s.num_prompt_tokens for s in seqs]
+    resolved = llm.step()  # first decode launched, prefill's tokens applied
+    assert [s for s, _ in resolved] == seqs
+    assert [t for _, t in resolved] == [s.token_ids[p] for s, p in zip(seqs, first)]
+    assert all(s.token_ids[-1] == PLACEHOLDER for s in seqs)  # the decode token in flight
+    while not all(s.is_finished for s in seqs):
+        llm.step()
+    assert all(PLACEHOLDER not in s.token_ids for s in seqs)
+    assert [len(s.output_token_ids) for s in seqs] == [6, 6]
+
+
+def test_no_step_is_launched_past_max_tokens(tiny_model):
+    llm = _llm(tiny_model)
+    launches = []
+    launch = llm.runner.launch
+    llm.runner.launch = lambda batch: launches.append(len(batch.seqs)) or launch(batch)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].token_ids) == 5
+    assert launches == [1] * 5  # one prefill, four decodes: none wasted on a finished request
+
+
+def test_pipelined_tokens_match_one_step_at_a_time(tiny_model):
+    """Penalties force the engine to read each step back before the next; without them it
+    runs one step ahead. Same greedy tokens either way when the penalty is neutral-ish."""
+    llm = _llm(tiny_model)
+    prompts = [[3, 4, 5, 6], [8] * 30, [2]]
+    ahead = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    # repetition_penalty 1 + 1e-9 changes no logit's order yet takes the synchronous path.
+    sync = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.0 + 1e-9
+    )
+    in_step = llm.generate(prompts, sync)
+    assert [o.token_ids for o in ahead] == [o.token_ids for o in in_step]
