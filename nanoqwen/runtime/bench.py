@@ -23,9 +23,10 @@ H200_COPY_GBPS = 4300.0  # measured device-to-device copy rate, the batch-1 deco
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint dir or hub id (default: random weights)")
     p.add_argument("--shape", choices=SHAPES, default="0.5B", help="random-weight Qwen2.5 shape")
-    p.add_argument("--mode", choices=("latency", "throughput", "all"), default="all")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mode", choices=("latency", "throughput", "all"), default="all",
+                   help="which benchmark to run")  # fmt: skip
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.add_argument("--batch-sizes", default="1,8,32,128", help="latency mode, comma-separated")
     p.add_argument("--prompt-len", type=int, default=128, help="latency mode prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency mode new tokens")

@@ -100,10 +100,7 @@ def build_engine(
         stored = checkpoint_dtype(path)
     torch_dtype = resolve_dtype(dtype, dev, stored)
     net = Qwen2ForCausalLM(cfg, torch_dtype, dev)
-    if random_shape is not None:
-        fill_random(net)
-    else:
-        load_weights(net, path, progress=progress)
+    # Before the weights load, so an impossible backend choice fails at once.
     backend = create_backend(
         attention_backend,
         net.rotary,
@@ -114,6 +111,10 @@ def build_engine(
         block_size,
     )
     net.set_attention_backend(backend)
+    if random_shape is not None:
+        fill_random(net)
+    else:
+        load_weights(net, path, progress=progress)
     if progress:
         log(f"attention backend: {backend.name} ({dev}, {str(torch_dtype).removeprefix('torch.')})")
 

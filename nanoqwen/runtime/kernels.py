@@ -1,7 +1,10 @@
 """Triton kernels for the GPU path: each fuses what plain torch would run as several kernels.
 
-They reproduce HF's bf16 rounding points (the residual sum, the normalized activations, SiLU's
-output) so the fused path computes the same function as the reference layers, just in one pass.
+They round to bf16/fp16 where HF does (the residual sum, the normalized activations, SiLU's
+output, each RoPE product and sum), so the fused path computes the function the reference
+layers compute, in one pass. On the H200, 95-98% of the keys the RoPE kernel writes are
+bit-identical to the torch path and the rest one bf16 step away (tests/gpu); the source of
+that last step is not pinned down yet.
 """
 
 from __future__ import annotations
