@@ -111,3 +111,42 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if not torch.cuda.is_available():
                 item.add_marker(skip)
+
+
+# ---- the real checkpoint (tests marked real_model) -------------------------------------------
+REAL_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+REAL_MODEL_REPORT: list[str] = []  # lines printed at the end of the run by real-model tests
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The default checkpoint (weights/Qwen2.5-Coder-0.5B-Instruct). Skips the test when it is
+    not built, or fails it when NANOQWEN_REQUIRE_REAL_MODEL=1 (as CI sets)."""
+    import os
+
+    from nanoqwen.weights.hub import default_model_dir
+
+    path = default_model_dir()
+    missing = [name for name in REAL_MODEL_FILES if not (path / name).is_file()]
+    if missing:
+        reason = (
+            f"the real checkpoint is not built at {path} (missing {', '.join(missing)}): "
+            "run `python tools/make_qwen_coder.py` to build it"
+        )
+        if os.environ.get("NANOQWEN_REQUIRE_REAL_MODEL") == "1":
+            pytest.fail(f"NANOQWEN_REQUIRE_REAL_MODEL=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    return path
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REAL_MODEL_REPORT:
+        terminalreporter.section("real-model fidelity")
+        for line in REAL_MODEL_REPORT:
+            terminalreporter.write_line(line)
