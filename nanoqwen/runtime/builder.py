@@ -143,7 +143,9 @@ def build_engine(
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     graphs = None
-    if dev.type == "cuda" and not enforce_eager:
+    # The torch backend gathers every block-table column for every sequence, which a graph
+    # captured for the full model length would turn into gigabytes per layer: it stays eager.
+    if dev.type == "cuda" and not enforce_eager and backend.name == "flash-attn":
         from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
 
         graphs = CUDAGraphRunner(max_num_seqs, kv)
