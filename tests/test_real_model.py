@@ -22,8 +22,6 @@ import torch
 from conftest import REAL_MODEL_REPORT
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.scheduler import Batch
-from nanoqwen.runtime.sequence import Sequence
 
 pytestmark = pytest.mark.real_model
 
@@ -224,19 +222,6 @@ def test_float32_greedy_is_token_exact_with_hf(
     assert not failures, "\n".join(failures)
 
 
-@torch.inference_mode()
-def _nanoqwen_teacher_forced(llm: LLM, token_ids: list[int], last: int) -> torch.Tensor:
-    """nanoqwen's logits at the last `last` positions of token_ids, in one prefill."""
-    seq = Sequence(token_ids, SamplingParams())
-    llm.scheduler.blocks.grow(seq, len(seq))
-    try:
-        ids, meta, _ = llm.runner.prepare_prefill(Batch([seq], True, [len(seq)]))
-        x, residual = llm.runner.model(ids, meta)
-        return llm.runner.model.compute_logits((x[-last:], residual[-last:]))
-    finally:
-        llm.scheduler.blocks.free(seq)
-
-
 def _in_top_k(logits: torch.Tensor, tokens: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
     """Whether each row's token is in that row's top k by value (a tie with the kth counts)."""
     kth = logits.topk(k).values[:, -1]
@@ -259,7 +244,7 @@ def bf16_logits(real_model_dir, hf_fp32_reference):
     }
     start = time.perf_counter()
     llm = LLM(str(real_model_dir), device="cpu", dtype="bfloat16", progress=False)
-    ours = {n: _nanoqwen_teacher_forced(llm, ids, last) for n, (ids, last) in inputs.items()}
+    ours = {n: llm.runner.prompt_logits(ids, last) for n, (ids, last) in inputs.items()}
     del llm
     gc.collect()
     _timed("nanoqwen bfloat16 teacher-forced prefill (incl. load)", start)

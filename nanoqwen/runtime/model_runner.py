@@ -17,6 +17,7 @@ from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.sampler import Sampler
+from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
 
@@ -144,6 +145,20 @@ class ModelRunner:
             return self.graphs.run(self, batch.seqs)[:n]
         ids, meta = self.prepare_decode(batch, n)
         return self.model.compute_logits(self.model(ids, meta))
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], last: int | None = None) -> torch.Tensor:
+        """float32 logits after each of the last `last` positions of token_ids (all when None),
+        from one prefill: what the model predicts after every prefix (teacher forcing)."""
+        seq = Sequence(token_ids, SamplingParams())
+        self.blocks.grow(seq, len(seq))
+        try:
+            ids, meta, _ = self.prepare_prefill(Batch([seq], True, [len(seq)]))
+            x, residual = self.model(ids, meta)
+            rows = slice(-last if last else 0, None)
+            return self.model.compute_logits((x[rows], residual[rows]))
+        finally:
+            self.blocks.free(seq)
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> LaunchedStep:

@@ -10,8 +10,6 @@ import torch
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.runtime.bench_hf import hf_model_from
-from nanoqwen.runtime.scheduler import Batch
-from nanoqwen.runtime.sequence import Sequence
 
 NEW_TOKENS = 48
 # bf16 logits near 4 are resolved to 0.03; HF against itself differs by up to 0.06 here.
@@ -29,20 +27,6 @@ def logprob_gap(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor) -> torch
     """|log p_a(token) - log p_b(token)| at each row."""
     la, lb = a.log_softmax(-1), b.log_softmax(-1)
     return (la - lb).gather(1, tokens.unsqueeze(1)).abs().squeeze(1)
-
-
-@torch.inference_mode()
-def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """nanoqwen's logits at every position of token_ids, in one prefill."""
-    seq = Sequence(token_ids, SamplingParams())
-    llm.scheduler.blocks.grow(seq, len(seq))
-    try:
-        batch = Batch([seq], True, [len(seq)])
-        ids, meta, _ = llm.runner.prepare_prefill(batch)
-        x, residual = llm.runner.model(ids, meta)
-        return llm.runner.model.compute_logits((x, residual))
-    finally:
-        llm.scheduler.blocks.free(seq)
 
 
 @pytest.mark.parametrize("shape", ["0.5B", "1.5B"])
@@ -71,7 +55,7 @@ def test_bf16_fidelity(shape):
         hf_tokens = out.sequences[0, len(prompt) :].tolist()
         hf_tok = torch.tensor(hf_tokens, device="cuda")
         hf_logits = torch.cat(out.logits).float()  # [NEW_TOKENS, vocab], HF's decode path
-        ours = teacher_forced_logits(llm, prompt + hf_tokens[:-1])[len(prompt) - 1 :]
+        ours = llm.runner.prompt_logits(prompt + hf_tokens[:-1], last=NEW_TOKENS)
         # HF against itself (one prefill vs step-by-step decode): the bf16 noise floor.
         with torch.no_grad():
             hf_prefill = hf(out.sequences[:, :-1]).logits[0, len(prompt) - 1 :].float()
