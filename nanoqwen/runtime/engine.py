@@ -171,6 +171,8 @@ class LLM:
             if seq.token_ids[pos - 1] == PLACEHOLDER and pos > seq.num_prompt_tokens:
                 pos -= 1
             seq.token_ids[pos] = token
+            if seq.unstreamed is not None:
+                seq.unstreamed.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self._finish_reason(seq, token, pos + 1)
@@ -271,24 +273,28 @@ class LLM:
         """Yields each request's new text as it is produced; closing the iterator early
         (or Ctrl-C in the caller) aborts the unfinished requests."""
         seqs = self._add_all(prompts, sampling_params, detokenize=True)
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        for seq in seqs:
+            seq.unstreamed = []
+        # Tokens are collected on each sequence, so none is lost when another generate() or
+        # stream() call runs the engine while this iterator is paused.
+        open_requests = set(range(len(seqs)))
         try:
-            while any(not s.is_finished for s in seqs):
-                for seq, token in self.step():
-                    if seq.seq_id not in index:
+            while open_requests:
+                if any(not seqs[i].is_finished for i in open_requests):
+                    self.step()
+                for i in sorted(open_requests):
+                    seq = seqs[i]
+                    if not seq.unstreamed and not seq.is_finished:
                         continue
+                    tokens, seq.unstreamed = seq.unstreamed, []
                     # A finished request's detokenizer is done with: drop it.
                     detok = (self._detok.pop if seq.is_finished else self._detok.get)(
                         seq.seq_id, None
                     )
                     text = detok.pending(final=seq.is_finished) if detok else ""
-                    yield StreamChunk(
-                        index[seq.seq_id],
-                        text,
-                        [token],
-                        seq.is_finished,
-                        seq.finish_reason,
-                    )
+                    if seq.is_finished:
+                        open_requests.discard(i)
+                    yield StreamChunk(i, text, tokens, seq.is_finished, seq.finish_reason)
         finally:
             self.abort([s for s in seqs if not s.is_finished])
 

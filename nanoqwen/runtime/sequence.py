@@ -29,6 +29,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.
+        self.unstreamed: list[int] | None = None
         self.generator = None  # per-request torch.Generator when params.seed is set
         self.arrival_time = 0.0
         self.first_token_time: float | None = None

@@ -50,3 +50,16 @@ def test_pipelined_tokens_match_one_step_at_a_time(tiny_model):
     )
     in_step = llm.generate(prompts, sync)
     assert [o.token_ids for o in ahead] == [o.token_ids for o in in_step]
+
+
+def test_a_paused_stream_loses_nothing_when_generate_runs_meanwhile(tiny_model):
+    llm = _llm(tiny_model)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate([[4, 5, 6]], params)[0]
+    stream = llm.stream([[4, 5, 6]], params)
+    chunks = [next(stream)]
+    llm.generate([[7, 8, 9, 10]], params)  # runs the engine, and so the paused stream too
+    chunks += list(stream)
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text
+    assert [c.finished for c in chunks].count(True) == 1 and chunks[-1].finished
