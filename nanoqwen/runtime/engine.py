@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-import torch
 from tqdm import tqdm
 
 from nanoqwen.runtime.builder import EngineParts, build_engine
@@ -297,7 +296,3 @@ class LLM:
                     yield StreamChunk(i, text, tokens, seq.is_finished, seq.finish_reason)
         finally:
             self.abort([s for s in seqs if not s.is_finished])
-
-    @torch.inference_mode()
-    def warmup(self) -> None:
-        self.generate([[0] * 16], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
