@@ -131,17 +131,20 @@ class LLM:
         return seqs
 
     # ---- stepping -------------------------------------------------------------------------
+    def _reaches_length_limit(self, seq: Sequence, length: int) -> bool:
+        """Whether seq, once `length` tokens long, has to end whatever its last token is."""
+        outputs = length - seq.num_prompt_tokens
+        return outputs >= seq.params.max_tokens or length >= self.max_model_len
+
     def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
         """Why seq ends with token at position length - 1, or None to go on."""
         p = seq.params
-        outputs = length - seq.num_prompt_tokens
         if token in p.stop_token_ids:
             return "stop"
+        outputs = length - seq.num_prompt_tokens
         if not p.ignore_eos and token in self.eos_token_ids and outputs >= p.min_tokens:
             return "stop"
-        if outputs >= p.max_tokens or length >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._reaches_length_limit(seq, length) else None
 
     def _launch(self, batch) -> LaunchedStep:
         launched = self.runner.launch(batch)
@@ -149,7 +152,7 @@ class LLM:
             seq.num_computed_tokens += n
         for seq in launched.seqs:
             seq.token_ids.append(PLACEHOLDER)
-            if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            if self._reaches_length_limit(seq, len(seq)):
                 # It ends with this token whatever the token is: schedule it no further.
                 self.scheduler.retire(seq)
         return launched
