@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def _run_triton_kernels_on_cpu() -> None:
+    """Without a GPU, Triton's interpreter runs the kernels on CPU tensors, so their logic is
+    tested in CI too (in float32/float16: the interpreter has no bfloat16). It must be chosen
+    before any kernel module is imported."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = interpreter._patch_lang_tensor
+
+    def patch_with_scalar_index(tensor, scope):
+        patch(tensor, scope)
+        # Scalars are 1-element arrays in the interpreter, which numpy >= 2.3 no longer
+        # turns into an int for a Python range() (Triton 3.6; upstream squeezes them now).
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+if not torch.cuda.is_available():
+    _run_triton_kernels_on_cpu()
 
 QWEN_CHAT_TEMPLATE = (
     "{%- for message in messages %}"

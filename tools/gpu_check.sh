@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install the flash-attn wheel, run the GPU tests, then the benchmarks.
-# Usage (device tool, carry .whl): bash tools/gpu_check.sh [tests|bench|all] [bench args...]
+# Usage (device tool, carry .whl): bash tools/gpu_check.sh [tests|bench|all|kernels|profile] [args...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,6 +17,9 @@ if [[ $what == bench || $what == all ]]; then
     python3 -m nanoqwen.runtime.bench --shape "$shape" --json "$OUT/bench_${shape}.json" "$@" 2>&1 \
       | grep -v '\r' | tee "$OUT/bench_${shape}.log"
   done
+fi
+if [[ $what == kernels ]]; then
+  python3 tools/kernel_bench.py "$@" 2>&1 | tee "$OUT/kernels.log"
 fi
 if [[ $what == profile ]]; then
   for shape in 0.5B 7B; do

@@ -64,7 +64,7 @@ def main() -> None:
         torch.cuda.synchronize()
         phases["sample+tolist"] = lambda b=batch, x=logits: llm.runner.sampler(x, b.seqs).tolist()
         cpu = {name: median_ms(fn, 50) for name, fn in phases.items()}
-        graph = graphs.graphs[(graphs.padded_size(bs), args.prompt_len < 2048)][0]
+        graph = graphs.graphs[graphs.key_for(bs, args.prompt_len + 5)][0]
         gpu = replay_ms(graph)
         print(
             f"bs {bs}: step {step:.3f} ms | graph replay {gpu:.3f} ms | "
@@ -75,7 +75,7 @@ def main() -> None:
                 for _ in range(5):
                     graph.replay()
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
         llm.abort(seqs)
 
 

@@ -13,12 +13,21 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class Linear(nn.Module):
+    """With gemv=True (small weights, bf16/fp16 on CUDA) a single row goes through the
+    Triton GEMV, bias included."""
+
+    gemv = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
         self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and x.shape[0] == 1:
+            from nanoqwen.runtime.gemv import gemv
+
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -89,7 +98,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MLP(nn.Module):
-    fused = False
+    fused = False  # Triton SiLU·up kernel
+    gemv = False  # a single row: gate_up GEMV with SiLU·up in its epilogue
 
     def __init__(self, hidden: int, intermediate: int, dtype, device) -> None:
         super().__init__()
@@ -97,6 +107,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and x.shape[0] == 1:
+            from nanoqwen.runtime.gemv import gemv_silu_mul
+
+            return self.down_proj(gemv_silu_mul(x, self.gate_up_proj.weight))
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from nanoqwen.runtime.kernels import silu_mul

@@ -13,10 +13,7 @@ from nanoqwen.weights.config import ModelConfig
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.q_size = cfg.q_size
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, True, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
         # Bound by the ModelRunner once the KV pool exists.
@@ -25,16 +22,7 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = self.backend.forward(
-            q.view(-1, self.num_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim),
-            self.k_cache,
-            self.v_cache,
-            meta,
-        )
+        out = self.backend.forward(self.qkv_proj(x), self.k_cache, self.v_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -77,10 +65,17 @@ class Qwen2ForCausalLM(nn.Module):
         )
 
     def use_fused_kernels(self, enabled: bool) -> None:
-        """Triton add+norm and SiLU*up kernels, for bf16/fp16 on CUDA."""
+        """Triton add+norm and SiLU*up kernels, and GEMVs for single rows through small
+        weights, for bf16/fp16 on CUDA."""
+        if enabled:
+            from nanoqwen.runtime.gemv import gemv_pays
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = enabled
+            if isinstance(module, Linear):
+                module.gemv = enabled and gemv_pays(module.weight)
+            if isinstance(module, MLP):
+                module.gemv = enabled and gemv_pays(module.gate_up_proj.weight)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:

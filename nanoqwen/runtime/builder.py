@@ -143,15 +143,14 @@ def build_engine(
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     graphs = None
-    # The torch backend gathers every block-table column for every sequence, which a graph
-    # captured for the full model length would turn into gigabytes per layer: it stays eager.
-    if dev.type == "cuda" and not enforce_eager and backend.name == "flash-attn":
+    variants = backend.graph_variants(max_len)
+    if dev.type == "cuda" and not enforce_eager and variants:
         from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
 
         graphs = CUDAGraphRunner(max_num_seqs, kv)
     runner = ModelRunner(net, kv, blocks, Sampler(eos), graphs)
     if graphs is not None:
-        graphs.capture(runner, max_len, progress=progress)
+        graphs.capture(runner, max_len, variants, progress=progress)
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
 
 

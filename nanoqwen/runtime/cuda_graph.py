@@ -9,12 +9,6 @@ from tqdm import tqdm
 from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.kv_cache import KVCache
 
-# Batches whose longest context fits here replay a graph with a narrow block table and one
-# KV split. flash-attn sizes its split count from the table width, so a graph captured
-# for the full model length splits even a 100-token context 60 ways and spends most of a
-# small decode step merging the splits.
-SHORT_CONTEXT = 2048
-
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -52,16 +46,14 @@ class CUDAGraphRunner:
     def __init__(self, max_num_seqs: int, kv: KVCache) -> None:
         self.sizes = capture_sizes(max_num_seqs)
         self.kv = kv
-        # Keyed by (batch size, short): short graphs serve contexts up to SHORT_CONTEXT.
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.meta: dict[tuple[int, bool], AttentionMetadata] = {}
+        # Keyed by (batch size, variant): variant i serves contexts up to variants[i][0].
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.meta: dict[tuple[int, int], AttentionMetadata] = {}
 
-    def _allocate(self, device: torch.device, max_model_len: int) -> None:
+    def _allocate(self, device: torch.device, max_model_len: int, variants) -> None:
         n = self.max_bs = self.sizes[-1]
         self.width = width = -(-max_model_len // self.kv.block_size)
-        self.max_model_len = max_model_len
-        self.short_len = min(SHORT_CONTEXT, max_model_len)
-        self.variants = [True] if self.short_len == max_model_len else [True, False]
+        self.variants: list[tuple[int, int]] = variants
         self.mirrors = [_HostMirror(n, width) for _ in range(2)]
         for m in self.mirrors:
             self._fill_padding(m, 0, n)
@@ -82,9 +74,9 @@ class CUDAGraphRunner:
         m.cached[start:end] = 0
         m.tables[start:end] = scratch
 
-    def _static_meta(self, bs: int, short: bool) -> AttentionMetadata:
+    def _static_meta(self, bs: int, variant: int) -> AttentionMetadata:
         n, d64, d32 = self.max_bs, self.dev64, self.dev32
-        max_len = self.short_len if short else self.max_model_len
+        max_len, num_splits = self.variants[variant]
         width = -(-max_len // self.kv.block_size)
         return AttentionMetadata(
             is_prefill=False,
@@ -96,16 +88,19 @@ class CUDAGraphRunner:
             max_seqlen_q=1,
             max_seqlen_k=max_len,
             cache_seqlens=d32[n : n + bs],
-            num_splits=1 if short else 0,
+            num_splits=num_splits,
         )
 
     @torch.inference_mode()
-    def capture(self, runner, max_model_len: int, progress: bool = True) -> None:
+    def capture(
+        self, runner, max_model_len: int, variants: list[tuple[int, int]], progress: bool = True
+    ) -> None:
+        """variants: the attention backend's graph_variants(max_model_len)."""
         model = runner.model
-        self._allocate(runner.device, max_model_len)
+        self._allocate(runner.device, max_model_len, variants)
         pool = None
         # Largest first: smaller graphs then fit inside the memory pool the largest reserved.
-        keys = [(bs, short) for bs in sorted(self.sizes, reverse=True) for short in self.variants]
+        keys = [(bs, i) for bs in sorted(self.sizes, reverse=True) for i in range(len(variants))]
         for key in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, leave=False):
             bs = key[0]
             meta = self._static_meta(*key)
@@ -126,15 +121,20 @@ class CUDAGraphRunner:
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
+    def key_for(self, num_seqs: int, max_context: int) -> tuple[int, int]:
+        """The graph serving this batch: (padded batch size, first variant long enough)."""
+        variant = next(i for i, (limit, _) in enumerate(self.variants) if max_context <= limit)
+        return self.padded_size(num_seqs), variant
+
     @torch.inference_mode()
-    def prepare(self, runner, seqs) -> tuple[int, bool]:
+    def prepare(self, runner, seqs) -> tuple[int, int]:
         """Writes the decode inputs of seqs into the static buffers; returns the key of the
-        graph to replay (padded batch size, short context).
+        graph to replay.
         Only host arithmetic and async device work: nothing here waits for the GPU."""
         n = len(seqs)
-        bs = self.padded_size(n)
-        block_size = self.kv.block_size
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        bs, variant = self.key_for(n, int(lens.max()))
+        block_size = self.kv.block_size
         ids, sources, pending = runner.token_sources(seqs)
         # This mirror was last copied from two steps ago, and the engine has read that
         # step's tokens back since, so the copy is done and the mirror free to refill.
@@ -157,7 +157,7 @@ class CUDAGraphRunner:
         if pending:
             ids, rows = self.dev64[:n], self.dev64[3 * self.max_bs :][:n]
             ids.copy_(runner.fill_placeholders(ids, rows))
-        return bs, int(lens.max()) <= self.short_len
+        return bs, variant
 
     @torch.inference_mode()
     def run(self, runner, seqs) -> torch.Tensor:

@@ -52,15 +52,22 @@ def rms_norm(
 
 
 @triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from model-dtype inputs, rounding SiLU's output as HF does."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0)
     up = tl.load(gu_ptr + row * gu_stride + n_cols + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
-    y = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = _silu_mul(gate, up, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

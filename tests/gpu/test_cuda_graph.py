@@ -32,8 +32,8 @@ def _engine(path, **kw):
         str(path),
         device="cuda",
         dtype="bfloat16",
-        max_num_seqs=32,
-        num_kv_blocks=32,
+        max_num_seqs=80,
+        num_kv_blocks=80,
         progress=False,
         **kw,
     )
@@ -49,16 +49,23 @@ def _decode_batch(llm: LLM, lengths: list[int]) -> Batch:
     return llm.scheduler.schedule()
 
 
-@pytest.mark.parametrize("batch", [1, 3, 17])
-def test_graph_replay_matches_eager(gpu_model, batch):
-    llm = _engine(gpu_model)
-    lengths = [5 + 37 * i for i in range(batch)]
+BACKENDS = ["flash-attn", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+# 70 sequences x 2 KV heads: the triton backend's flash-attn side.
+@pytest.mark.parametrize("batch", [1, 3, 17, 70])
+def test_graph_replay_matches_eager(gpu_model, batch, backend):
+    llm = _engine(gpu_model, attention_backend=backend)
+    # Up to 3 blocks each; 70 sequences stay within one block each, so that the 80-block
+    # pool holds them and one prefill step (8,192 tokens) takes them all.
+    lengths = [5 + 37 * i % (600 if batch < 32 else 200) for i in range(batch)]
     b = _decode_batch(llm, lengths)
     graphs = llm.runner.graphs
-    bs = graphs.padded_size(batch)
+    key = graphs.key_for(batch, max(lengths) + 1)
+    bs = key[0]
     assert bs >= batch
     graph_logits = llm.runner.compute_logits(b).clone()
-    key = (bs, True)  # every context here is short
     assert graph_logits.shape == (batch, 1000)
     # The same step run eagerly on the graph's own input buffers (the K/V write repeats
     # into the same slots) must give bit-identical logits.
@@ -71,8 +78,9 @@ def test_graph_replay_matches_eager(gpu_model, batch):
     assert torch.equal(llm.runner.compute_logits(b).argmax(-1), graph_logits.argmax(-1))
 
 
-def test_decode_step_has_no_host_sync(gpu_model):
-    llm = _engine(gpu_model)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_step_has_no_host_sync(gpu_model, backend):
+    llm = _engine(gpu_model, attention_backend=backend)
     for graphs in (True, False):
         b = _decode_batch(llm, [9, 300, 41])
         if not graphs:
@@ -87,9 +95,12 @@ def test_decode_step_has_no_host_sync(gpu_model):
             llm.scheduler.finish(seq, "abort")
 
 
-def test_graphs_and_eager_generate_the_same_tokens(gpu_model):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graphs_and_eager_generate_the_same_tokens(gpu_model, backend):
     prompts = [[(3 * i + j) % 991 for j in range(10 + 50 * i)] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    with_graphs = _engine(gpu_model).generate(prompts, params)
-    eager = _engine(gpu_model, enforce_eager=True).generate(prompts, params)
+    with_graphs = _engine(gpu_model, attention_backend=backend).generate(prompts, params)
+    eager = _engine(gpu_model, attention_backend=backend, enforce_eager=True).generate(
+        prompts, params
+    )
     assert [o.token_ids for o in with_graphs] == [o.token_ids for o in eager]

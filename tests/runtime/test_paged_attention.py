@@ -220,7 +220,9 @@ def _backend_step(heads, kv_heads, seed, is_prefill):
         meta = decode_meta(pool, CONTEXT_LENS)
     k_step = torch.cat([k[c - n :] for k, c, n in zip(k_raw, CONTEXT_LENS, query_lens)])
     v_step = torch.cat([v[c - n :] for v, c, n in zip(v_all, CONTEXT_LENS, query_lens)])
-    out = backend.forward(torch.cat(q_steps), k_step, v_step, pool.k_cache, pool.v_cache, meta)
+    tokens = k_step.shape[0]
+    qkv = torch.cat([torch.cat(q_steps), k_step, v_step], 1).view(tokens, -1)
+    out = backend.forward(qkv, pool.k_cache, pool.v_cache, meta)
     refs = []
     for i, (c, n) in enumerate(zip(CONTEXT_LENS, query_lens)):
         positions = torch.arange(c - n, c)

@@ -8,7 +8,7 @@ from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
 
-BACKENDS = ("auto", "flash-attn", "torch")
+BACKENDS = ("auto", "triton", "flash-attn", "torch")
 
 __all__ = [
     "BACKENDS",
@@ -47,13 +47,19 @@ def create_backend(
     head_dim: int,
     block_size: int,
 ) -> AttentionBackend:
+    """auto: the Triton decode backend where flash-attn works (it prefills with flash-attn),
+    else torch."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is unknown: allowed {', '.join(BACKENDS)}")
     problem = flash_attn_problem(device, dtype, head_dim, block_size)
-    if name == "flash-attn" and problem:
-        raise ValueError(f"attention_backend='flash-attn' is unavailable: {problem}")
+    if name in ("flash-attn", "triton") and problem:
+        raise ValueError(f"attention_backend={name!r} is unavailable: {problem}")
     if name == "torch" or problem:
         return TorchAttention(rotary, scale)
-    from nanoqwen.runtime.attention.flash_backend import FlashAttention
+    if name == "flash-attn":
+        from nanoqwen.runtime.attention.flash_backend import FlashAttention
 
-    return FlashAttention(rotary, scale)
+        return FlashAttention(rotary, scale)
+    from nanoqwen.runtime.attention.triton_backend import TritonDecodeAttention
+
+    return TritonDecodeAttention(rotary, scale)

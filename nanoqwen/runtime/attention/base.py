@@ -7,8 +7,6 @@ from typing import Protocol
 
 import torch
 
-from nanoqwen.model.layers import RotaryEmbedding
-
 
 @dataclass
 class AttentionMetadata:
@@ -31,14 +29,15 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     # Decode only: tokens each sequence had cached before this step (context_lens - 1).
     cache_seqlens: torch.Tensor | None = None
-    # Decode only: flash-attn's split-KV count; 0 lets it choose from the block-table width.
+    # Decode only: KV splits per sequence and KV head; 0 lets the backend choose.
     num_splits: int = 0
 
 
 class AttentionBackend(Protocol):
     """Applies RoPE, writes the step's K/V into the paged cache, and attends.
 
-    q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim], all before RoPE.
+    qkv: [tokens, (heads + 2 * kv_heads) * head_dim], the qkv projection of each token, q
+    columns first, then k, then v, before RoPE.
     k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim].
     Returns [tokens, heads, head_dim].
     """
@@ -47,14 +46,27 @@ class AttentionBackend(Protocol):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        qkv: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor: ...
 
+    def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
+        """The decode graphs to capture per batch size, as (longest context served, KV split
+        count for AttentionMetadata.num_splits), shortest first."""
+        ...
 
-class BackendFactory(Protocol):
-    def __call__(self, rotary: RotaryEmbedding, scale: float) -> AttentionBackend: ...
+
+def split_qkv(
+    qkv: torch.Tensor, k_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of q [tokens, heads, dim] and k, v [tokens, kv_heads, dim] over qkv's columns."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    heads = qkv.shape[-1] // head_dim - 2 * kv_heads
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return (
+        q.view(-1, heads, head_dim),
+        k.view(-1, kv_heads, head_dim),
+        v.view(-1, kv_heads, head_dim),
+    )

@@ -12,8 +12,14 @@ import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.base import AttentionMetadata
+from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
 from nanoqwen.runtime.kernels import rope_and_store
+
+# Decode graphs for contexts up to here use a narrow block table and one KV split.
+# flash-attn sizes its split count from the table width, so a graph captured for the full
+# model length splits even a 100-token context 60 ways and spends most of a small decode
+# step merging the splits.
+SHORT_CONTEXT = 2048
 
 
 class FlashAttention:
@@ -33,30 +39,38 @@ class FlashAttention:
             )
         return self._tables[dtype]
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
+        if max_model_len <= SHORT_CONTEXT:
+            return [(max_model_len, 1)]
+        return [(SHORT_CONTEXT, 1), (max_model_len, 0)]
+
+    def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = split_qkv(qkv, k_cache)
         if meta.is_prefill:
-            rope_and_store(
-                q,
-                k,
-                meta.positions,
-                self.rotary.cos_half,
-                self.rotary.sin_half,
-                meta.slot_mapping,
-                k_cache,
-                v_cache,
-            )
-            return flash_attn_varlen_func(
-                q,
-                k_cache,
-                v_cache,
-                cu_seqlens_q=meta.cu_seqlens_q,
-                cu_seqlens_k=meta.cu_seqlens_k,
-                max_seqlen_q=meta.max_seqlen_q,
-                max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=self.scale,
-                causal=True,
-                block_table=meta.block_tables,
-            )
+            return self.prefill(q, k, k_cache, v_cache, meta)
+        return self.decode(q, k, v, k_cache, v_cache, meta)
+
+    def prefill(self, q, k, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE and the K/V write in one kernel, then attention over the paged cache (which
+        holds any cached context of the sequences too)."""
+        rope_and_store(
+            q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
+            meta.slot_mapping, k_cache, v_cache,
+        )  # fmt: skip
+        return flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=self.scale,
+            causal=True,
+            block_table=meta.block_tables,
+        )
+
+    def decode(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         cos, sin = self._rotary_tables(q.dtype)
         out = flash_attn_with_kvcache(
             q.unsqueeze(1),

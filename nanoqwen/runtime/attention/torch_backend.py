@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.model.layers import RotaryEmbedding, apply_rotary
-from nanoqwen.runtime.attention.base import AttentionMetadata
+from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
 
 
 def store_kv(
@@ -83,9 +83,15 @@ class TorchAttention:
         self.rotary = rotary
         self.scale = scale
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = split_qkv(qkv, k_cache)
         cos, sin = self.rotary.cos_sin(meta.positions, q.dtype)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, self.scale)
+
+    def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
+        # Decode gathers every block-table column of every sequence; a graph captured for
+        # the full model length would make that gigabytes per layer, so it stays eager.
+        return []

@@ -1,4 +1,4 @@
-"""flash-attn backend vs the torch reference backend on the same paged cache."""
+"""The GPU backends (flash-attn, Triton decode) vs the torch reference on one paged cache."""
 
 from __future__ import annotations
 
@@ -38,51 +38,54 @@ def _meta(ctx_before: list[int], new: list[int], tables: torch.Tensor, prefill: 
     )
 
 
+# "wide" is 64 sequences x 2 KV heads: the triton backend decodes it with flash-attn.
+@pytest.mark.parametrize(
+    "lengths", [[1, 255, 256, 257, 700, 1100], [1, 300] * 32], ids=["mixed", "wide"]
+)
+@pytest.mark.parametrize("name", ["flash-attn", "triton"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_then_decode_agree(head_dim):
+def test_prefill_then_decode_agree(name, head_dim, lengths):
     pytest.importorskip("flash_attn")
-    from nanoqwen.runtime.attention.flash_backend import FlashAttention
+    from nanoqwen.runtime.attention import create_backend
 
     torch.manual_seed(0)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     rotary = RotaryEmbedding(head_dim, 4096, 1e6, dev)
     scale = head_dim**-0.5
-    lengths = [1, 255, 256, 257, 700, 1100]
     blocks_per_seq = -(-(max(lengths) + 1) // BLOCK)
     num_blocks = blocks_per_seq * len(lengths) + 1
     perm = torch.randperm(num_blocks - 1, device=dev).to(torch.int32)
     tables = perm[: blocks_per_seq * len(lengths)].view(len(lengths), blocks_per_seq)
     shape = (num_blocks, BLOCK, KV_HEADS, head_dim)
     caches = {
-        name: tuple(torch.zeros(shape, dtype=dtype, device=dev) for _ in range(2))
-        for name in ("torch", "flash")
+        which: tuple(torch.zeros(shape, dtype=dtype, device=dev) for _ in range(2))
+        for which in ("torch", "gpu")
     }
-    backends = {"torch": TorchAttention(rotary, scale), "flash": FlashAttention(rotary, scale)}
+    backends = {
+        "torch": TorchAttention(rotary, scale),
+        "gpu": create_backend(name, rotary, scale, dev, dtype, head_dim, BLOCK),
+    }
+    assert backends["gpu"].name == name
 
     def step(ctx_before, new, prefill):
         meta = _meta(ctx_before, new, tables, prefill)
         tokens = sum(new)
         qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * head_dim, device=dev, dtype=dtype)
-        outs = {}
-        for name, backend in backends.items():
-            buf = qkv.clone()  # the flash path rotates q in place
-            q, k, v = buf.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], -1)
-            outs[name] = backend.forward(
-                q.view(tokens, HEADS, head_dim),
-                k.view(tokens, KV_HEADS, head_dim),
-                v.view(tokens, KV_HEADS, head_dim),
-                *caches[name],
-                meta,
-            ).float()
-        err = (outs["flash"] - outs["torch"]).abs().max().item()
-        assert err < 2e-2, f"prefill={prefill} max abs diff {err}"
-        # Prefill's kernel rounds RoPE where HF (and the torch path) do, decode's rotary in
-        # flash-attn rounds once; keys may differ by a bf16 step. The share of bit-equal
-        # prefill entries is printed to keep an eye on it (95-98% for K, 100% for V).
-        for a, b in zip(caches["flash"], caches["torch"]):
-            if prefill:
-                same = (a == b).float().mean().item()
-                print(f"prefill cache entries bit-equal to the torch path: {same:.6f}")
+        # Backends may rotate q in place: each gets its own copy.
+        outs = {
+            which: backend.forward(qkv.clone(), *caches[which], meta).float()
+            for which, backend in backends.items()
+        }
+        err = (outs["gpu"] - outs["torch"]).abs().max().item()
+        print(f"{name} prefill={prefill}: max abs diff of the outputs {err:.4f}")
+        # Outputs reach ~8 here, where one bf16 step is 0.03: two steps relative, at most.
+        torch.testing.assert_close(outs["gpu"], outs["torch"], rtol=2**-7, atol=2e-2)
+        # The RoPE kernels round where HF (and the torch path) do, flash-attn's decode rotary
+        # rounds once; keys may differ by a bf16 step. The share of bit-equal cache entries
+        # is printed to keep an eye on it.
+        for a, b in zip(caches["gpu"], caches["torch"]):
+            same = (a == b).float().mean().item()
+            print(f"{name} prefill={prefill}: cache entries bit-equal to the torch path {same:.6f}")
             torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2e-2)
 
     # A prompt chunk with no context, then a second chunk over cached context, then decode.
