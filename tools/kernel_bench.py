@@ -76,7 +76,7 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool) -> None:
             rotary_interleaved=False, num_splits=splits,
         )  # fmt: skip
 
-    def tr(splits=None):
+    def tr(splits=0):
         da.decode_attention(
             qkv, pos, slots, ctx_t, tables, rotary.cos_half, rotary.sin_half,
             k_cache, v_cache, d**-0.5, num_splits=splits,

@@ -162,11 +162,11 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
-    num_splits: int | None = None,
+    num_splits: int = 0,
 ) -> torch.Tensor:
     """qkv: [seqs, (heads + 2 * kv_heads) * head_dim], the projection of each sequence's new
     token. Writes the new k/v into the cache and returns the attention output
-    [seqs, heads, head_dim]."""
+    [seqs, heads, head_dim]. num_splits 0 picks the count from the batch size."""
     seqs = qkv.shape[0]
     _, page, kv_heads, head_dim = k_cache.shape
     num_heads = qkv.shape[1] // head_dim - 2 * kv_heads

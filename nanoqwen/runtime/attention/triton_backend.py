@@ -33,5 +33,5 @@ class TritonDecodeAttention(FlashAttention):
         return decode_attention(
             qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
             self.rotary.cos_half, self.rotary.sin_half, k_cache, v_cache, self.scale,
-            num_splits=meta.num_splits or None,
+            num_splits=meta.num_splits,
         )  # fmt: skip
