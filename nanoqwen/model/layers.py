@@ -25,7 +25,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1:
-            from nanoqwen.runtime.gemv import gemv
+            from nanoqwen.kernels.gemv import gemv
 
             return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); residual=None means x alone."""
         if self.fused:
-            from nanoqwen.runtime.kernels import rms_norm
+            from nanoqwen.kernels.rms_norm import rms_norm
 
             if residual is None:
                 return rms_norm(x, self.weight, self.eps), x
@@ -108,12 +108,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1:
-            from nanoqwen.runtime.gemv import gemv_silu_mul
+            from nanoqwen.kernels.gemv import gemv_silu_mul
 
             return self.down_proj(gemv_silu_mul(x, self.gate_up_proj.weight))
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            from nanoqwen.runtime.kernels import silu_mul
+            from nanoqwen.kernels.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

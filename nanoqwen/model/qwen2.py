@@ -68,7 +68,7 @@ class Qwen2ForCausalLM(nn.Module):
         """Triton add+norm and SiLU*up kernels, and GEMVs for single rows through small
         weights, for bf16/fp16 on CUDA."""
         if enabled:
-            from nanoqwen.runtime.gemv import gemv_pays
+            from nanoqwen.kernels.gemv import gemv_pays
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = enabled

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+from nanoqwen.kernels.rope import rope_and_store
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
-from nanoqwen.runtime.kernels import rope_and_store
 
 # Decode graphs for contexts up to here use a narrow block table and one KV split.
 # flash-attn sizes its split count from the table width, so a graph captured for the full

@@ -1,4 +1,4 @@
-"""flash-attn, with a Triton kernel for decode at small batch (runtime/decode_attention.py).
+"""flash-attn, with a Triton kernel for decode at small batch (kernels/decode_attention.py).
 
 flash-attn's decode runs one thread block per (sequence, KV head), so below ~128 of those
 most of the GPU idles while each block walks its whole context. The Triton kernel spreads
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.kernels.decode_attention import decode_attention
 from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.attention.flash_backend import FlashAttention
-from nanoqwen.runtime.decode_attention import decode_attention
 
 TRITON_BELOW = 128  # (sequence, KV head) pairs per decode step
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
 )
-from nanoqwen.runtime.gemv import gemv, gemv_silu_mul  # noqa: E402
+from nanoqwen.kernels.gemv import gemv, gemv_silu_mul  # noqa: E402
 
 # (rows, columns): down_proj-like long rows, many short rows, and odd sizes that leave
 # partial blocks in both directions.

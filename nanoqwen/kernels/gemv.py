@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.runtime.kernels import _silu_mul
+from nanoqwen.kernels.silu_mul import _silu_mul
 
 GEMV_MAX_BYTES = 20 << 20
 

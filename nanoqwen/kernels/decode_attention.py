@@ -7,7 +7,7 @@ the split count is fixed per batch size (a CUDA graph captures it), while the ke
 reads come from the live context length: split s of S takes the s-th of S equal, tile-aligned
 slices of the cached keys.
 
-The same kernel rotates q and the new key (HF's rounding, see kernels._rotate), writes the
+The same kernel rotates q and the new key (HF's rounding, see rope._rotate), writes the
 new key and value to their cache slot and attends to the new token straight from registers.
 Only the last split owns the new token, so no program reads a slot another program writes in
 the same launch.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.runtime.kernels import _rotate
+from nanoqwen.kernels.rope import _rotate
 
 TILE = 64  # keys per inner step
 NUM_WARPS = 4

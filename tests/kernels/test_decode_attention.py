@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
 )
-from nanoqwen.runtime.decode_attention import decode_attention  # noqa: E402
+from nanoqwen.kernels.decode_attention import decode_attention  # noqa: E402
 
 
 def _decode_step(lengths, heads, kv_heads, head_dim, page, dtype, seed=0):
