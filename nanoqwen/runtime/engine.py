@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
+from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
@@ -25,6 +26,10 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" or "length"
     metrics: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.logprobs: one entry per generated token.
+    logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -34,6 +39,7 @@ class StreamChunk:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # for token_ids, with SamplingParams.logprobs
 
 
 class LLM:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanoqwen.runtime.logprobs import MAX_LOGPROBS
+
 
 def _check(name: str, value: float, ok: bool, allowed: str) -> None:
     if not ok:
@@ -25,6 +27,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    # Per sampled / prompt token: its log-probability and the top-N alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +50,10 @@ class SamplingParams:
         )
         if self.seed is not None:
             _check("seed", self.seed, 0 <= self.seed < 2**63, "0 <= seed < 2**63")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(name, value, 0 <= value <= MAX_LOGPROBS, f"None or 0..{MAX_LOGPROBS}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop={self.stop!r} is invalid: allowed non-empty strings")
