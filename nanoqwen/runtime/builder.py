@@ -13,7 +13,7 @@ from nanoqwen.runtime.attention import AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.model_runner import ModelRunner
-from nanoqwen.runtime.sampler import Sampler
+from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.hub import resolve_model
@@ -120,6 +120,9 @@ def build_engine(
 
     if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
         net.use_fused_kernels(True)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
+    # Before the KV pool is sized: the sampler's per-slot token tables take memory too.
+    sampler = Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
     per_block = KVCache.bytes_per_block(cfg, block_size, torch_dtype)
     if num_kv_blocks is None:
         if dev.type == "cpu":
@@ -140,15 +143,16 @@ def build_engine(
             f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
         )
     blocks = BlockManager(num_kv_blocks, block_size)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks)
-    eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks, sampler.release
+    )
     graphs = None
     variants = backend.graph_variants(max_len)
     if dev.type == "cuda" and not enforce_eager and variants:
         from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
 
-        graphs = CUDAGraphRunner(max_num_seqs, kv)
-    runner = ModelRunner(net, kv, blocks, Sampler(eos), graphs)
+        graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch)
+    runner = ModelRunner(net, kv, blocks, sampler, graphs)
     if graphs is not None:
         graphs.capture(runner, max_len, variants, progress=progress)
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
 from nanoqwen.runtime.logprobs import TokenLogprobs
-from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep
+from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep, logprob_entries
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 
@@ -40,6 +40,12 @@ class StreamChunk:
     finished: bool
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # for token_ids, with SamplingParams.logprobs
+
+
+def _cut(entry: TokenLogprobs, top: int) -> TokenLogprobs:
+    """entry with only the top alternatives its request asked for."""
+    entry.top = entry.top[:top]
+    return entry
 
 
 class LLM:
@@ -171,7 +177,15 @@ class LLM:
             return []
         now = time.perf_counter()
         resolved = []
-        for seq, token in zip(launched.seqs, launched.result()):
+        tokens = launched.result()
+        for seq, first, tensors in launched.prompt_logprobs:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]
+            targets = seq.token_ids[first : first + len(tensors[0])]
+            top = seq.params.prompt_logprobs
+            seq.prompt_logprobs += [_cut(e, top) for e in logprob_entries(tensors, targets)]
+        entries = logprob_entries(launched.logprobs, tokens) if launched.logprobs else None
+        for row, (seq, token) in enumerate(zip(launched.seqs, tokens)):
             if seq.is_finished:  # aborted while its token was in flight
                 continue
             # At most two tokens are in flight per sequence; this step's is the older one.
@@ -183,6 +197,8 @@ class LLM:
                 seq.unstreamed.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.logprobs is not None:
+                seq.logprobs.append(_cut(entries[row], seq.params.logprobs))
             reason = self._finish_reason(seq, token, pos + 1)
             detok = self._detok.get(seq.seq_id)
             if detok is not None:
@@ -204,14 +220,6 @@ class LLM:
         batch = self.scheduler.schedule()
         if batch is None:
             return self._resolve()
-        if any(s.params.needs_penalties for s in batch.seqs):
-            # Penalties read each sequence's full history: apply pending tokens first.
-            resolved = self._resolve()
-            batch.drop_finished()
-            if not batch.seqs:
-                return resolved
-            self._launched = self._launch(batch)
-            return resolved + self._resolve()
         launched = self._launch(batch)
         resolved = self._resolve()
         self._launched = launched
@@ -249,6 +257,8 @@ class LLM:
             text,
             seq.finish_reason or "length",
             metrics,
+            seq.logprobs,
+            seq.prompt_logprobs,
         )
 
     # ---- public API -----------------------------------------------------------------------
@@ -286,6 +296,7 @@ class LLM:
         # Tokens are collected on each sequence, so none is lost when another generate() or
         # stream() call runs the engine while this iterator is paused.
         open_requests = set(range(len(seqs)))
+        streamed = [0] * len(seqs)  # tokens handed out per request
         try:
             while open_requests:
                 if any(not seqs[i].is_finished for i in open_requests):
@@ -302,6 +313,10 @@ class LLM:
                     text = detok.pending(final=seq.is_finished) if detok else ""
                     if seq.is_finished:
                         open_requests.discard(i)
-                    yield StreamChunk(i, text, tokens, seq.is_finished, seq.finish_reason)
+                    logprobs = None
+                    if seq.logprobs is not None:
+                        logprobs = seq.logprobs[streamed[i] : streamed[i] + len(tokens)]
+                    streamed[i] += len(tokens)
+                    yield StreamChunk(i, text, tokens, seq.is_finished, seq.finish_reason, logprobs)
         finally:
             self.abort([s for s in seqs if not s.is_finished])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoqwen.runtime.block_manager import BlockManager
@@ -34,9 +35,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        on_release: Callable[[Sequence], None] | None = None,
+    ) -> None:
         self.config = config
         self.blocks = block_manager
+        # Told when a sequence samples no more (retired, finished or preempted), so the
+        # sampler can hand its slot on.
+        self.on_release = on_release or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -96,6 +105,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Recompute later: drop its cache and put it first in line.
         self.blocks.free(seq)
+        self.on_release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         # Behind a half-prefilled head: that one already holds its blocks and must finish.
@@ -108,11 +118,13 @@ class Scheduler:
         until finish()."""
         if seq in self.running:
             self.running.remove(seq)
+        self.on_release(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.blocks.free(seq)
+        self.on_release(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -31,7 +32,12 @@ class Sequence:
         self.finish_reason: str | None = None
         # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.
         self.unstreamed: list[int] | None = None
-        self.generator = None  # per-request torch.Generator when params.seed is set
+        # The sampling noise's key: params.seed, or one drawn when the request first samples.
+        self.sampling_seed: int | None = None
+        # With params.logprobs / prompt_logprobs: one entry per output / prompt token.
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.prompt_logprobs_launched = 1  # the next prompt position whose entry is computed
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
