@@ -18,7 +18,10 @@ from nanoqwen import __version__
 from nanoqwen.runtime.attention import BACKENDS
 from nanoqwen.runtime.builder import DTYPES
 from nanoqwen.runtime.engine import LLM
+from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.weights.generation_config import FIELDS, sampling_defaults
+from nanoqwen.weights.hub import resolve_model
 
 PROG = "nanoqwen"
 BENCH_MODULE = "nanoqwen.runtime.bench"
@@ -90,21 +93,27 @@ def _engine_flags() -> argparse.ArgumentParser:
 
 def _sampling_flags() -> argparse.ArgumentParser:
     p = _Parser(add_help=False)
-    g = p.add_argument_group("sampling (defaults follow Qwen2.5's generation_config)")
+    g = p.add_argument_group(
+        "sampling (defaults marked * come from the checkpoint's generation_config.json, and "
+        "where it names none from Qwen2.5-Instruct's: temperature 0.7, top-p 0.8, top-k 20, "
+        "repetition penalty 1.05)"
+    )
     g.add_argument(
         "--max-tokens", type=int, default=512, metavar="N", help="new tokens per answer, at most"
     )
+    g.add_argument("--temperature", type=float, metavar="T", help="* 0 = greedy (deterministic)")
+    g.add_argument("--top-p", type=float, metavar="P", help="* nucleus mass kept; 1 = off")
     g.add_argument(
-        "--temperature", type=float, default=0.7, metavar="T", help="0 = greedy (deterministic)"
+        "--top-k", type=int, metavar="K", help="* most likely tokens kept; 0 or -1 = off"
     )
+    g.add_argument("--min-p", type=float, metavar="P", help="* 0 = off (default 0)")
+    g.add_argument("--repetition-penalty", type=float, metavar="R", help="* 1 = off")
     g.add_argument(
-        "--top-p", type=float, default=0.8, metavar="P", help="nucleus mass kept; 1 = off"
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="with --json: each token's log-probability and the N most likely alternatives",
     )
-    g.add_argument(
-        "--top-k", type=int, default=20, metavar="K", help="most likely tokens kept; 0 or -1 = off"
-    )
-    g.add_argument("--min-p", type=float, default=0.0, metavar="P", help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
     g.add_argument(
         "--seed", type=int, metavar="N", help="sampling seed, per prompt (default: random)"
     )
@@ -126,8 +135,10 @@ until their turn. --json prints one JSON object per prompt instead (prompt, text
 prompt_tokens, completion_tokens, finish_reason, ttft_s, total_s, tok_per_s =
 completion_tokens / total_s; times count from when the batch starts).
 
-A speed summary goes to stderr. Sampling defaults are Qwen2.5's (temperature 0.7, top-p 0.8,
-top-k 20); --temperature 0 gives greedy, reproducible output."""
+A speed summary goes to stderr. Sampling defaults come from the checkpoint's
+generation_config.json, else Qwen2.5-Instruct's (temperature 0.7, top-p 0.8, top-k 20,
+repetition penalty 1.05); --temperature 0 gives greedy, reproducible output. With --json,
+--logprobs N adds each token's log-probability, rank and N alternatives."""
 
 CHAT_HELP = """\
 Interactive multi-turn chat with the model's chat template; answers stream as they are made.
@@ -185,13 +196,21 @@ def info(message: str, quiet: bool = False) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """From the flags, and the checkpoint's generation_config.json for those not given."""
+    try:
+        defaults = sampling_defaults(resolve_model(args.model))
+    except (ValueError, FileNotFoundError):
+        defaults = sampling_defaults(None)  # loading the model reports what is wrong
+    given = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
+    chosen = {"min_p": 0.0} | defaults | given
     try:
         return SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=-1 if args.top_k == 0 else args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
+            temperature=chosen["temperature"],
+            top_p=chosen["top_p"],
+            top_k=-1 if chosen["top_k"] == 0 else chosen["top_k"],
+            min_p=chosen["min_p"],
+            repetition_penalty=chosen["repetition_penalty"],
+            logprobs=args.logprobs,
             max_tokens=args.max_tokens,
             stop=args.stop,
             seed=args.seed,
@@ -286,9 +305,13 @@ class _Request:
         self.finish_reason: str | None = None
         self.ttft_s: float | None = None
         self.total_s: float | None = None
+        self.logprobs: list[TokenLogprobs] | None = None
 
-    def as_json(self) -> dict:
+    def as_json(self, tokenizer) -> dict:
         total = self.total_s or 0.0
+        extra = {}
+        if self.logprobs is not None:
+            extra["logprobs"] = [_logprob_json(e, tokenizer) for e in self.logprobs]
         return {
             "prompt": self.prompt,
             "text": "".join(self.pieces),
@@ -298,7 +321,20 @@ class _Request:
             "ttft_s": round(self.ttft_s or 0.0, 6),
             "total_s": round(total, 6),
             "tok_per_s": round(self.completion_tokens / total, 3) if total > 0 else None,
-        }
+        } | extra
+
+
+def _logprob_json(entry: TokenLogprobs, tokenizer) -> dict:
+    def token(t: int) -> str:
+        return tokenizer.decode([t])
+
+    return {
+        "token_id": entry.token_id,
+        "token": token(entry.token_id),
+        "logprob": entry.logprob,
+        "rank": entry.rank,
+        "top": [{"token_id": t, "token": token(t), "logprob": lp} for t, lp in entry.top],
+    }
 
 
 def _write(text: str) -> None:
@@ -339,6 +375,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if req.ttft_s is None:
                 req.ttft_s = now
             req.completion_tokens += len(chunk.token_ids)
+            if chunk.logprobs is not None:
+                req.logprobs = (req.logprobs or []) + chunk.logprobs
             req.pieces.append(chunk.text)
             if chunk.index == current:
                 emit(chunk.text)
@@ -346,7 +384,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 req.finish_reason, req.total_s = chunk.finish_reason, now
             while current < n and reqs[current].finish_reason is not None:
                 if args.json:
-                    _write(json.dumps(reqs[current].as_json(), ensure_ascii=False) + "\n")
+                    _write(
+                        json.dumps(reqs[current].as_json(llm.tokenizer), ensure_ascii=False) + "\n"
+                    )
                 elif not ends_line:
                     _write("\n")
                 current += 1

@@ -301,7 +301,49 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_session(monkeypatch, capsys)
 def test_subcommand_help_shows_defaults(command):
     r = cli(command, "--help")
     assert r.returncode == 0 and r.stderr == ""
-    assert "(default: 512)" in r.stdout and "(default: 0.7)" in r.stdout
+    assert "(default: 512)" in r.stdout
+    flat = " ".join(r.stdout.split())
+    assert "generation_config.json" in flat and "temperature 0.7, top-p 0.8, top-k 20" in flat
+
+
+def test_sampling_defaults_come_from_generation_config(tmp_path, model, llm):
+    """A checkpoint whose generation_config.json asks for temperature 0 decodes greedily
+    without any flag; a flag still wins over the file."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in Path(model).iterdir():
+        (ck / f.name).symlink_to(f)
+    (ck / "generation_config.json").unlink(missing_ok=True)
+    (ck / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
+    r = cli("generate", "--model", str(ck), "--device", "cpu", "--max-tokens", "12", "-q", "Hi")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == as_printed(greedy(llm, chat_ids(llm, "Hi")).text)
+    from argparse import Namespace
+
+    from nanoqwen.cli import sampling_params
+
+    flags = dict(model=str(ck), top_p=None, min_p=None, repetition_penalty=None, logprobs=None)
+    flags |= dict(max_tokens=5, stop=None, seed=None)
+    params = sampling_params(Namespace(temperature=0.9, top_k=None, **flags))
+    assert (params.temperature, params.top_k, params.top_p) == (0.9, 5, 0.8)
+    assert params.repetition_penalty == 1.05  # the Qwen value: the file names none
+
+
+def test_json_logprobs(model, llm):
+    r = cli("generate", "--model", model, *GREEDY, "--json", "--logprobs", "2", "-q", "Hi")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    expected = llm.generate(
+        [chat_ids(llm, "Hi")], SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    )[0]
+    assert [e["token_id"] for e in out["logprobs"]] == expected.token_ids
+    assert [e["logprob"] for e in out["logprobs"]] == pytest.approx(
+        [e.logprob for e in expected.logprobs], abs=1e-5
+    )
+    first = out["logprobs"][0]
+    assert first["rank"] == 1 and len(first["top"]) == 2
+    assert first["top"][0]["token_id"] == first["token_id"]
+    assert first["token"] == llm.tokenizer.decode([first["token_id"]])
 
 
 def test_top_level_help_and_version():

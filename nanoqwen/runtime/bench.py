@@ -42,6 +42,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-num-requests", type=int, default=None,
                    help="throughput requests given to HF (default: all)")  # fmt: skip
     p.add_argument("--json", dest="json_path", help="write all results to this JSON file")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--sampling", default="greedy,cli",
+                   help="latency mode: comma-separated presets, each a row per batch size: "
+                   + ", ".join(f"{k} ({v})" for k, v in PRESET_HELP.items()))  # fmt: skip
+    g.add_argument("--throughput-sampling", default="t0.6",
+                   help="throughput mode preset (t0.6 is nano-vllm's workload)")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=1.0, help="the custom preset")
+    g.add_argument("--top-p", type=float, default=1.0, help="the custom preset")
+    g.add_argument("--top-k", type=int, default=-1, help="the custom preset")
+    g.add_argument("--min-p", type=float, default=0.0, help="the custom preset")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="the custom preset")
+    g.add_argument("--logprobs", type=int, default=None, help="the custom preset")
+
+
+PRESETS = {
+    "greedy": dict(temperature=0.0),
+    # The CLI's defaults for Qwen2.5 checkpoints (their generation_config.json).
+    "cli": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+    "t0.6": dict(temperature=0.6),
+    "t1-p0.9": dict(temperature=1.0, top_p=0.9),
+}
+PRESET_HELP = {k: ", ".join(f"{n}={v}" for n, v in d.items()) for k, d in PRESETS.items()}
+PRESET_HELP["custom"] = "the flags below"
+
+
+def preset(name: str, args) -> dict:
+    if name == "custom":
+        return dict(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
+        )  # fmt: skip
+    if name not in PRESETS:
+        raise ValueError(f"sampling preset {name!r} is unknown: allowed {', '.join(PRESET_HELP)}")
+    return PRESETS[name]
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -66,9 +100,11 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize()
 
 
-def latency_run(llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random.Random):
+def latency_run(
+    llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random.Random, sampling: dict
+):
     prompts = [[rng.randrange(10000) for _ in range(prompt_len)] for _ in range(bs)]
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **sampling)
     seqs = [llm._add(p, params, detokenize=False) for p in prompts]
     _sync(llm)
     start = time.perf_counter()
@@ -110,9 +146,9 @@ def throughput_workload(num_requests: int, seed: int):
     return prompts, out_lens
 
 
-def throughput_run(llm: LLM, num_requests: int, seed: int):
+def throughput_run(llm: LLM, num_requests: int, seed: int, sampling: dict):
     prompts, out_lens = throughput_workload(num_requests, seed)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+    params = [SamplingParams(ignore_eos=True, max_tokens=n, **sampling) for n in out_lens]
     llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up call
     if llm.runner.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -178,20 +214,30 @@ def run(args) -> int:
     results: dict = {"setup": setup}
     rng = random.Random(args.seed)
     if args.mode in ("latency", "all"):
-        latency_run(llm, 1, 16, 8, rng)  # warm-up
+        presets = args.sampling.split(",")
+        for name in presets:
+            latency_run(llm, 1, 16, 8, rng, preset(name, args))  # warm-up
         rows = []
         for bs in [int(b) for b in args.batch_sizes.split(",")]:
-            row = latency_run(llm, bs, args.prompt_len, args.new_tokens, rng)
-            if hf is not None:
-                row["hf_tok_s"] = hf_latency(hf, bs, args.prompt_len, args.new_tokens, rng)
-                row["x_hf"] = row["e2e_tok_s"] / row["hf_tok_s"]
-            rows.append(row)
+            first = None
+            for name in presets:
+                row = {"sampling": name}
+                row |= latency_run(
+                    llm, bs, args.prompt_len, args.new_tokens, rng, preset(name, args)
+                )
+                first = first or row
+                row["x_first"] = row["decode_tok_s"] / first["decode_tok_s"]
+                if hf is not None and name == presets[0]:
+                    row["hf_tok_s"] = hf_latency(hf, bs, args.prompt_len, args.new_tokens, rng)
+                    row["x_hf"] = row["e2e_tok_s"] / row["hf_tok_s"]
+                rows.append(row)
         results["latency"] = rows
         _print_table(
             f"latency: {setup['model']}, {args.dtype}, {backend}, graphs={setup['cuda_graphs']}",
             rows,
             [
-                ("bs", "batch_size", "d"), ("TTFT ms", "ttft_ms", ".1f"),
+                ("bs", "batch_size", "d"), ("sampling", "sampling", "s"),
+                (f"x {presets[0]}", "x_first", ".3f"), ("TTFT ms", "ttft_ms", ".1f"),
                 ("step ms p50", "step_ms_p50", ".3f"), ("p99", "step_ms_p99", ".3f"),
                 ("decode tok/s", "decode_tok_s", ",.0f"), ("e2e tok/s", "e2e_tok_s", ",.0f"),
                 ("weights GB/s", "weight_gb_s", ",.0f"), ("HF tok/s", "hf_tok_s", ",.1f"),
@@ -200,14 +246,17 @@ def run(args) -> int:
         )  # fmt: skip
         print(f"(weight-read ceiling: ~{H200_COPY_GBPS:,.0f} GB/s on an H200)")
     if args.mode in ("throughput", "all"):
-        row = throughput_run(llm, args.num_requests, args.seed)
+        row = throughput_run(
+            llm, args.num_requests, args.seed, preset(args.throughput_sampling, args)
+        )
         if hf is not None:
             n = args.hf_num_requests or args.num_requests
             row["hf_output_tok_s"] = hf_throughput(hf, *throughput_workload(n, args.seed))
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         results["throughput"] = row
         _print_table(
-            f"throughput: {args.num_requests} requests, prompts and outputs uniform in [100, 1024]",
+            f"throughput: {args.num_requests} requests, prompts and outputs uniform in [100, 1024],"
+            f" sampling {args.throughput_sampling}",
             [row],
             [
                 ("output tok/s", "output_tok_s", ",.0f"), ("total s", "total_s", ".2f"),
