@@ -55,15 +55,15 @@ def _gumbel(seed, pos, offs):
 
 @triton.jit
 def _prepare_kernel(
-    logits_ptr, logits_stride, z_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
+    logits_ptr, logits_stride, z_ptr, cand_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
     prompt_mask_ptr, counts_ptr, ban_mask_ptr,
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles,
-    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
-    per-tile partials: max, sum of exp(z - max), first argmax, and with SAMPLE the Gumbel
-    argmax of z + noise (sampling with no filter)."""
+    per-tile partials: max, sum of exp(z - max), first argmax; with SAMPLE the Gumbel argmax
+    of z + noise (a draw with no filter); with CANDIDATES the tile's largest values, sorted."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -89,21 +89,29 @@ def _prepare_kernel(
     if WRITE_Z:
         tl.store(z_ptr + row * vocab + offs, x, mask=inside)
     part = row * num_tiles + tile
+    if CANDIDATES > 0:
+        tl.store(cand_ptr + part * CANDIDATES + tl.arange(0, CANDIDATES), tl.topk(x, CANDIDATES))
     tile_max = tl.max(x, axis=0)
     tl.store(part_max_ptr + part, tile_max)
     total = tl.sum(tl.exp(x - tile_max), axis=0)
     tl.store(part_sum_ptr + part, tl.where(tile_max == float("-inf"), 0.0, total))
     tl.store(part_arg_ptr + part, tile * BLOCK + tl.argmax(x, axis=0))
     if SAMPLE:
-        if (flags & FLAG_GREEDY) == 0:
-            seed = tl.load(ip + I_SEED)
-            score = x + _gumbel(seed, tl.load(out_pos_ptr + slot), offs)
-            score = tl.where(inside & (x > float("-inf")), score, float("-inf"))
-            tl.store(part_gval_ptr + part, tl.max(score, axis=0))
-            tl.store(part_gidx_ptr + part, tile * BLOCK + tl.argmax(score, axis=0))
-        else:
-            tl.store(part_gval_ptr + part, float("-inf"))
-            tl.store(part_gidx_ptr + part, tile * BLOCK)
+        _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
+                    part_gval_ptr, part_gidx_ptr)  # fmt: skip
+
+
+@triton.jit
+def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_ptr, gidx_ptr):
+    """The tile's Gumbel-max candidate among `keep` (none for greedy rows)."""
+    if (flags & FLAG_GREEDY) == 0:
+        score = x + _gumbel(tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
+        score = tl.where(keep & (x > float("-inf")), score, float("-inf"))
+        tl.store(gval_ptr + part, tl.max(score, axis=0))
+        tl.store(gidx_ptr + part, first + tl.argmax(score, axis=0))
+    else:
+        tl.store(gval_ptr + part, float("-inf"))
+        tl.store(gidx_ptr + part, first)
 
 
 @triton.jit
@@ -111,143 +119,128 @@ def _sample_kernel(
     z_ptr, tau_ptr, slots_ptr, iparams_ptr, out_pos_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Gumbel argmax over the tokens with z >= tau (the row's filter threshold)."""
+    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    part = row * num_tiles + tile
     slot = tl.load(slots_ptr + row)
     ip = iparams_ptr + slot * NUM_I
-    if (tl.load(ip + I_FLAGS) & FLAG_GREEDY) != 0:
-        tl.store(part_gval_ptr + part, float("-inf"))
-        tl.store(part_gidx_ptr + part, tile * BLOCK)
-        return
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     inside = offs < vocab
     x = tl.load(z_ptr + row * vocab + offs, mask=inside, other=float("-inf"))
-    seed = tl.load(ip + I_SEED)
-    score = x + _gumbel(seed, tl.load(out_pos_ptr + slot), offs)
-    keep = inside & (x >= tl.load(tau_ptr + row)) & (x > float("-inf"))
-    score = tl.where(keep, score, float("-inf"))
-    tl.store(part_gval_ptr + part, tl.max(score, axis=0))
-    tl.store(part_gidx_ptr + part, tile * BLOCK + tl.argmax(score, axis=0))
+    keep = inside & (x >= tl.load(tau_ptr + row))
+    _store_draw(x, keep, tl.load(ip + I_FLAGS), ip, out_pos_ptr, slot, offs,
+                row * num_tiles + tile, tile * BLOCK, part_gval_ptr, part_gidx_ptr)  # fmt: skip
 
 
 @triton.jit
-def _ordered(x):
-    """float32 -> int64 key with the same order (negative floats' bits reversed)."""
-    i = x.to(tl.int32, bitcast=True)
-    return tl.where(i < 0, i ^ 0x7FFFFFFF, i).to(tl.int64)
+def _first_max(values, payload, idx, n):
+    """The payload at the first position holding the max of values (positions < n)."""
+    best = tl.max(values, axis=0)
+    first = tl.min(tl.where((values == best) & (idx < n), idx, n), axis=0)
+    return best, tl.sum(tl.where(idx == first, payload, 0), axis=0)
 
 
 @triton.jit
-def _from_ordered(key):
-    i = key.to(tl.int32)
-    return tl.where(i < 0, i ^ 0x7FFFFFFF, i).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _above(z_row, vocab, v, lo, m, MASS: tl.constexpr, BLOCK: tl.constexpr):
-    """Over tokens with z >= max(v, lo): the sum of exp(z - m) (MASS) or their count."""
-    total = 0.0
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(z_row + offs, mask=offs < vocab, other=float("-inf"))
-        keep = (x >= v) & (x >= lo) & (x > float("-inf"))
-        if MASS:
-            total += tl.sum(tl.where(keep, tl.exp(x - m), 0.0), axis=0)
-        else:
-            total += tl.sum(keep.to(tl.float32), axis=0)
-    return total
-
-
-@triton.jit
-def _largest_threshold(z_row, vocab, lo, m, target, MASS: tl.constexpr, BLOCK: tl.constexpr):
-    """The largest v with measure(z >= v) >= target, by bisection on the float order (the
-    measure only changes at token values, so the answer keeps exactly the tokens the sorted
-    rule keeps, ties included)."""
-    lo_key = _ordered(lo)
-    hi_key = _ordered(m) + 1
-    while hi_key - lo_key > 1:
-        mid = lo_key + (hi_key - lo_key) // 2
-        if _above(z_row, vocab, _from_ordered(mid), lo, m, MASS, BLOCK) >= target:
-            lo_key = mid
-        else:
-            hi_key = mid
-    return _from_ordered(lo_key)
-
-
-@triton.jit
-def _threshold_fallback_kernel(
-    z_ptr, need_ptr, top_k_ptr, top_p_ptr, tau_k_ptr, tau_p_ptr, m_ptr, vocab,
-    BLOCK: tl.constexpr,
+def _reduce_kernel(
+    part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
+    m_ptr, s_ptr, greedy_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr, out_pos_ptr, vocab,
+    FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Rows whose top-k / top-p boundary lies past the candidates the sampler sorted: find
-    the thresholds over the whole row. Other rows return at once."""
+    """Per row, over the tile partials: FIRST: max, sum of exp and greedy token; SAMPLED: the
+    draw; RECORD: the row's token (greedy or drawn) stored and counted as the slot's output."""
     row = tl.program_id(0).to(tl.int64)
-    need = tl.load(need_ptr + row)
-    if need == 0:
-        return
-    z_row = z_ptr + row * vocab
-    m = tl.load(m_ptr + row)
-    tau_k = tl.load(tau_k_ptr + row)
-    if (need & 1) != 0:  # top-k beyond the candidates: count instead of sort
-        k = tl.load(top_k_ptr + row).to(tl.float32)
-        no_bound = tl.full((), float("-inf"), tl.float32)
-        tau_k = _largest_threshold(z_row, vocab, no_bound, m, k, False, BLOCK)
-        tl.store(tau_k_ptr + row, tau_k)
-    if (need & 2) != 0:  # top-p mass beyond the candidates
-        total = _above(z_row, vocab, tau_k, tau_k, m, True, BLOCK)
-        target = tl.load(top_p_ptr + row) * total
-        tl.store(tau_p_ptr + row, _largest_threshold(z_row, vocab, tau_k, m, target, True, BLOCK))
+    idx = tl.arange(0, TILES)
+    parts = row * num_tiles + idx
+    inside = idx < num_tiles
+    if FIRST:
+        pmax = tl.load(part_max_ptr + parts, mask=inside, other=float("-inf"))
+        m, greedy = _first_max(pmax, tl.load(part_arg_ptr + parts, mask=inside, other=0), idx,
+                               num_tiles)  # fmt: skip
+        psum = tl.load(part_sum_ptr + parts, mask=inside, other=0.0)
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, tl.sum(psum * tl.exp(pmax - m), axis=0))
+        tl.store(greedy_ptr + row, greedy)
+    if RECORD:
+        slot = tl.load(slots_ptr + row)
+        token = tl.load(greedy_ptr + row)
+        if SAMPLED:
+            gval = tl.load(part_gval_ptr + parts, mask=inside, other=float("-inf"))
+            gidx = tl.load(part_gidx_ptr + parts, mask=inside, other=0)
+            _, drawn = _first_max(gval, gidx, idx, num_tiles)
+            greedy_row = (tl.load(iparams_ptr + slot * NUM_I + I_FLAGS) & FLAG_GREEDY) != 0
+            token = tl.where(greedy_row, token, drawn)
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.atomic_add(counts_ptr + slot * vocab + token, 1)
+        tl.atomic_add(out_pos_ptr + slot, 1)
 
 
-def prepare(
-    logits: torch.Tensor, slots: torch.Tensor, state, write_z: bool, sample: bool
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
-    """Returns (z or None, (part_max, part_sum, part_arg, part_gval, part_gidx))."""
+class _Partials:
+    def __init__(self, rows: int, vocab: int, device, candidates: int = 0) -> None:
+        self.tiles = triton.cdiv(vocab, TILE)
+        f32 = dict(dtype=torch.float32, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        shape = (rows, self.tiles)
+        self.max, self.sum, self.gval = (torch.empty(shape, **f32) for _ in range(3))
+        self.arg, self.gidx = torch.empty(shape, **i32), torch.empty(shape, **i32)
+        self.cand = torch.empty(rows, self.tiles, max(candidates, 1), **f32)
+        self.m, self.s = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        self.greedy = torch.empty(rows, **i32)
+
+
+def _prepare(logits, slots, state, z, parts: _Partials, sample: bool, candidates: int) -> None:
     rows, vocab = logits.shape
-    tiles = triton.cdiv(vocab, TILE)
-    dev = logits.device
-    z = torch.empty(rows, vocab, dtype=torch.float32, device=dev) if write_z else None
-    f32 = dict(dtype=torch.float32, device=dev)
-    part_max, part_sum = torch.empty(rows, tiles, **f32), torch.empty(rows, tiles, **f32)
-    part_gval = torch.empty(rows, tiles, **f32)
-    part_arg = torch.empty(rows, tiles, dtype=torch.int32, device=dev)
-    part_gidx = torch.empty(rows, tiles, dtype=torch.int32, device=dev)
-    _prepare_kernel[(rows, tiles)](
-        logits, logits.stride(0), z if write_z else logits, slots, state.fparams, state.iparams,
-        state.out_pos, state.prompt_mask, state.counts, state.ban_mask,
-        part_max, part_sum, part_arg, part_gval, part_gidx, vocab, tiles,
-        WRITE_Z=write_z, SAMPLE=sample, BLOCK=TILE, num_warps=4,
+    _prepare_kernel[(rows, parts.tiles)](
+        logits, logits.stride(0), logits if z is None else z, parts.cand, slots,
+        state.fparams, state.iparams, state.out_pos, state.prompt_mask, state.counts,
+        state.ban_mask, parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab,
+        parts.tiles, WRITE_Z=z is not None, SAMPLE=sample, CANDIDATES=candidates, BLOCK=TILE,
+        num_warps=4,
     )  # fmt: skip
-    return z, (part_max, part_sum, part_arg, part_gval, part_gidx)
 
 
-def sample_above(
-    z: torch.Tensor, tau: torch.Tensor, slots: torch.Tensor, state
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _reduce(parts: _Partials, slots, state, tokens, first: bool, sampled: bool, record: bool):
+    _reduce_kernel[(slots.shape[0],)](
+        parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, parts.tiles, parts.m, parts.s,
+        parts.greedy, tokens, slots, state.iparams, state.counts, state.out_pos,
+        state.counts.shape[1], FIRST=first, SAMPLED=sampled, RECORD=record,
+        TILES=triton.next_power_of_2(parts.tiles), num_warps=1,
+    )  # fmt: skip
+
+
+def plain_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor:
+    """Tokens for rows without top-k/top-p/min-p: one pass over the logits, one reduction."""
+    rows, vocab = logits.shape
+    parts = _Partials(rows, vocab, logits.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _prepare(logits, slots, state, None, parts, sample=True, candidates=0)
+    _reduce(parts, slots, state, tokens, first=True, sampled=True, record=True)
+    return tokens
+
+
+def filter_thresholds(
+    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int
+) -> tuple[torch.Tensor, torch.Tensor, _Partials]:
+    """The processed logits z and each row's threshold tau (top-k, top-p and min-p keep
+    z >= tau)."""
+    from nanoqwen.kernels.sampling_thresholds import thresholds
+
+    rows, vocab = logits.shape
+    parts = _Partials(rows, vocab, logits.device, candidates)
+    z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    _prepare(logits, slots, state, z, parts, sample=False, candidates=candidates)
+    _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False)
+    tau = thresholds(z, parts.cand, parts.m, parts.s, slots, state, candidates)
+    return z, tau, parts
+
+
+def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: int):
+    """Tokens with top-k/top-p/min-p: thresholds from the candidates, then a draw over z."""
+    z, tau, parts = filter_thresholds(logits, slots, state, candidates)
     rows, vocab = z.shape
-    tiles = triton.cdiv(vocab, TILE)
-    part_gval = torch.empty(rows, tiles, dtype=torch.float32, device=z.device)
-    part_gidx = torch.empty(rows, tiles, dtype=torch.int32, device=z.device)
-    _sample_kernel[(rows, tiles)](
-        z, tau, slots, state.iparams, state.out_pos, part_gval, part_gidx, vocab, tiles,
+    _sample_kernel[(rows, parts.tiles)](
+        z, tau, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab, parts.tiles,
         BLOCK=TILE, num_warps=4,
     )  # fmt: skip
-    return part_gval, part_gidx
-
-
-def threshold_fallback(
-    z: torch.Tensor,
-    need: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    tau_k: torch.Tensor,
-    tau_p: torch.Tensor,
-    m: torch.Tensor,
-) -> None:
-    """Updates tau_k / tau_p in place for rows with need bit 1 (top-k) or 2 (top-p)."""
-    rows, vocab = z.shape
-    _threshold_fallback_kernel[(rows,)](
-        z, need, top_k, top_p, tau_k, tau_p, m, vocab, BLOCK=TILE, num_warps=8
-    )
+    tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
+    _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True)
+    return tokens

@@ -10,13 +10,17 @@ import torch
 
 from nanoqwen.kernels.sampling_layout import (
     F_FREQUENCY,
+    F_MIN_P,
     F_PRESENCE,
     F_REPETITION,
     F_TEMPERATURE,
+    F_TOP_P,
     FLAG_BAN,
+    FLAG_GREEDY,
     I_FLAGS,
     I_MIN_TOKENS,
     I_SEED,
+    I_TOP_K,
 )
 from nanoqwen.runtime.sampling.noise import gumbel
 from nanoqwen.runtime.sampling.state import SamplingState
@@ -38,6 +42,8 @@ class Prepared:
 
 
 class TorchPasses:
+    """Torch ops: the CPU engine's sampler, and the GPU kernels' reference in the tests."""
+
     def prepare(
         self,
         logits: torch.Tensor,
@@ -73,12 +79,60 @@ class TorchPasses:
         noise = gumbel(state.iparams[slots, I_SEED], state.out_pos[slots], z.shape[1])
         return (z + noise).argmax(dim=1)
 
-    def sample_above(
-        self, z: torch.Tensor, tau: torch.Tensor, slots: torch.Tensor, state: SamplingState
-    ) -> torch.Tensor:
-        return self._gumbel_argmax(z.masked_fill(z < tau[:, None], NEG_INF), slots, state)
+    def step(self, logits, slots, state: SamplingState, filtering: bool, candidates: int):
+        greedy_rows = (state.iparams[slots, I_FLAGS] & FLAG_GREEDY) != 0
+        if filtering:
+            out = self.prepare(logits, slots, state, write_z=True, sample=False)
+            z = out.z.masked_fill(
+                out.z < self.thresholds(out, slots, state, candidates)[:, None], NEG_INF
+            )
+            sampled = self._gumbel_argmax(z, slots, state)
+        else:
+            out = self.prepare(logits, slots, state, write_z=False, sample=True)
+            sampled = out.sampled
+        tokens = torch.where(greedy_rows, out.greedy, sampled)
+        state.record(slots, tokens)
+        return tokens
 
-    def threshold_fallback(self, z, need, top_k, top_p, tau_k, tau_p, m) -> None:
+    def filtered(self, logits, slots, state: SamplingState, candidates: int) -> torch.Tensor:
+        out = self.prepare(logits, slots, state, write_z=True, sample=False)
+        tau = self.thresholds(out, slots, state, candidates)
+        return out.z.masked_fill(out.z < tau[:, None], NEG_INF)
+
+    def thresholds(self, out: Prepared, slots, state: SamplingState, candidates: int):
+        """Per row, the smallest processed logit that top-k, top-p and min-p keep (the
+        reference's sorted rule, read off the `candidates` largest values)."""
+        z, m = out.z, out.m
+        vocab = z.shape[1]
+        cap = min(candidates, vocab)
+        f, i = state.fparams[slots], state.iparams[slots]
+        top_k, top_p, min_p = i[:, I_TOP_K], f[:, F_TOP_P], f[:, F_MIN_P]
+        values = z.topk(cap, dim=1).values  # sorted, most likely first
+        k_on = top_k < vocab
+        k_inside = k_on & (top_k <= cap)
+        kth = values.gather(1, (top_k.clamp(1, cap) - 1)[:, None]).squeeze(1)
+        tau_k = torch.where(k_inside, kth, NEG_INF)
+        # top-p over the top-k survivors, renormalised (HF); without top-k, over the row.
+        e = torch.exp(values - m[:, None]) * (values >= tau_k[:, None])
+        total = torch.where(k_inside, e.sum(dim=1), out.s)
+        probs = e / total[:, None]
+        cum = probs.cumsum(dim=1)
+        before = cum - probs
+        p_on = top_p < 1.0
+        kept = (before < top_p[:, None]).sum(dim=1).clamp(min=1)
+        tau_p = torch.where(p_on, values.gather(1, (kept - 1)[:, None]).squeeze(1), NEG_INF)
+        # Past the candidates: a top-k beyond them; a top-p mass they do not reach; tokens
+        # tied with the k-th beyond them (the top-k mass misses them).
+        k_past = k_on & ~k_inside
+        tie_past = k_inside & (values[:, cap - 1] >= tau_k) & (cap < vocab)
+        p_past = p_on & ((~k_on & (cum[:, -1] < top_p)) | k_past | tie_past)
+        need = k_past.long() | (p_past.long() << 1)
+        self._whole_row_thresholds(z, need, top_k, top_p, tau_k, tau_p, m)
+        tau_min = torch.where(min_p > 0, m + torch.log(min_p), NEG_INF)
+        return torch.maximum(torch.maximum(tau_k, tau_p), tau_min)
+
+    @staticmethod
+    def _whole_row_thresholds(z, need, top_k, top_p, tau_k, tau_p, m) -> None:
         """The thresholds over the whole sorted row, for the rows flagged in need (bit 1:
         top-k, bit 2: top-p). Host loop: this implementation serves CPU tensors."""
         for r in need.nonzero().flatten().tolist():
@@ -96,26 +150,17 @@ class TorchPasses:
 
 
 class TritonPasses:
-    def prepare(self, logits, slots, state, write_z: bool, sample: bool) -> Prepared:
+    """The same function in Triton kernels (kernels/sampling.py, sampling_thresholds.py)."""
+
+    def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
         from nanoqwen.kernels import sampling as kernels
 
-        z, (pmax, psum, parg, pgval, pgidx) = kernels.prepare(logits, slots, state, write_z, sample)
-        tile = pmax.argmax(dim=1, keepdim=True)  # the first tile holding the max
-        m = pmax.gather(1, tile)
-        s = (psum * torch.exp(pmax - m)).sum(dim=1)
-        greedy = parg.gather(1, tile).squeeze(1).long()
-        sampled = None
-        if sample:
-            sampled = pgidx.gather(1, pgval.argmax(dim=1, keepdim=True)).squeeze(1).long()
-        return Prepared(z, m.squeeze(1), s, greedy, sampled)
+        if filtering:
+            return kernels.filter_step(logits, slots, state, candidates)
+        return kernels.plain_step(logits, slots, state)
 
-    def sample_above(self, z, tau, slots, state) -> torch.Tensor:
+    def filtered(self, logits, slots, state, candidates: int) -> torch.Tensor:
         from nanoqwen.kernels import sampling as kernels
 
-        pgval, pgidx = kernels.sample_above(z, tau.contiguous(), slots, state)
-        return pgidx.gather(1, pgval.argmax(dim=1, keepdim=True)).squeeze(1).long()
-
-    def threshold_fallback(self, z, need, top_k, top_p, tau_k, tau_p, m) -> None:
-        from nanoqwen.kernels import sampling as kernels
-
-        kernels.threshold_fallback(z, need, top_k, top_p, tau_k, tau_p, m)
+        z, tau, _ = kernels.filter_thresholds(logits, slots, state, candidates)
+        return z.masked_fill(z < tau[:, None], NEG_INF)

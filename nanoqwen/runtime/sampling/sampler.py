@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from nanoqwen.kernels.sampling_layout import F_MIN_P, F_TOP_P, FLAG_GREEDY, I_FLAGS, I_TOP_K
-from nanoqwen.runtime.sampling.passes import NEG_INF, Prepared, TorchPasses, TritonPasses
+from nanoqwen.runtime.sampling.passes import TorchPasses, TritonPasses
 from nanoqwen.runtime.sampling.state import SamplingState
 from nanoqwen.runtime.sequence import Sequence
 
-CANDIDATES = 256
+# Values the filter thresholds are read from; each vocabulary tile contributes its largest
+# CANDIDATES, so this must be a power of two (a larger top-k takes the whole-row path).
+CANDIDATES = 64
 
 
 class Sampler:
@@ -60,55 +61,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, slots: torch.Tensor, filtering: bool) -> torch.Tensor:
         """logits: [rows, vocab] float32, slots: [rows] int64 -> next tokens [rows] int64.
         The tokens also count as outputs of their slots (penalties, positions)."""
-        st = self.state
-        greedy_rows = (st.iparams[slots, I_FLAGS] & FLAG_GREEDY) != 0
-        if filtering:
-            out = self.passes.prepare(logits, slots, st, write_z=True, sample=False)
-            tau = self.thresholds(out, slots)
-            sampled = self.passes.sample_above(out.z, tau, slots, st)
-        else:
-            out = self.passes.prepare(logits, slots, st, write_z=False, sample=True)
-            sampled = out.sampled
-        tokens = torch.where(greedy_rows, out.greedy, sampled)
-        st.record(slots, tokens)
-        return tokens
-
-    def thresholds(self, out: Prepared, slots: torch.Tensor) -> torch.Tensor:
-        """Per row, the smallest processed logit that top-k, top-p and min-p keep."""
-        z, m = out.z, out.m
-        vocab = z.shape[1]
-        cap = min(CANDIDATES, vocab)
-        f, i = self.state.fparams[slots], self.state.iparams[slots]
-        top_k, top_p, min_p = i[:, I_TOP_K].contiguous(), f[:, F_TOP_P].contiguous(), f[:, F_MIN_P]
-        values = z.topk(cap, dim=1).values  # sorted, most likely first
-        k_on = top_k < vocab
-        k_inside = k_on & (top_k <= cap)
-        kth = values.gather(1, (top_k.clamp(1, cap) - 1)[:, None]).squeeze(1)
-        tau_k = torch.where(k_inside, kth, NEG_INF)
-        # top-p over the top-k survivors, renormalised (HF); without top-k, over the row.
-        e = torch.exp(values - m[:, None]) * (values >= tau_k[:, None])
-        total = torch.where(k_inside, e.sum(dim=1), out.s)
-        probs = e / total[:, None]
-        cum = probs.cumsum(dim=1)
-        before = cum - probs
-        p_on = top_p < 1.0
-        kept = (before < top_p[:, None]).sum(dim=1).clamp(min=1)
-        tau_p = torch.where(p_on, values.gather(1, (kept - 1)[:, None]).squeeze(1), NEG_INF)
-        # Past the candidates: a top-k beyond them; a top-p mass they do not reach; tokens
-        # tied with the k-th beyond them (the top-k mass misses them).
-        k_past = k_on & ~k_inside
-        tie_past = k_inside & (values[:, cap - 1] >= tau_k) & (cap < vocab)
-        p_past = p_on & ((~k_on & (cum[:, -1] < top_p)) | k_past | tie_past)
-        need = k_past.long() | (p_past.long() << 1)
-        tau_k, tau_p = tau_k.contiguous(), tau_p.contiguous()
-        self.passes.threshold_fallback(z, need, top_k, top_p, tau_k, tau_p, m.contiguous())
-        tau_min = torch.where(min_p > 0, m + torch.log(min_p), NEG_INF)
-        return torch.maximum(torch.maximum(tau_k, tau_p), tau_min)
+        return self.passes.step(logits, slots, self.state, filtering, CANDIDATES)
 
     def filtered_logits(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The processed logits with what the filters drop set to -inf (for tests)."""
-        out = self.passes.prepare(logits, slots, self.state, write_z=True, sample=False)
-        return out.z.masked_fill(out.z < self.thresholds(out, slots)[:, None], NEG_INF)
+        return self.passes.filtered(logits, slots, self.state, CANDIDATES)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int):
