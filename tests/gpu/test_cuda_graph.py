@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -27,16 +29,40 @@ def gpu_model(tmp_path_factory):
     return path
 
 
-def _engine(path, **kw):
-    return LLM(
+# (backend, block size, whether flash-attn imports): flash-attn hidden is what a GPU without
+# it sees, where the triton backend runs its own kernels only.
+SETUPS = {
+    "flash-attn": ("flash-attn", 256, True),
+    "triton": ("triton", 256, True),
+    "triton-no-flash-attn": ("triton", 256, False),
+    "triton-block16-no-flash-attn": ("triton", 16, False),
+}
+
+
+@pytest.fixture(params=list(SETUPS))
+def backend(request, monkeypatch) -> dict:
+    """LLM arguments of one of SETUPS, with `import flash_attn` made to fail where it says."""
+    name, block, flash = SETUPS[request.param]
+    if flash:
+        pytest.importorskip("flash_attn")
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
+    return dict(attention_backend=name, block_size=block)
+
+
+def _engine(path, backend: dict, **kw):
+    llm = LLM(
         str(path),
         device="cuda",
         dtype="bfloat16",
         max_num_seqs=80,
-        num_kv_blocks=80,
+        num_kv_blocks=80 * 256 // backend["block_size"],
         progress=False,
+        **backend,
         **kw,
     )
+    assert llm.runner.model.layers[0].self_attn.backend.name == backend["attention_backend"]
+    return llm
 
 
 def _decode_batch(llm: LLM, lengths: list[int]) -> Batch:
@@ -49,14 +75,10 @@ def _decode_batch(llm: LLM, lengths: list[int]) -> Batch:
     return llm.scheduler.schedule()
 
 
-BACKENDS = ["flash-attn", "triton"]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-# 70 sequences x 2 KV heads: the triton backend's flash-attn side.
+# 70 sequences x 2 KV heads: the triton backend's flash-attn side where that is installed.
 @pytest.mark.parametrize("batch", [1, 3, 17, 70])
 def test_graph_replay_matches_eager(gpu_model, batch, backend):
-    llm = _engine(gpu_model, attention_backend=backend)
+    llm = _engine(gpu_model, backend)
     # Up to 3 blocks each; 70 sequences stay within one block each, so that the 80-block
     # pool holds them and one prefill step (8,192 tokens) takes them all.
     lengths = [5 + 37 * i % (600 if batch < 32 else 200) for i in range(batch)]
@@ -78,9 +100,8 @@ def test_graph_replay_matches_eager(gpu_model, batch, backend):
     assert torch.equal(llm.runner.compute_logits(b).argmax(-1), graph_logits.argmax(-1))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_step_has_no_host_sync(gpu_model, backend):
-    llm = _engine(gpu_model, attention_backend=backend)
+    llm = _engine(gpu_model, backend)
     for graphs in (True, False):
         b = _decode_batch(llm, [9, 300, 41])
         if not graphs:
@@ -95,12 +116,30 @@ def test_decode_step_has_no_host_sync(gpu_model, backend):
             llm.scheduler.finish(seq, "abort")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_graphs_and_eager_generate_the_same_tokens(gpu_model, backend):
     prompts = [[(3 * i + j) % 991 for j in range(10 + 50 * i)] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    with_graphs = _engine(gpu_model, attention_backend=backend).generate(prompts, params)
-    eager = _engine(gpu_model, attention_backend=backend, enforce_eager=True).generate(
-        prompts, params
-    )
+    with_graphs = _engine(gpu_model, backend).generate(prompts, params)
+    eager = _engine(gpu_model, backend, enforce_eager=True).generate(prompts, params)
     assert [o.token_ids for o in with_graphs] == [o.token_ids for o in eager]
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_auto_runs_triton_with_graphs_without_flash_attn(gpu_model, block_size, monkeypatch):
+    """A GPU without flash-attn still gets the Triton backend and its CUDA graphs at any
+    block size (the tests above check what they compute)."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    llm = LLM(
+        str(gpu_model),
+        device="cuda",
+        dtype="bfloat16",
+        block_size=block_size,
+        num_kv_blocks=4096 // block_size,
+        max_num_seqs=8,
+        progress=False,
+    )
+    assert llm.runner.model.layers[0].self_attn.backend.name == "triton"
+    assert llm.runner.model.layers[0].self_attn.backend.flash is None
+    assert llm.runner.graphs is not None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 16
