@@ -35,6 +35,23 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
+def _key_offsets(
+    table, n0, offs_n, kvh, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, mask,
+):  # fmt: skip
+    """Element offsets of keys n0 + offs_n of one KV head in the paged cache."""
+    if PAGE >= BLOCK_N:
+        # The tile lies inside one block: one table entry, contiguous rows.
+        block = tl.load(table + n0 // PAGE).to(tl.int64)
+        slot = block * PAGE + n0 % PAGE + offs_n
+    else:
+        n = n0 + offs_n
+        block = tl.load(table + n // PAGE, mask=mask).to(tl.int64)  # masked keys: not read
+        slot = block * PAGE + n % PAGE
+    return (slot * NUM_KV_HEADS + kvh) * HEAD_DIM
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, cu_q_ptr, ctx_ptr,
     q_stride, table_stride, scale_log2,
@@ -73,9 +90,7 @@ def _prefill_kernel(
     # Keys every row of the tile sees, in whole tiles: no mask.
     visible_end = (cached + m0) // BLOCK_N * BLOCK_N
     for n0 in range(0, visible_end, BLOCK_N):
-        n = n0 + offs_n
-        block = tl.load(table + n // PAGE).to(tl.int64)
-        base = ((block * PAGE + n % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+        base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, None)
         k = tl.load(k_cache_ptr + base[None, :] + d[:, None])
         s = tl.dot(q, k) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -91,8 +106,7 @@ def _prefill_kernel(
     for n0 in range(visible_end, end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < end
-        block = tl.load(table + n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        base = ((block * PAGE + n % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+        base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, n_mask)
         k = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)
         s = tl.dot(q, k) * scale_log2
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -104,8 +118,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
         m_i = m_new
 
-    # Rows past the sequence's tokens saw no key (l_i = 0) and are not stored.
-    out = acc / tl.where(m_mask, l_i, 1.0)[:, None]
+    # Every row saw key 0 at least, so l_i > 0; rows past the sequence's tokens are dropped.
+    out = acc / l_i[:, None]
     dst = out_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 

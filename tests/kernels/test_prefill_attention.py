@@ -91,8 +91,9 @@ def test_matches_torch_backend_and_writes_the_new_kv(heads, kv_heads, head_dim, 
         RUNS, heads, kv_heads, head_dim, page, torch.float32
     )
     untouched = k_cache.clone()
-    # Several query and key tiles per sequence.
-    monkeypatch.setitem(pa.CONFIGS, head_dim, (16, 16, 4, 1))
+    # Several query and key tiles per sequence; a key tile spans two blocks of 16 (the per-key
+    # block lookup) or lies inside one larger block (one lookup per tile).
+    monkeypatch.setitem(pa.CONFIGS, head_dim, (16, 32, 4, 1))
     (out, k, v), (ref, k_ref, v_ref) = _run_both(qkv, k_cache, v_cache, meta, head_dim)
     assert out.shape == (qkv.shape[0], heads, head_dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
