@@ -40,28 +40,33 @@ SETUPS = {
 
 
 @pytest.fixture(params=list(SETUPS))
-def backend(request, monkeypatch) -> dict:
-    """LLM arguments of one of SETUPS, with `import flash_attn` made to fail where it says."""
+def backend(request, monkeypatch) -> tuple[str, int, bool]:
+    """One of SETUPS, with `import flash_attn` made to fail where it says so."""
     name, block, flash = SETUPS[request.param]
     if flash:
         pytest.importorskip("flash_attn")
     else:
         monkeypatch.setitem(sys.modules, "flash_attn", None)
-    return dict(attention_backend=name, block_size=block)
+    return name, block, flash
 
 
-def _engine(path, backend: dict, **kw):
+def _engine(path, backend: tuple[str, int, bool], **kw):
+    name, block, flash = backend
     llm = LLM(
         str(path),
         device="cuda",
         dtype="bfloat16",
         max_num_seqs=80,
-        num_kv_blocks=80 * 256 // backend["block_size"],
+        num_kv_blocks=80 * 256 // block,
+        attention_backend=name,
+        block_size=block,
         progress=False,
-        **backend,
         **kw,
     )
-    assert llm.runner.model.layers[0].self_attn.backend.name == backend["attention_backend"]
+    attention = llm.runner.model.layers[0].self_attn.backend
+    assert attention.name == name
+    if name == "triton":
+        assert (attention.flash is not None) == flash
     return llm
 
 
@@ -79,8 +84,8 @@ def _decode_batch(llm: LLM, lengths: list[int]) -> Batch:
 @pytest.mark.parametrize("batch", [1, 3, 17, 70])
 def test_graph_replay_matches_eager(gpu_model, batch, backend):
     llm = _engine(gpu_model, backend)
-    # Up to 3 blocks each; 70 sequences stay within one block each, so that the 80-block
-    # pool holds them and one prefill step (8,192 tokens) takes them all.
+    # Up to 600 tokens each, 200 for 70 sequences, so that the pool (80 x 256 tokens at
+    # every block size) holds them and one prefill step (8,192 tokens) takes them all.
     lengths = [5 + 37 * i % (600 if batch < 32 else 200) for i in range(batch)]
     b = _decode_batch(llm, lengths)
     graphs = llm.runner.graphs
