@@ -11,14 +11,15 @@ h // group; the K/V tiles of one KV head are shared by its group through L2.
 RoPE and the K/V write run before, in rope_and_store (kernels/rope.py), and this kernel
 reads every key, the new tokens' included, from the cache. Fusing them in was the other
 choice and a worse one: a new token's key is read by every later query tile and by every head
-of its group, so either every reader would rotate it again (4 extra products per key element
-in every program, on CUDA cores beside the tensor-core dots) or readers would wait for the
-program that writes it. rope_and_store reads and writes each token's q/k/v once, a few µs
-per layer at 2,048 tokens against a compute-bound attention (tools/prefill_bench.py times
-both). The decode kernel fuses them because there each key is read by one program only.
+of its group, so either every reader would rotate it again (4 products and roundings per key
+element in every program, on CUDA cores beside the tensor-core dots) or readers would wait
+for the program that writes it. rope_and_store reads and writes each token's q/k/v once, a
+memory-bound pass over a few MB against a compute-bound attention that grows with the
+square of the prompt (tools/prefill_bench.py times both). The decode kernel fuses them
+because there each new key is read by one program only.
 
-Any power-of-two block size works: a key tile looks up the block of each of its keys, so a
-tile may span several small blocks or lie inside one large block.
+Any power-of-two block size works: a key tile that lies inside one block looks that block up
+once, a tile that spans several small blocks looks up the block of each key.
 """
 
 from __future__ import annotations
