@@ -76,7 +76,7 @@ def _engine_flags() -> argparse.ArgumentParser:
         "--attention-backend",
         default="auto",
         choices=BACKENDS,
-        help="auto: flash-attn where it can run (CUDA, float16/bfloat16), else torch",
+        help="auto: triton on a CUDA GPU with float16/bfloat16, else torch",
     )
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     g.add_argument(

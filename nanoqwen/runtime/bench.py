@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=256, help="throughput mode requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
+    p.add_argument("--block-size", type=int, default=256, help="KV cache block size (tokens)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -195,6 +196,7 @@ def run(args) -> int:
         dtype=args.dtype,
         random_shape=None if args.model else args.shape,
         attention_backend=args.attention_backend,
+        block_size=args.block_size,
         enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -206,6 +208,7 @@ def run(args) -> int:
         "dtype": args.dtype,
         "device": torch.cuda.get_device_name() if llm.runner.device.type == "cuda" else "cpu",
         "attention_backend": backend,
+        "block_size": args.block_size,
         "cuda_graphs": llm.runner.graphs is not None,
         "weight_gb": weight_bytes(llm) / 1e9,
     }
