@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("real-model fidelity")
         for line in REAL_MODEL_REPORT:
             terminalreporter.write_line(line)
+
+
+# ---- attention setups of the GPU tests (tests/gpu) -------------------------------------------
+# (backend, block size, whether flash-attn imports): the triton backend also runs on a GPU
+# without flash-attn (its own kernels only), at any block size.
+GPU_SETUPS = {
+    "flash-attn": ("flash-attn", 256, True),
+    "triton": ("triton", 256, True),
+    "triton-no-flash-attn": ("triton", 256, False),
+    "triton-block16-no-flash-attn": ("triton", 16, False),
+}
+
+
+@pytest.fixture(params=list(GPU_SETUPS))
+def backend(request, monkeypatch) -> tuple[str, int, bool]:
+    """One of GPU_SETUPS, with `import flash_attn` made to fail where it says so."""
+    name, block, flash = GPU_SETUPS[request.param]
+    if flash:
+        pytest.importorskip("flash_attn")
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
+    return name, block, flash

@@ -30,27 +30,6 @@ def gpu_model(tmp_path_factory):
     return path
 
 
-# (backend, block size, whether flash-attn imports): flash-attn hidden is what a GPU without
-# it sees, where the triton backend runs its own kernels only.
-SETUPS = {
-    "flash-attn": ("flash-attn", 256, True),
-    "triton": ("triton", 256, True),
-    "triton-no-flash-attn": ("triton", 256, False),
-    "triton-block16-no-flash-attn": ("triton", 16, False),
-}
-
-
-@pytest.fixture(params=list(SETUPS))
-def backend(request, monkeypatch) -> tuple[str, int, bool]:
-    """One of SETUPS, with `import flash_attn` made to fail where it says so."""
-    name, block, flash = SETUPS[request.param]
-    if flash:
-        pytest.importorskip("flash_attn")
-    else:
-        monkeypatch.setitem(sys.modules, "flash_attn", None)
-    return name, block, flash
-
-
 def _engine(path, backend: tuple[str, int, bool], **kw):
     name, block, flash = backend
     llm = LLM(
