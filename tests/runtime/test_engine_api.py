@@ -112,7 +112,9 @@ def test_params_count_mismatch_is_refused(llm, n_params):
 
 def test_a_bad_prompt_leaves_no_request_behind(llm, greedy_outputs):
     vocab = llm.config.vocab_size
-    with pytest.raises(ValueError, match=rf"token id {vocab} is out of range"):
+    with pytest.raises(
+        ValueError, match=rf"holds the token id {vocab}: allowed .* 0\.\.{vocab - 1}$"
+    ):
         llm.generate(["Hello world", [1, vocab]], GREEDY)
     assert_idle(llm)
     out = llm.generate("Hello world", GREEDY)[0]
