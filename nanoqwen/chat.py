@@ -52,6 +52,12 @@ def _answer(llm: LLM, ids: list[int], params: SamplingParams, quiet: bool) -> tu
     wall = time.perf_counter() - start
     if interrupted:
         _note("answer stopped (Ctrl-C)")
+    elif reason == "length" and len(ids) + tokens >= llm.max_model_len:
+        _note(
+            f"answer cut at the context length (--max-model-len {llm.max_model_len}): "
+            "/reset starts a new conversation",
+            quiet,
+        )
     elif reason == "length":
         _note(f"answer cut at --max-tokens {params.max_tokens}", quiet)
     if first is not None:
