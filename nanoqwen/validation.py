@@ -60,10 +60,10 @@ def number(name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> 
     """A finite int or float (not a bool) for which ok holds, as a float."""
     if not is_number(value):
         raise invalid(name, value, "is not a number", allowed)
-    value = float(value)
-    if not math.isfinite(value) or not ok(value):
+    as_float = float(value)
+    if not math.isfinite(as_float) or not ok(as_float):
         raise invalid(name, value, "is out of range", allowed)
-    return value
+    return as_float
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -142,7 +142,7 @@ def split_prompts(prompts: Any) -> list[Any]:
         raise invalid("prompts", prompts, "is bytes", f"{PROMPT_ALLOWED}, or a list of them")
     if not isinstance(prompts, (list, tuple)):
         raise invalid("prompts", prompts, f"is {a_type(prompts)}", f"{PROMPT_ALLOWED}, or a list")
-    if prompts and not isinstance(prompts[0], (str, list, tuple, bytes, bytearray)):
+    if prompts and isinstance(prompts[0], numbers.Number):
         return [prompts]  # one prompt of token ids (check_prompt checks each)
     return list(prompts)
 

@@ -151,7 +151,8 @@ def _sync(llm: LLM) -> None:
 
 
 def latency_run(llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random.Random):
-    prompts = [[rng.randrange(10000) for _ in range(prompt_len)] for _ in range(bs)]
+    vocab = min(10000, llm.config.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(bs)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     seqs = [llm._add(p, params, detokenize=False) for p in prompts]
     _sync(llm)
@@ -184,18 +185,19 @@ def latency_run(llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random
     }
 
 
-def throughput_workload(num_requests: int, seed: int):
+def throughput_workload(num_requests: int, seed: int, vocab: int = 10001):
     """nano-vllm's benchmark workload: all prompts drawn first, then all output lengths."""
     rng = random.Random(seed)
     prompts = [
-        [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)
+        [rng.randint(0, min(10000, vocab - 1)) for _ in range(rng.randint(100, 1024))]
+        for _ in range(num_requests)
     ]
     out_lens = [rng.randint(100, 1024) for _ in range(num_requests)]
     return prompts, out_lens
 
 
 def throughput_run(llm: LLM, num_requests: int, seed: int):
-    prompts, out_lens = throughput_workload(num_requests, seed)
+    prompts, out_lens = throughput_workload(num_requests, seed, llm.config.vocab_size)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up call
     if llm.runner.device.type == "cuda":
@@ -290,7 +292,9 @@ def run(args) -> int:
         row = throughput_run(llm, args.num_requests, args.seed)
         if hf is not None:
             n = args.hf_num_requests or args.num_requests
-            row["hf_output_tok_s"] = hf_throughput(hf, *throughput_workload(n, args.seed))
+            row["hf_output_tok_s"] = hf_throughput(
+                hf, *throughput_workload(n, args.seed, llm.config.vocab_size)
+            )
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         results["throughput"] = row
         _print_table(
