@@ -60,7 +60,10 @@ def number(name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> 
     """A finite int or float (not a bool) for which ok holds, as a float."""
     if not is_number(value):
         raise invalid(name, value, "is not a number", allowed)
-    as_float = float(value)
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int past float's range
+        as_float = math.inf
     if not math.isfinite(as_float) or not ok(as_float):
         raise invalid(name, value, "is out of range", allowed)
     return as_float

@@ -5,7 +5,7 @@
   it), and both tokenize the chat template identically.
 - bfloat16: teacher-forced on HF-fp32's output, at every generated position HF-bf16's argmax
   is in nanoqwen-bf16's top 5 and vice versa (bf16 rounding differs between the two, so exact
-  tokens are not expected); the fraction of positions whose argmaxes agree is reported.
+  tokens are not expected), and the argmaxes agree at 99% of the positions or more.
 
 Needs `python tools/make_qwen_coder.py` (skipped without it; CI sets
 NANOQWEN_REQUIRE_REAL_MODEL=1 to fail instead). Deselect with -m "not real_model".
@@ -27,6 +27,9 @@ pytestmark = pytest.mark.real_model
 
 NEW_TOKENS = 64
 TOP_K = 5
+# bf16 argmaxes of nanoqwen and HF agreed at 487 of 487 teacher-forced positions when measured;
+# below 99% something changed in nanoqwen's bf16 numerics, even if every top-5 still holds.
+MIN_BF16_ARGMAX_AGREEMENT = 0.99
 
 
 def _long_module() -> str:
@@ -167,14 +170,6 @@ def nanoqwen_fp32_outputs(real_model_dir):
     return dict(zip(PROMPTS, outputs)), eos
 
 
-def test_prompts_cover_the_intended_cases(hf_fp32_reference):
-    lengths = {name: len(ref.prompt_ids) for name, ref in hf_fp32_reference.items()}
-    REAL_MODEL_REPORT.append(f"  prompt lengths (tokens): {lengths}")
-    assert len(PROMPTS) >= 8
-    assert lengths["long-code"] >= 1000
-    assert PROMPTS["multi-turn"][0]["role"] == "system"
-
-
 def test_float32_greedy_is_token_exact_with_hf(
     hf_fp32_reference, nanoqwen_fp32_outputs, real_model_dir
 ):
@@ -182,6 +177,8 @@ def test_float32_greedy_is_token_exact_with_hf(
 
     outputs, eos = nanoqwen_fp32_outputs
     assert eos == set(GenerationConfig.from_pretrained(real_model_dir).eos_token_id)
+    lengths = {name: len(ref.prompt_ids) for name, ref in hf_fp32_reference.items()}
+    REAL_MODEL_REPORT.append(f"  prompt lengths (tokens): {lengths}")
     failures, lines = [], []
     for name, ref in hf_fp32_reference.items():
         out = outputs[name]
@@ -303,3 +300,7 @@ def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
             f"nanoqwen, nanoqwen's argmax rank {r_hf} in HF, HF logit gap {gap:.4f}"
         )
     assert not failures, "\n".join(failures)
+    assert agree / total >= MIN_BF16_ARGMAX_AGREEMENT, (
+        f"bf16 argmaxes agree at {agree}/{total} positions ({agree / total:.1%}), "
+        f"below {MIN_BF16_ARGMAX_AGREEMENT:.0%}"
+    )

@@ -86,9 +86,13 @@ class _Reader:
     def positive_number(self, key: str, value: Any) -> float:
         if not is_number(value):
             raise self.fail(key, value, "is not a number", "a number > 0")
-        if not 0 < float(value) < float("inf"):
+        try:
+            as_float = float(value)
+        except OverflowError:  # an int past float's range
+            as_float = float("inf")
+        if not 0 < as_float < float("inf"):
             raise self.fail(key, value, "is out of range", "a number > 0")
-        return float(value)
+        return as_float
 
     def config(self) -> ModelConfig:
         raw = self.raw
