@@ -6,7 +6,6 @@ import argparse
 import importlib
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from nanoqwen.cli_parser import (
     CLIError,
     UsageError,
     build_parser,
+    flag_spelling,
 )
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.prompt_input import read_prompts
@@ -273,27 +273,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # ---- entry point ----------------------------------------------------------------------------
-def flag_spelling(message: str) -> str:
-    """The library's parameter names as the CLI's flags: 'block_size=3 is ...' becomes
-    '--block-size 3 is ...', a bare 'max_model_len' becomes '--max-model-len'."""
-    for name in _FLAG_PARAMS:
-        flag = "--" + name.replace("_", "-")
-        message = re.sub(rf"(?<![\w./-]){name}=", f"{flag} ", message)
-        if "_" in name:  # a plain word like "stop" or "seed" is left alone
-            message = re.sub(rf"(?<![\w./-]){name}\b", flag, message)
-    return message
-
-
-# API parameters that a generate/chat/bench flag sets under the same name.
-_FLAG_PARAMS = (
-    "attention_backend", "block_size", "device", "dtype", "enforce_eager",
-    "gpu_memory_utilization", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-    "num_kv_blocks", "frequency_penalty", "ignore_eos", "max_tokens", "min_p", "min_tokens",
-    "presence_penalty", "repetition_penalty", "seed", "stop_token_ids", "stop", "temperature",
-    "top_k", "top_p",
-)  # fmt: skip
-
-
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, TemplateError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import re
 
 from nanoqwen import __version__
 from nanoqwen.prompt_input import FORMATS
@@ -247,3 +248,24 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
             raise CLIError(f"the bench command is not available: {BENCH_MODULE} is missing")
         importlib.import_module(BENCH_MODULE).add_arguments(bench)
     return parser
+
+
+def flag_spelling(message: str) -> str:
+    """The library's parameter names as the CLI's flags: 'block_size=3 is ...' becomes
+    '--block-size 3 is ...', a bare 'max_model_len' becomes '--max-model-len'."""
+    for name in _FLAG_PARAMS:
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"(?<![\w./-]){name}=", f"{flag} ", message)
+        if "_" in name:  # a plain word like "stop" or "seed" is left alone
+            message = re.sub(rf"(?<![\w./-]){name}\b", flag, message)
+    return message
+
+
+# API parameters that a generate/chat/bench flag sets under the same name.
+_FLAG_PARAMS = (
+    "attention_backend", "block_size", "device", "dtype", "enforce_eager",
+    "gpu_memory_utilization", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+    "num_kv_blocks", "frequency_penalty", "ignore_eos", "max_tokens", "min_p", "min_tokens",
+    "presence_penalty", "repetition_penalty", "seed", "stop_token_ids", "stop", "temperature",
+    "top_k", "top_p",
+)  # fmt: skip

@@ -4,7 +4,10 @@ traceback, a silently accepted value or a wrong result before the validation lay
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+from conftest import readme_signature
 
 from nanoqwen import LLM, InvalidInputError, SamplingParams
 
@@ -30,6 +33,11 @@ def assert_idle(llm: LLM) -> None:
 
 
 # ---- LLM(...) arguments ----------------------------------------------------------------------
+def test_llm_defaults_are_the_ones_the_readme_documents():
+    params = inspect.signature(LLM).parameters
+    assert readme_signature("LLM") == {name: p.default for name, p in params.items()}
+
+
 ENGINE_ARGS = [
     # max_model_len=-5 was accepted (then every prompt failed, "allowed at most -6"), 0 ignored
     (dict(max_model_len=-5), "max_model_len=-5 is out of range: allowed None or an integer >= 2"),

@@ -3,31 +3,18 @@ value, whatever its type."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import re
-from pathlib import Path
 
 import pytest
+from conftest import readme_signature
 
 from nanoqwen import InvalidInputError, SamplingParams
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def documented_signature(name: str) -> dict[str, object]:
-    """The keyword defaults of `name(...)` as the README's API section spells them."""
-    text = " ".join(README.read_text().split())
-    match = re.search(rf"`{name}\(([^`]*)\)`", text)
-    assert match, f"README documents no {name}(...) signature"
-    call = ast.parse(f"f({match.group(1)})").body[0].value
-    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
 
 
 def test_defaults_are_the_ones_the_readme_documents():
     default = SamplingParams()
     fields = {f.name: getattr(default, f.name) for f in dataclasses.fields(default) if f.init}
-    documented = documented_signature("SamplingParams")
+    documented = readme_signature("SamplingParams")
     assert list(documented) == list(fields)
     assert SamplingParams(**documented) == default
     assert default.stop_strings == () and default.stop_token_ids == []
