@@ -27,7 +27,8 @@ pytestmark = pytest.mark.real_model
 
 NEW_TOKENS = 64
 TOP_K = 5
-# bf16 argmaxes of nanoqwen and HF agreed at 487 of 487 teacher-forced positions when measured;
+# bf16 argmaxes of nanoqwen and HF agree at 483 to 487 of 487 teacher-forced positions as
+# measured (the differences are exact ties in one side's logits, which count as agreement);
 # below 99% something changed in nanoqwen's bf16 numerics, even if every top-5 still holds.
 MIN_BF16_ARGMAX_AGREEMENT = 0.99
 
@@ -261,7 +262,7 @@ def bf16_logits(real_model_dir, hf_fp32_reference):
 
 def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
     failures, lines = [], []
-    agree = total = 0
+    agree = ties = total = 0
     worst = None  # the disagreement with the largest rank either way
     for name, (ours, theirs) in bf16_logits.items():
         assert ours.shape == theirs.shape == (len(hf_fp32_reference[name].tokens), ours.shape[1])
@@ -273,6 +274,9 @@ def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
             r_ours = int(_rank(ours[step : step + 1], hf_top[step : step + 1]))
             r_hf = int(_rank(theirs[step : step + 1], our_top[step : step + 1]))
             gap = float(theirs[step, hf_top[step]] - theirs[step, our_top[step]])
+            # Rank 0 on either side: the two tokens tie for the top logit there, and the
+            # argmax among exact bf16 ties is arbitrary.
+            ties += r_ours == 0 or r_hf == 0
             case = (max(r_ours, r_hf), name, step, r_ours, r_hf, gap)
             worst = max(worst or case, case)
             if not (hf_in_ours[step] and ours_in_hf[step]):
@@ -290,7 +294,7 @@ def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
         )
     REAL_MODEL_REPORT.append(
         f"  bfloat16 teacher-forced: argmaxes agree at {agree}/{total} positions "
-        f"({agree / total:.1%})"
+        f"({agree / total:.1%}), {agree + ties}/{total} counting exact ties"
     )
     REAL_MODEL_REPORT.extend(lines)
     if worst is not None:
@@ -300,7 +304,7 @@ def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
             f"nanoqwen, nanoqwen's argmax rank {r_hf} in HF, HF logit gap {gap:.4f}"
         )
     assert not failures, "\n".join(failures)
-    assert agree / total >= MIN_BF16_ARGMAX_AGREEMENT, (
-        f"bf16 argmaxes agree at {agree}/{total} positions ({agree / total:.1%}), "
-        f"below {MIN_BF16_ARGMAX_AGREEMENT:.0%}"
+    assert (agree + ties) / total >= MIN_BF16_ARGMAX_AGREEMENT, (
+        f"bf16 argmaxes agree at {agree}/{total} positions, {agree + ties} counting exact ties "
+        f"({(agree + ties) / total:.1%}): below {MIN_BF16_ARGMAX_AGREEMENT:.0%}"
     )

@@ -34,13 +34,13 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" or "length"
     metrics: dict[str, float] = field(default_factory=dict)
-    # As vLLM reports it: the stop token id or stop string that ended the request; None when
-    # EOS, max_tokens or the context length (max_model_len) did.
-    stop_reason: int | str | None = None
     # With SamplingParams.logprobs: one entry per generated token.
     logprobs: list[TokenLogprobs] | None = None
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # As vLLM reports it: the stop token id or stop string that ended the request; None when
+    # EOS, max_tokens or the context length (max_model_len) did.
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -256,7 +256,7 @@ class LLM:
             text,
             seq.finish_reason or "length",
             metrics,
-            self._stop_reason(seq, detok),
+            stop_reason=self._stop_reason(seq, detok),
         )
 
     # ---- public API -----------------------------------------------------------------------
