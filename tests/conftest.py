@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -127,6 +129,15 @@ def tiny_model(tmp_path_factory):
     """(checkpoint dir, HF model) of the default tiny config, shared by a whole test run."""
     path = tmp_path_factory.mktemp("tiny-qwen2")
     return path, write_tiny_model(path)
+
+
+def readme_signature(name: str) -> dict[str, object]:
+    """The keyword defaults of `name(...)` as README.md's API section spells them."""
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    match = re.search(rf"`{name}\(([^`]*)\)`", text)
+    assert match, f"README documents no {name}(...) signature"
+    call = ast.parse(f"f({match.group(1)})").body[0].value
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
 
 
 def pytest_collection_modifyitems(config, items):

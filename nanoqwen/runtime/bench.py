@@ -12,37 +12,59 @@ import time
 import torch
 from tqdm import tqdm
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.shapes import SHAPES
 from nanoqwen.runtime.attention import BACKENDS
+from nanoqwen.runtime.builder import DTYPES, resolve_device
 from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
 
-H200_COPY_GBPS = 4300.0  # measured device-to-device copy rate, the batch-1 decode ceiling
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint dir or hub id (default: random weights)")
+    p.add_argument("--model", help="checkpoint dir or hub id (default: random weights of --shape)")
     p.add_argument("--shape", choices=SHAPES, default="0.5B", help="random-weight Qwen2.5 shape")
-    p.add_argument("--mode", choices=("latency", "throughput", "all"), default="all",
-                   help="which benchmark to run")  # fmt: skip
+    p.add_argument(
+        "--mode",
+        choices=("latency", "throughput", "all"),
+        default="all",
+        help="which benchmark to run",
+    )
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    p.add_argument("--batch-sizes", default="1,8,32,128", help="latency mode, comma-separated")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights and KV")
+    p.add_argument(
+        "--batch-sizes",
+        type=_batch_sizes,
+        default="1,8,32,128",
+        help="latency mode, comma-separated",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="latency mode prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency mode new tokens")
     p.add_argument("--num-requests", type=int, default=256, help="throughput mode requests")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and output lengths")
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="as for generate")
     p.add_argument("--block-size", type=int, default=256, help="KV cache block size (tokens)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="default 0.9, or 0.45 with --compare hf so HF fits beside")  # fmt: skip
-    p.add_argument("--compare", choices=("hf",), help="run HF transformers on the same weights")
-    p.add_argument("--hf-num-requests", type=int, default=None,
-                   help="throughput requests given to HF (default: all)")  # fmt: skip
-    p.add_argument("--json", dest="json_path", help="write all results to this JSON file")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of GPU memory (default: 0.9, or 0.45 with --compare hf)",
+    )
+    p.add_argument(
+        "--compare",
+        choices=("hf",),
+        help="also run HF transformers on the same weights (default: no)",
+    )
+    p.add_argument(
+        "--hf-num-requests",
+        type=int,
+        default=None,
+        help="throughput requests given to HF (default: all of --num-requests)",
+    )
+    p.add_argument("--json", dest="json_path",
+                   help="write all results to this JSON file (default: none)")  # fmt: skip
     g = p.add_argument_group("sampling")
     g.add_argument("--sampling", default="greedy,cli",
                    help="latency mode: comma-separated presets, each a row per batch size: "
@@ -55,6 +77,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0, help="the custom preset")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="the custom preset")
     g.add_argument("--logprobs", type=int, default=None, help="the custom preset")
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid batch sizes {text!r}: allowed comma-separated integers >= 1"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"invalid batch sizes {text!r}: allowed integers >= 1")
+    return sizes
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every value that needs no model, checked before the model loads."""
+    for flag, value, minimum in (
+        ("--prompt-len", args.prompt_len, 1),
+        ("--new-tokens", args.new_tokens, 2),  # a decode step after the first token
+        ("--num-requests", args.num_requests, 1),
+        ("--max-num-seqs", args.max_num_seqs, 1),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+    ):
+        if value < minimum:
+            raise InvalidInputError(f"{flag} {value} is out of range: allowed >= {minimum}")
+    if args.hf_num_requests is not None and args.hf_num_requests < 1:
+        raise InvalidInputError(
+            f"--hf-num-requests {args.hf_num_requests} is out of range: allowed >= 1"
+        )
+    if args.hf_num_requests is not None and args.compare is None:
+        raise InvalidInputError("--hf-num-requests is unused without --compare hf")
+    util = args.gpu_memory_utilization
+    if util is not None and not 0 < util <= 1:
+        raise InvalidInputError(f"--gpu-memory-utilization {util} is out of range: allowed (0, 1]")
+    if args.mode != "throughput" and max(args.batch_sizes) > args.max_num_seqs:
+        raise InvalidInputError(
+            f"--batch-sizes {max(args.batch_sizes)} is more than --max-num-seqs "
+            f"{args.max_num_seqs}: allowed batch sizes up to --max-num-seqs"
+        )
+    for name in args.sampling.split(",") + [args.throughput_sampling]:
+        preset(name, args)
+    resolve_device(args.device)
+
+
+def copy_ceiling_gbps(device: torch.device) -> float:
+    """The device's memory bandwidth as a copy measures it (bytes read + written per second):
+    what one decode step, which reads every weight once, cannot beat."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 28)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        _sync_device(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync_device(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * n / statistics.median(times[1:]) / 1e9
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 PRESETS = {
@@ -75,7 +161,7 @@ def preset(name: str, args) -> dict:
             repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
         )  # fmt: skip
     if name not in PRESETS:
-        raise ValueError(f"sampling preset {name!r} is unknown: allowed {', '.join(PRESET_HELP)}")
+        raise InvalidInputError(f"--sampling {name} is unknown: allowed {', '.join(PRESET_HELP)}")
     return PRESETS[name]
 
 
@@ -104,7 +190,8 @@ def _sync(llm: LLM) -> None:
 def latency_run(
     llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random.Random, sampling: dict
 ):
-    prompts = [[rng.randrange(10000) for _ in range(prompt_len)] for _ in range(bs)]
+    vocab = min(10000, llm.config.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(bs)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **sampling)
     seqs = [llm._add(p, params, detokenize=False) for p in prompts]
     _sync(llm)
@@ -137,18 +224,19 @@ def latency_run(
     }
 
 
-def throughput_workload(num_requests: int, seed: int):
+def throughput_workload(num_requests: int, seed: int, vocab: int = 10001):
     """nano-vllm's benchmark workload: all prompts drawn first, then all output lengths."""
     rng = random.Random(seed)
     prompts = [
-        [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)
+        [rng.randint(0, min(10000, vocab - 1)) for _ in range(rng.randint(100, 1024))]
+        for _ in range(num_requests)
     ]
     out_lens = [rng.randint(100, 1024) for _ in range(num_requests)]
     return prompts, out_lens
 
 
 def throughput_run(llm: LLM, num_requests: int, seed: int, sampling: dict):
-    prompts, out_lens = throughput_workload(num_requests, seed)
+    prompts, out_lens = throughput_workload(num_requests, seed, llm.config.vocab_size)
     params = [SamplingParams(ignore_eos=True, max_tokens=n, **sampling) for n in out_lens]
     llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up call
     if llm.runner.device.type == "cuda":
@@ -189,6 +277,7 @@ def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str
 def run(args) -> int:
     from nanoqwen.runtime.bench_hf import hf_latency, hf_model_from, hf_throughput
 
+    check_args(args)
     util = args.gpu_memory_utilization or (0.45 if args.compare else 0.9)
     llm = LLM(
         model=args.model,
@@ -221,7 +310,7 @@ def run(args) -> int:
         for name in presets:
             latency_run(llm, 1, 16, 8, rng, preset(name, args))  # warm-up
         rows = []
-        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        for bs in args.batch_sizes:
             first = None
             for name in presets:
                 row = {"sampling": name}
@@ -247,14 +336,18 @@ def run(args) -> int:
                 ("x HF", "x_hf", ".1f"),
             ],
         )  # fmt: skip
-        print(f"(weight-read ceiling: ~{H200_COPY_GBPS:,.0f} GB/s on an H200)")
+        ceiling = copy_ceiling_gbps(llm.runner.device)
+        results["copy_ceiling_gb_s"] = ceiling
+        print(f"(weight-read ceiling: ~{ceiling:,.0f} GB/s, a copy measured on {setup['device']})")
     if args.mode in ("throughput", "all"):
         row = throughput_run(
             llm, args.num_requests, args.seed, preset(args.throughput_sampling, args)
         )
         if hf is not None:
             n = args.hf_num_requests or args.num_requests
-            row["hf_output_tok_s"] = hf_throughput(hf, *throughput_workload(n, args.seed))
+            row["hf_output_tok_s"] = hf_throughput(
+                hf, *throughput_workload(n, args.seed, llm.config.vocab_size)
+            )
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         results["throughput"] = row
         _print_table(

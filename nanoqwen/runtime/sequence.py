@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 
@@ -20,7 +21,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise InvalidInputError("prompt is empty: allowed at least one token", param="prompt")
         self.seq_id = next(_ids)
         self.params = params
         self.token_ids = list(prompt_token_ids)
@@ -30,6 +31,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token or string that ended it
         # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.
         self.unstreamed: list[int] | None = None
         # The sampling noise's key: params.seed, or one drawn when the request first samples.

@@ -7,6 +7,7 @@ import torch
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
+from nanoqwen.validation import choice, invalid
 
 BACKENDS = ("auto", "triton", "flash-attn", "torch")
 
@@ -63,15 +64,14 @@ def create_backend(
 ) -> AttentionBackend:
     """auto: the Triton backend on any CUDA GPU with float16/bfloat16 (with flash-attn's
     kernels inside where flash-attn imports and fits), else torch."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend={name!r} is unknown: allowed {', '.join(BACKENDS)}")
+    choice("attention_backend", name, BACKENDS)
     problem = (
         flash_attn_problem(device, dtype, head_dim, block_size)
         if name == "flash-attn"
         else triton_problem(device, dtype, head_dim)
     )
     if name in ("flash-attn", "triton") and problem:
-        raise ValueError(f"attention_backend={name!r} is unavailable: {problem}")
+        raise invalid("attention_backend", name, f"is unavailable ({problem})", "auto or torch")
     if name == "torch" or problem:
         return TorchAttention(rotary, scale)
     if name == "flash-attn":
