@@ -15,7 +15,17 @@ from nanoqwen.chat import run_chat
 
 REPO = Path(__file__).resolve().parents[1]
 # --device cpu: the in-process reference LLM runs on the CPU, even where CUDA is available.
-GREEDY = ["--device", "cpu", "--temperature", "0", "--max-tokens", "12"]
+# --repetition-penalty 1: the CLI default (1.05, Qwen's) would part from plain greedy.
+GREEDY = [
+    "--device",
+    "cpu",
+    "--temperature",
+    "0",
+    "--repetition-penalty",
+    "1",
+    "--max-tokens",
+    "12",
+]
 
 
 class Result:
@@ -97,7 +107,7 @@ def test_stop_string_cuts_the_answer(model, llm):
     if len(full) < 8:
         pytest.skip("the tiny model's answer is too short to cut")
     stop = full[4:6]
-    flags = ["--device", "cpu", "--temperature", "0", "--max-tokens", "20", "-q", "--stop", stop]
+    flags = [*GREEDY[:6], "--max-tokens", "20", "-q", "--stop", stop]
     r = cli("generate", "--model", model, *flags, "Hello world")
     assert r.returncode == 0, r.stderr
     assert r.stdout == as_printed(full[: full.index(stop)])
@@ -284,13 +294,11 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, model, llm):
     r = cli("generate", "--model", str(ck), "--device", "cpu", "--max-tokens", "12", "-q", "Hi")
     assert r.returncode == 0, r.stderr
     assert r.stdout == as_printed(greedy(llm, chat_ids(llm, "Hi")).text)
-    from argparse import Namespace
-
     from nanoqwen.cli import sampling_params
+    from nanoqwen.cli_parser import build_parser
 
-    flags = dict(model=str(ck), top_p=None, min_p=None, repetition_penalty=None, logprobs=None)
-    flags |= dict(max_tokens=5, stop=None, seed=None)
-    params = sampling_params(Namespace(temperature=0.9, top_k=None, **flags))
+    args = build_parser().parse_args(["generate", "--model", str(ck), "--temperature", "0.9"])
+    params = sampling_params(args)
     assert (params.temperature, params.top_k, params.top_p) == (0.9, 5, 0.8)
     assert params.repetition_penalty == 1.05  # the Qwen value: the file names none
 

@@ -19,7 +19,11 @@ from nanoqwen import LLM, SamplingParams
 from nanoqwen.cli import main
 from nanoqwen.cli_parser import build_parser
 
-QUICK = ["--device", "cpu", "--temperature", "0", "--max-tokens", "6", "-q"]
+# --repetition-penalty 1: plain greedy (the CLI default is Qwen's 1.05).
+QUICK = [
+    "--device", "cpu", "--temperature", "0", "--repetition-penalty", "1", "--max-tokens", "6",
+    "-q",
+]  # fmt: skip
 
 
 @dataclass
@@ -241,7 +245,8 @@ def test_sampling_flags_reach_sampling_params(model, llm):
         ignore_eos=True,
     )  # fmt: skip
     r = run(
-        "generate", "--model", model, "--device", "cpu", "--temperature", "0", "--max-tokens",
+        "generate", "--model", model, "--device", "cpu", "--temperature", "0",
+        "--repetition-penalty", "1", "--max-tokens",
         "12", "-q", "--json", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
         "--min-tokens", "2", "--stop-token-ids", str(stop), "--ignore-eos", "Hello world",
     )  # fmt: skip
@@ -261,7 +266,7 @@ def test_sampling_flags_reach_sampling_params(model, llm):
 def test_json_and_summary_tell_max_tokens_from_the_context_length(model, llm):
     ids = chat_ids(llm, "Hello world")
     limit = len(ids) + 5
-    flags = ["--device", "cpu", "--temperature", "0", "--ignore-eos", "--json"]
+    flags = [*QUICK[:6], "--ignore-eos", "--json"]
     r = run("generate", "--model", model, *flags, "--max-tokens", "3", "Hello world")
     [row] = json_rows(r)
     assert (row["finish_reason"], row["stop_reason"], row["stopped_by"]) == (

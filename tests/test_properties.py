@@ -218,7 +218,10 @@ FLAG_VALUES = st.one_of(
     st.text(st.characters(blacklist_categories=("Nd", "Cs")), max_size=6),
     st.sampled_from(["", "-1", "0", "1e9", "nan", "inf", "1,2", "auto", "cuda", "bfloat16"]),
 )
-BASE = ["--device", "cpu", "--temperature", "0", "--max-tokens", "3", "--block-size", "16"]
+BASE = [
+    "--device", "cpu", "--temperature", "0", "--repetition-penalty", "1", "--max-tokens", "3",
+    "--block-size", "16",
+]  # fmt: skip
 BASE += ["--num-kv-blocks", "16", "--max-model-len", "48", "-q", "--no-chat"]
 
 
