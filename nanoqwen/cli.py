@@ -22,7 +22,7 @@ from nanoqwen.runtime.sampling_params import SamplingParams
 
 PROG = "nanoqwen"
 BENCH_MODULE = "nanoqwen.runtime.bench"
-COMMANDS = ("generate", "chat", "bench")
+COMMANDS = ("generate", "chat", "bench", "serve")
 
 
 class CLIError(Exception):
@@ -171,6 +171,19 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     bench.set_defaults(handler=cmd_bench)
+
+    from nanoqwen.serve import args as serve_args  # argparse only: no server libraries
+
+    serve = sub.add_parser(
+        "serve",
+        parents=[engine],
+        help="OpenAI-compatible HTTP server (needs the serve extra)",
+        description=serve_args.SERVE_HELP,
+        formatter_class=_Formatter,
+        conflict_handler="resolve",
+    )
+    serve_args.add_arguments(serve)
+    serve.set_defaults(handler=cmd_serve)
     if with_bench:
         if importlib.util.find_spec(BENCH_MODULE) is None:
             raise CLIError(f"the bench command is not available: {BENCH_MODULE} is missing")
@@ -389,6 +402,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(BENCH_MODULE).run(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from nanoqwen.serve.server import run_server
+    except ImportError as e:
+        raise CLIError(
+            f"`{PROG} serve` needs the serve extra ({e.name or e} is missing): "
+            "pip install 'nanoqwen[serve]'"
+        ) from None
+    return run_server(args)
+
+
 # ---- entry point ----------------------------------------------------------------------------
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
@@ -404,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
         if args.command is None:
-            raise UsageError(f"no command given: choose generate, chat or bench (see `{PROG} -h`)")
+            raise UsageError(
+                f"no command given: choose generate, chat, bench or serve (see `{PROG} -h`)"
+            )
         return int(args.handler(args) or 0)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else 0

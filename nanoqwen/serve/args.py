@@ -1,0 +1,61 @@
+"""The `nanoqwen serve` flags beyond the engine flags shared with `generate`."""
+
+from __future__ import annotations
+
+import argparse
+
+from nanoqwen.model.shapes import SHAPES
+
+SERVE_HELP = """\
+Serves the model over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
+(streaming as server-sent events), GET /v1/models, /health, /metrics (Prometheus) and
+/version. Requests join the running batch as they arrive (continuous batching). Request
+fields the client leaves out take OpenAI's defaults (temperature 1, top_p 1; max_tokens 16
+for completions, the rest of the context for chat)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    g.add_argument(
+        "--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1 routes"
+    )
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send (default: --model as given, or the default "
+        "checkpoint's name)",
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="with N sequences waiting for a slot, new requests get 503 (backpressure)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 << 20,
+        metavar="N",
+        help="larger request bodies get 413",
+    )
+    g.add_argument(
+        "--random-shape",
+        choices=SHAPES,
+        help="random weights of this Qwen2.5 shape instead of a checkpoint (for benchmarks; "
+        "no tokenizer: prompts must be token ids)",
+    )
+    g.add_argument("--log-level", default="info", help="uvicorn's log level")
+    # Engine limits that `generate` does not expose (yet); conflict_handler="resolve" on the
+    # serve parser lets a shared engine flag of the same name take over without a clash.
+    e = p.add_argument_group("engine limits")
+    e.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="running batch size")
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, metavar="N", help="tokens per step"
+    )
+    e.add_argument("--max-model-len", type=int, metavar="N", help="context length limit")
+    e.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, metavar="F", help="GPU memory share"
+    )
