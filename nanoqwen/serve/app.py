@@ -66,8 +66,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         if req.model is not None and req.model != config.model_name:
             raise APIError(
                 404,
-                f"the model `{req.model}` does not exist: this server serves "
-                f"`{config.model_name}`",
+                f"the model `{req.model}` does not exist: this server serves `{config.model_name}`",
                 param="model",
                 code="model_not_found",
             )

@@ -9,6 +9,7 @@ loop.call_soon_threadsafe per step for all of them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -179,10 +180,9 @@ class EngineLoop:
         for r, payload in items:
             by_loop[r.loop].append((r.queue, (r.index, payload)))
         for loop, batch in by_loop.items():
-            try:
+            # RuntimeError: that event loop is closed, the server is shutting down.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # that event loop is closed: the server is shutting down
-                pass
 
     def _fail_all(self, error: Exception) -> None:
         requests = list(self._live.values())

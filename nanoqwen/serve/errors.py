@@ -37,9 +37,7 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
-    info = ErrorInfo(
-        message=message, type=ERROR_TYPES.get(status, "error"), param=param, code=code
-    )
+    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "error"), param=param, code=code)
     return ErrorResponse(error=info)
 
 
@@ -64,7 +62,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+        why = first.get("ctx", {}).get("error", "parse error")
+        return f"the body is not valid JSON ({why})", None
     # loc is ("body", field, index, ...): keep the field path, drop union member tags.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     path = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "function-")))

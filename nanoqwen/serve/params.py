@@ -33,11 +33,11 @@ def completion_prompts(req: CompletionRequest, llm: LLM) -> list[list[int]]:
     else:
         batch = list(prompt)
     if not batch:
-        raise APIError(400, "prompt is empty: give a string, token ids, or a list of them", "prompt")
+        message = "prompt is empty: give a string, token ids, or a list of them"
+        raise APIError(400, message, "prompt")
     if isinstance(batch[0], str) and llm.tokenizer is None:
-        raise APIError(
-            400, "this server has no tokenizer (random weights): send prompts as token ids", "prompt"
-        )
+        message = "this server has no tokenizer (random weights): send prompts as token ids"
+        raise APIError(400, message, "prompt")
     try:
         return [_nonempty(llm.encode(p)) for p in batch]
     except ValueError as e:

@@ -28,7 +28,7 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("NANOQWEN_DEBUG", None)
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nanoqwen", "serve", "--port", "0", *args],
             cwd=REPO,

@@ -168,13 +168,9 @@ def test_stop_strings_ignore_eos_and_length(client, model, llm):
 
 
 def test_sampling_fields_reach_the_engine(client, model, llm):
-    fields = dict(
-        temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=21
-    )
+    fields = dict(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=21)
     extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.2, min_tokens=8)
-    want = llm.generate(
-        "import torch", SamplingParams(**fields, **extra, max_tokens=16)
-    )[0]
+    want = llm.generate("import torch", SamplingParams(**fields, **extra, max_tokens=16))[0]
     got = client.completions.create(
         model=model, prompt="import torch", max_tokens=16, **fields, extra_body=extra
     )
