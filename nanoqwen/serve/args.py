@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "no tokenizer: prompts must be token ids)",
     )
     g.add_argument("--log-level", default="info", help="uvicorn's log level")
-    # Engine limits that `generate` does not expose (yet); conflict_handler="resolve" on the
-    # serve parser lets a shared engine flag of the same name take over without a clash.
+    # Engine limits the shared engine flags lack today. The serve parser resolves conflicts,
+    # so once the shared flags gain one of these names, the definition here replaces it.
     e = p.add_argument_group("engine limits")
     e.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="running batch size")
     e.add_argument(

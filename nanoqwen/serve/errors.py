@@ -55,6 +55,10 @@ def bad_request(e: ValueError) -> APIError:
     return APIError(400, message, param=name if sep and name.isidentifier() else None)
 
 
+# pydantic names the member of a union that failed: `str`, `list[int]`, ... in loc.
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """The first complaint as one line: `temperature: Input should be a valid number`."""
     errors = exc.errors()
@@ -66,7 +70,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the body is not valid JSON ({why})", None
     # loc is ("body", field, index, ...): keep the field path, drop union member tags.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    path = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "function-")))
+    path = ".".join(p for p in loc if p not in _UNION_TAGS and "[" not in p)
     if first.get("type") == "missing":
         return f"{path} is missing: it is required", path or None
     if first.get("type") == "model_attributes_type" and not path:

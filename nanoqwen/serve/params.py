@@ -8,6 +8,7 @@ from __future__ import annotations
 from jinja2.exceptions import TemplateError
 
 from nanoqwen.runtime.engine import LLM
+from nanoqwen.runtime.logprobs import MAX_LOGPROBS
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.errors import APIError, bad_request
 from nanoqwen.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -68,7 +69,7 @@ def chat_prompt(req: ChatCompletionRequest, llm: LLM) -> list[int]:
 
 def _nonempty(ids: list[int]) -> list[int]:
     if not ids:
-        raise ValueError("prompt is empty: at least one token is needed")
+        raise APIError(400, "prompt is empty: at least one token is needed", "prompt")
     return ids
 
 
@@ -144,6 +145,9 @@ def sampling_params(
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        message = f"top_logprobs={req.top_logprobs} is out of range: allowed 0..{MAX_LOGPROBS}"
+        raise APIError(400, message, "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 

@@ -113,6 +113,11 @@ def tiny_server(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def api_key() -> str:
+    return API_KEY
+
+
+@pytest.fixture(scope="session")
 def strict_server(tiny_model, tmp_path_factory):
     """The tiny model behind an API key, with a small body limit, two running slots and
     backpressure past one waiting sequence."""
