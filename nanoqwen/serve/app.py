@@ -33,11 +33,12 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 1024  # more sequences waiting than this: new requests get a 503
     max_body_bytes: int = 4 << 20
+    stream_interval: int = 1  # tokens per streamed delivery (see engine_loop.py)
 
 
 def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     metrics = ServingMetrics(config.model_name)
-    engine = EngineLoop(llm, metrics)
+    engine = EngineLoop(llm, metrics, config.stream_interval)
     started = int(time.time())
 
     @asynccontextmanager
@@ -86,7 +87,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = stream(gen, config.model_name, token_text, req.return_token_ids, include_usage)
             return StreamingResponse(
-                R.with_error_events(events),
+                events,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )

@@ -42,15 +42,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413",
     )
     g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="stream tokens N at a time (the first and last at once): fewer, larger chunks "
+        "leave more CPU to the engine when hundreds of clients stream",
+    )
+    g.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=0.2,
+        metavar="MS",
+        help="Python's thread switch interval: the longest the engine thread waits for the GIL "
+        "while the HTTP thread is busy (Python's default is 5)",
+    )
+    g.add_argument("--log-level", default="info", help="uvicorn's log level")
+    add_engine_arguments(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine flags beyond the shared ones (also used by the serving benchmark's --offline)."""
+    # Engine limits the shared engine flags lack today. The serve parser resolves conflicts,
+    # so once the shared flags gain one of these names, the definition here replaces it.
+    e = p.add_argument_group("engine limits")
+    e.add_argument(
         "--random-shape",
         choices=SHAPES,
         help="random weights of this Qwen2.5 shape instead of a checkpoint (for benchmarks; "
         "no tokenizer: prompts must be token ids)",
     )
-    g.add_argument("--log-level", default="info", help="uvicorn's log level")
-    # Engine limits the shared engine flags lack today. The serve parser resolves conflicts,
-    # so once the shared flags gain one of these names, the definition here replaces it.
-    e = p.add_argument_group("engine limits")
     e.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="running batch size")
     e.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, metavar="N", help="tokens per step"

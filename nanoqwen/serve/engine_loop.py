@@ -3,8 +3,14 @@
 HTTP handlers (on the asyncio event loop) hand requests in through submit() and abort();
 both only append to an inbox under a lock, so they never wait for a step. The thread takes
 the inbox between steps (new requests join the running batch at the next step), and after
-each step sends every request's new tokens and text to its handler's asyncio queue, with one
-loop.call_soon_threadsafe per step for all of them."""
+each step hands every request's new tokens and text to its handler (its sink, on the event
+loop), with one loop.call_soon_threadsafe per step for all of them.
+
+Waking a handler, encoding a chunk and writing it costs the event loop's thread tens of
+microseconds, under the same GIL as the engine: with hundreds of streams, a handler per token
+each step would keep that thread busy enough to slow the steps. stream_interval N hands a
+request its tokens N at a time (the first token, and the last, at once), as SGLang's and vLLM's
+--stream-interval do."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanoqwen.runtime.engine import LLM, StreamChunk
 from nanoqwen.runtime.sampling_params import SamplingParams
@@ -24,15 +31,19 @@ from nanoqwen.serve.metrics import ServingMetrics
 log = logging.getLogger("nanoqwen.serve")
 
 
+class Sink(Protocol):
+    def push(self, index: int, payload: StreamChunk | Exception) -> None: ...
+
+
 @dataclass(eq=False)
 class EngineRequest:
-    """One sequence run for a handler: choice `index` of its response. The handler's queue
-    receives (index, StreamChunk) as tokens are made, or (index, Exception) if it failed."""
+    """One sequence run for a handler: choice `index` of its response. sink.push(index, chunk)
+    runs on `loop` as tokens are made, or sink.push(index, exception) if the engine failed."""
 
     prompt_ids: list[int]
     params: SamplingParams
     index: int
-    queue: asyncio.Queue
+    sink: Sink
     loop: asyncio.AbstractEventLoop
     arrival_time: float = field(default_factory=time.perf_counter)
     seq: Sequence | None = None
@@ -40,15 +51,20 @@ class EngineRequest:
     num_output_tokens: int = 0
 
 
-def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _push_all(items: list[tuple[Sink, int, StreamChunk | Exception]]) -> None:
+    for sink, index, payload in items:
+        sink.push(index, payload)
 
 
 class EngineLoop:
-    def __init__(self, llm: LLM, metrics: ServingMetrics | None = None) -> None:
+    def __init__(
+        self, llm: LLM, metrics: ServingMetrics | None = None, stream_interval: int = 1
+    ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval} is out of range: allowed >= 1")
         self.llm = llm
         self.metrics = metrics
+        self.stream_interval = stream_interval
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, list[EngineRequest]]] = []
         self._inbox_adds = 0
@@ -148,6 +164,13 @@ class EngineLoop:
             r = self._live.get(seq.seq_id)
             if r is None:
                 continue
+            if (
+                self.stream_interval > 1
+                and r.first_token_time is not None
+                and not seq.is_finished
+                and len(seq.unstreamed or ()) < self.stream_interval
+            ):
+                continue  # kept on the sequence until the interval is full
             chunk = self.llm.take_output(seq)
             if chunk is None:
                 continue
@@ -178,11 +201,11 @@ class EngineLoop:
     def _send(self, items: list[tuple[EngineRequest, object]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for r, payload in items:
-            by_loop[r.loop].append((r.queue, (r.index, payload)))
+            by_loop[r.loop].append((r.sink, r.index, payload))
         for loop, batch in by_loop.items():
             # RuntimeError: that event loop is closed, the server is shutting down.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(_push_all, batch)
 
     def _fail_all(self, error: Exception) -> None:
         requests = list(self._live.values())

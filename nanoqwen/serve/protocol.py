@@ -8,13 +8,9 @@ same message."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-
-def _unset(value: Any) -> bool:
-    return value is None
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Request(BaseModel):
@@ -88,6 +84,21 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- responses ------------------------------------------------------------------------------
+class _OmitsNone(BaseModel):
+    """Leaves out the fields named in _omit_if_none while they are None (other None fields,
+    such as finish_reason, stay as null, as OpenAI sends them)."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -101,12 +112,13 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitsNone):
+    _omit_if_none = ("token_ids",)
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_unset)  # return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -137,12 +149,13 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitsNone):
+    _omit_if_none = ("token_ids",)
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str
-    token_ids: list[int] | None = Field(default=None, exclude_if=_unset)
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -154,18 +167,20 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class Delta(BaseModel):
+class Delta(_OmitsNone):
     # Only what the chunk carries, as OpenAI sends it: {"role": ...} first, then {"content": ...}.
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=_unset)
-    content: str | None = Field(default=None, exclude_if=_unset)
+    _omit_if_none = ("role", "content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_OmitsNone):
+    _omit_if_none = ("token_ids",)
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_unset)
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
