@@ -176,3 +176,25 @@ def test_sampling_fields_reach_the_engine(client, model, llm):
     )
     assert got.choices[0].text == want.text
     assert got.usage.completion_tokens == len(want.token_ids) >= 8
+
+
+def test_logprobs_are_the_engines(client, model, llm):
+    prompt = "def fib(n):"
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
+    if want.logprobs is None:
+        pytest.skip("the engine does not fill RequestOutput.logprobs yet (the sampler rework)")
+    text_of = [llm.tokenizer.decode([e.token_id], skip_special_tokens=False) for e in want.logprobs]
+    expected = [e.logprob for e in want.logprobs]
+    kwargs = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    got = client.completions.create(**kwargs).choices[0].logprobs
+    assert got.tokens == text_of
+    assert got.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert all(1 <= len(top) <= 2 for top in got.top_logprobs)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)]
+    assert [t for lp in streamed if lp for t in lp.token_logprobs] == got.token_logprobs
+    chat = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
