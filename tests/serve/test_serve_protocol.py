@@ -8,19 +8,17 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("fastapi", reason="the serve tests need the serve extra")
-
-from nanoqwen.runtime.bench import throughput_workload  # noqa: E402
-from nanoqwen.runtime.logprobs import TokenLogprobs  # noqa: E402
-from nanoqwen.serve.bench import arrival_times, make_workload  # noqa: E402
-from nanoqwen.serve.protocol import (  # noqa: E402
+from nanoqwen.runtime.bench import throughput_workload
+from nanoqwen.runtime.logprobs import TokenLogprobs
+from nanoqwen.serve.bench import arrival_times, make_workload
+from nanoqwen.serve.protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
     Delta,
 )
-from nanoqwen.serve.responses import ChunkEncoder, chat_logprobs, completion_logprobs  # noqa: E402
+from nanoqwen.serve.responses import ChunkEncoder, chat_logprobs, completion_logprobs
 
 TEXTS = [
     "",
