@@ -198,3 +198,30 @@ def test_logprobs_are_the_engines(client, model, llm):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_metrics_count_tokens_and_latencies(tiny_server, client, model, llm):
+    before = tiny_server.wait_idle()
+    got = client.completions.create(
+        model=model,
+        prompt=PROMPTS[:3],
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = tiny_server.wait_idle()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("nanoqwen:prompt_tokens_total") == got.usage.prompt_tokens
+    assert delta("nanoqwen:generation_tokens_total") == got.usage.completion_tokens == 21
+    assert delta("nanoqwen:request_success_total{length}") == 3
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                      "e2e_request_latency_seconds", "request_prompt_tokens"):  # fmt: skip
+        assert delta(f"nanoqwen:{histogram}_count") == 3, histogram
+    assert delta("nanoqwen:request_generation_tokens_sum") == 21
+    assert after["nanoqwen:kv_cache_total_blocks"] == 256
+    assert "nanoqwen:num_preemptions_total" in after
+    text = httpx.get(f"{tiny_server.url}/metrics").text
+    assert 'nanoqwen:num_requests_running{model_name="' in text
