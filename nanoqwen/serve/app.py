@@ -72,18 +72,19 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 code="model_not_found",
             )
 
-    def admit(gen: Generation) -> None:
-        if engine.num_waiting >= config.max_waiting:
+    def check_capacity(gen: Generation) -> None:
+        # An idle queue takes any request, so one with many choices is not refused for ever.
+        waiting = engine.num_waiting
+        if waiting and waiting + gen.num_choices > config.max_waiting:
             raise APIError(
                 503,
-                f"the server is overloaded: {engine.num_waiting} requests wait "
+                f"the server is overloaded: {waiting} requests wait "
                 f"(at most {config.max_waiting}); retry later",
             )
-        gen.start()
 
     async def respond(request: Request, gen: Generation, req: SamplingFields, stream, whole):
-        admit(gen)
-        if req.stream:
+        check_capacity(gen)
+        if req.stream:  # the stream starts the generation when the response starts
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = stream(gen, config.model_name, token_text, req.return_token_ids, include_usage)
             return StreamingResponse(
@@ -91,6 +92,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
+        gen.start()
         try:
             outputs = await gen.collect(request)
         except ClientDisconnected:

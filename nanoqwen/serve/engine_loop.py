@@ -101,7 +101,7 @@ class EngineLoop:
 
     def abort(self, requests: list[EngineRequest]) -> None:
         """Ends the requests that are not finished; their KV blocks are free after the
-        current step. Their queues get nothing more."""
+        current step. Their sinks get nothing more."""
         with self._lock:
             self._inbox.append(("abort", requests))
         self._wake.set()
@@ -109,22 +109,21 @@ class EngineLoop:
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
-            self._take_inbox()
-            if not self._live:
-                self.llm.drain()  # a step still in flight holds only finished sequences
-                self._update_state()
-                self._wake.wait()
-                self._wake.clear()
-                continue
             try:
+                self._take_inbox()
+                if not self._live:
+                    self.llm.drain()  # a step still in flight holds only finished sequences
+                    self._update_state()
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
                 resolved = self.llm.step()
+                self.steps += 1
+                self._deliver(resolved)
+                self._update_state()
             except Exception as e:  # a bug or out of memory: fail what runs, keep serving
                 log.exception("engine step failed")
                 self._fail_all(e)
-                continue
-            self.steps += 1
-            self._deliver(resolved)
-            self._update_state()
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -138,7 +137,7 @@ class EngineLoop:
                     continue
                 try:
                     r.seq = self.llm.add_request(r.prompt_ids, r.params)
-                except ValueError as e:  # the handler checked already; kept for safety
+                except Exception as e:  # the handler checked the request already
                     failed.append((r, e))
                     continue
                 self._live[r.seq.seq_id] = r

@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI's API and vLLM do.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are ignored, as OpenAI's API and vLLM do. Python's JSON parser takes
+    # NaN and Infinity, which no sampling field allows.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):

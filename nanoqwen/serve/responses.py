@@ -120,6 +120,9 @@ async def completion_stream(
     encode = ChunkEncoder(CompletionChunk(**base, choices=[]), include_usage)
     offsets = [0] * gen.num_choices
     completion_tokens = 0
+    # Started here, not in the handler: a client gone before the stream begins then costs
+    # nothing (a generator that never ran has no `finally` to abort it).
+    gen.start()
     try:
         while gen.unfinished:
             events = []
@@ -188,17 +191,14 @@ async def chat_stream(
     base = dict(id=new_id("chatcmpl"), created=int(time.time()), model=model)
     encode = ChunkEncoder(ChatCompletionChunk(**base, choices=[]), include_usage)
     # As OpenAI does: each choice opens with the role and empty content.
-    yield "".join(
-        encode.model(
-            ChatCompletionChunk(
-                **base,
-                choices=[ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))],
-            )
-        )
+    opening = [
+        ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))
         for i in range(gen.num_choices)
-    )
+    ]
     completion_tokens = 0
+    gen.start()
     try:
+        yield "".join(encode.model(ChatCompletionChunk(**base, choices=[c])) for c in opening)
         while gen.unfinished:
             events = []
             for i, part in (await gen.next_batch()).items():

@@ -139,6 +139,13 @@ BAD_REQUESTS = {
     "tools": (CHAT, chat(tools=[{"type": "function"}]), 400, "tools="),
     # the body itself
     "malformed JSON": (COMPLETIONS, b'{"prompt": "x", ', 400, "not valid JSON"),
+    "temperature Infinity": (
+        COMPLETIONS,
+        b'{"prompt": "x", "temperature": Infinity}',
+        400,
+        "temperature: Input",
+    ),
+    "top_p NaN": (COMPLETIONS, b'{"prompt": "x", "top_p": NaN}', 400, "top_p: Input"),
     "body is a list": (COMPLETIONS, b"[1, 2]", 400, "the body must be a JSON object"),
     "oversize body": (COMPLETIONS, completion(prompt="x" * 30000), 413, "over the limit"),
     "unknown model": (COMPLETIONS, completion(model="gpt-4"), 404, "`gpt-4` does not exist"),
