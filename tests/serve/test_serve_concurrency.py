@@ -4,6 +4,7 @@ client gets its own text, and every KV block is back once the server is idle."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -97,14 +98,13 @@ def test_waiting_client_that_disconnects_is_aborted_and_backpressure(strict_serv
     server, url = strict_server, f"{strict_server.url}/v1/completions"
     auth = {"Authorization": f"Bearer {api_key}"}
     before = server.wait_idle()
-    client = httpx.Client(headers=auth, timeout=60)
-    with (
-        client,
-        client.stream("POST", url, json=long_request("tiny")) as s1,
-        client.stream("POST", url, json=long_request("tiny")) as s2,
-    ):
-        assert s1.status_code == s2.status_code == 200
-        wait_for(server, lambda m: m["nanoqwen:num_requests_running"] == 2, "two running")
+    with httpx.Client(headers=auth, timeout=60) as client, contextlib.ExitStack() as streams:
+        for running in (1, 2):  # one at a time: a request not yet running counts as waiting
+            stream = streams.enter_context(client.stream("POST", url, json=long_request("tiny")))
+            assert stream.status_code == 200
+            wait_for(
+                server, lambda m, n=running: m["nanoqwen:num_requests_running"] == n, "running"
+            )
         timed_out = threading.Event()
 
         def impatient():  # a non-streaming request that gives up while it waits
