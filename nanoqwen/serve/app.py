@@ -103,8 +103,9 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
         prompts = P.completion_prompts(req, llm)
-        lens = [len(p) for p in prompts]
-        params = [P.sampling_params(req, [n], llm, req.max_tokens, req.logprobs) for n in lens]
+        params = [
+            P.sampling_params(req, len(ids), llm, req.max_tokens, req.logprobs) for ids in prompts
+        ]
         gen = Generation(engine, prompts, params)
         return await respond(request, gen, req, R.completion_stream, R.completion_response)
 
@@ -113,7 +114,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         check_model(req)
         prompt = P.chat_prompt(req, llm)
         logprobs = P.chat_logprobs(req)
-        params = P.sampling_params(req, [len(prompt)], llm, P.chat_max_tokens(req), logprobs)
+        params = P.sampling_params(req, len(prompt), llm, P.chat_max_tokens(req), logprobs)
         gen = Generation(engine, [prompt], [params])
         return await respond(request, gen, req, R.chat_stream, R.chat_response)
 

@@ -75,7 +75,7 @@ def _nonempty(ids: list[int]) -> list[int]:
 
 def sampling_params(
     req: SamplingFields,
-    prompt_lens: list[int],
+    prompt_len: int,
     llm: LLM,
     max_tokens: int | None,
     logprobs: int | None,
@@ -87,23 +87,22 @@ def sampling_params(
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n={req.n} is out of range: allowed 1..{MAX_N}", "n")
     limit = llm.max_model_len
-    longest = max(prompt_lens)
-    if longest >= limit:
+    if prompt_len >= limit:
         raise APIError(
             400,
-            f"the prompt has {longest} tokens: allowed at most {limit - 1} "
+            f"the prompt has {prompt_len} tokens: allowed at most {limit - 1} "
             f"(the model's context length is {limit} tokens)",
             "prompt" if isinstance(req, CompletionRequest) else "messages",
         )
     if max_tokens is None:
         is_completion = isinstance(req, CompletionRequest)
-        room = limit - longest
+        room = limit - prompt_len
         max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if is_completion else room
-    elif max_tokens >= 1 and longest + max_tokens > limit:
+    elif max_tokens >= 1 and prompt_len + max_tokens > limit:
         raise APIError(
             400,
-            f"the prompt has {longest} tokens and max_tokens is {max_tokens}: together "
-            f"{longest + max_tokens}, over the model's context length of {limit} tokens",
+            f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together "
+            f"{prompt_len + max_tokens}, over the model's context length of {limit} tokens",
             "max_tokens",
         )
     vocab = llm.config.vocab_size
