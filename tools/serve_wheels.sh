@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The wheels `nanoqwen serve` and its benchmark need on a machine without network (the GPU
-# machine: Python 3.12, x86_64 Linux): the serve extra and httpx, with their dependencies.
+# machine: Python 3.12, x86_64 Linux): the serve extra and the clients the benchmark and
+# tests use (httpx, openai), with their dependencies.
 #   bash tools/serve_wheels.sh download [DIR]   # here, with network (default DIR .serve-wheels)
 #   bash tools/serve_wheels.sh install [DIR]    # there: into /tmp/serve-site, for PYTHONPATH
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-download}
 dir=${2:-.serve-wheels}
-packages=(fastapi uvicorn prometheus-client uvloop httptools httpx)
+packages=(fastapi uvicorn prometheus-client uvloop httptools httpx openai)
 case $what in
   download)
     python3 -m pip download --only-binary=:all: --python-version 3.12 \
