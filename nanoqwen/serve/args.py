@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1024,
         metavar="N",
-        help="with N sequences waiting for a slot, new requests get 503 (backpressure)",
+        help="503 for a request that would make more than N sequences wait for a slot "
+        "(backpressure; with none waiting, any request is taken)",
     )
     g.add_argument(
         "--max-request-bytes",
