@@ -3,7 +3,7 @@
 #   1. the offline engine on the workload (LLM.generate, same engine flags): the reference;
 #   2. `nanoqwen serve --random-shape SHAPE`, then the serving benchmark against it at a
 #      saturating rate (all requests at once; compared with 1.) and at a moderate Poisson rate.
-# Usage (device tool, carry .serve-wheels): bash tools/serve_gpu_bench.sh [SHAPE ...]
+# Usage (device tool, carry .serve-wheels and .whl): bash tools/serve_gpu_bench.sh [SHAPE ...]
 # Environment: SERVE_ARGS (extra server flags, e.g. "--stream-interval 4"), NUM_REQUESTS (256),
 # RATE_0_5B / RATE_7B (moderate rates in requests/s, default 20 and 6), BENCH_ARGS (extra
 # workload flags for both runs), DEVICE (cuda).
@@ -11,7 +11,13 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tools/serve_wheels.sh install || exit 1
-export PYTHONPATH=/tmp/serve-site:$PWD
+# flash-attn as tools/gpu_check.sh installs it (carry .whl), so the engine runs as in BENCHMARKS.md.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/serve-site:/tmp/site:$PWD
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" || echo "no flash-attn"
 shapes=("$@"); [[ ${#shapes[@]} -eq 0 ]] && shapes=(0.5B 7B)
 n=${NUM_REQUESTS:-256}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
