@@ -304,6 +304,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(BENCH_MODULE).run(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from nanoqwen.serve.server import run_server
+    except ImportError as e:
+        raise CLIError(
+            f"`{PROG} serve` needs the serve extra ({e.name or e} is missing): "
+            "pip install 'nanoqwen[serve]'"
+        ) from None
+    return run_server(args)
+
+
 # ---- entry point ----------------------------------------------------------------------------
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
@@ -326,8 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
         if args.command is None:
-            raise UsageError(f"no command given: choose generate, chat or bench (see `{PROG} -h`)")
-        handlers = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
+            raise UsageError(
+                f"no command given: choose generate, chat, bench or serve (see `{PROG} -h`)"
+            )
+        handlers = {
+            "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve
+        }  # fmt: skip
         return int(handlers[args.command_name](args) or 0)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else 0

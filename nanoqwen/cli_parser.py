@@ -14,7 +14,7 @@ from nanoqwen.runtime.builder import DTYPES
 
 PROG = "nanoqwen"
 BENCH_MODULE = "nanoqwen.runtime.bench"
-COMMANDS = ("generate", "chat", "bench")
+COMMANDS = ("generate", "chat", "bench", "serve")
 DESCRIPTION = (
     "The `nanoqwen` command: generate, chat and bench. `nanoqwen COMMAND --help` for details."
 )
@@ -251,6 +251,19 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     bench.set_defaults(command_name="bench")
+
+    from nanoqwen.serve import args as serve_args  # argparse only: no server libraries
+
+    serve = sub.add_parser(
+        "serve",
+        parents=[engine],
+        help="OpenAI-compatible HTTP server (needs the serve extra)",
+        description=serve_args.SERVE_HELP,
+        formatter_class=_Formatter,
+        conflict_handler="resolve",
+    )
+    serve_args.add_arguments(serve)
+    serve.set_defaults(command_name="serve")
     if with_bench:
         if importlib.util.find_spec(BENCH_MODULE) is None:
             raise CLIError(f"the bench command is not available: {BENCH_MODULE} is missing")

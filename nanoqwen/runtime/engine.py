@@ -331,3 +331,22 @@ class LLM:
                     )
         finally:
             self.abort([s for s in seqs if not s.is_finished])
+
+    # ---- request API for servers: the caller adds requests and drives step() ---------------
+    def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """Queues one request; it runs in the next step() calls, and take_output() hands out
+        its new tokens and text as they are made."""
+        seq = self._add(prompt, params, detokenize=True)
+        seq.unstreamed = []
+        return seq
+
+    def take_output(self, seq: Sequence) -> StreamChunk | None:
+        """The tokens and text seq made since the last call (the pieces join to exactly its
+        final text, as in stream()), or None when there is nothing new. Once a chunk with
+        finished=True is taken, seq is done with: it is not to be passed again."""
+        if not seq.unstreamed and not seq.is_finished:
+            return None
+        tokens, seq.unstreamed = seq.unstreamed or [], []
+        detok = (self._detok.pop if seq.is_finished else self._detok.get)(seq.seq_id, None)
+        text = detok.pending(final=seq.is_finished) if detok else ""
+        return StreamChunk(0, text, tokens, seq.is_finished, seq.finish_reason)

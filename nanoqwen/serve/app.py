@@ -1,0 +1,141 @@
+"""The FastAPI app: OpenAI-compatible routes over one EngineLoop, plus health and metrics."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoqwen import __version__
+from nanoqwen.runtime.engine import LLM
+from nanoqwen.serve import params as P
+from nanoqwen.serve import responses as R
+from nanoqwen.serve.engine_loop import EngineLoop
+from nanoqwen.serve.errors import APIError, install_error_handlers
+from nanoqwen.serve.generation import ClientDisconnected, Generation
+from nanoqwen.serve.guards import APIKeyGuard, BodySizeLimit
+from nanoqwen.serve.metrics import ServingMetrics
+from nanoqwen.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int = 1024  # more sequences waiting than this: new requests get a 503
+    max_body_bytes: int = 4 << 20
+    stream_interval: int = 1  # tokens per streamed delivery (see engine_loop.py)
+
+
+def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
+    metrics = ServingMetrics(config.model_name)
+    engine = EngineLoop(llm, metrics, config.stream_interval)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="nanoqwen", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    # The last added runs first: the key is checked before the body is read.
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=config.api_key)
+
+    tok = llm.tokenizer
+
+    def token_text(token_id: int) -> str:
+        if tok is None:
+            return f"token_id:{token_id}"
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    def check_model(req: SamplingFields) -> None:
+        if req.model is not None and req.model != config.model_name:
+            raise APIError(
+                404,
+                f"the model `{req.model}` does not exist: this server serves `{config.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_capacity(gen: Generation) -> None:
+        # An idle queue takes any request, so one with many choices is not refused for ever.
+        waiting = engine.num_waiting
+        if waiting and waiting + gen.num_choices > config.max_waiting:
+            raise APIError(
+                503,
+                f"the server is overloaded: {waiting} requests wait "
+                f"(at most {config.max_waiting}); retry later",
+            )
+
+    async def respond(request: Request, gen: Generation, req: SamplingFields, stream, whole):
+        check_capacity(gen)
+        if req.stream:  # the stream starts the generation when the response starts
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = stream(gen, config.model_name, token_text, req.return_token_ids, include_usage)
+            return StreamingResponse(
+                events,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        gen.start()
+        try:
+            outputs = await gen.collect(request)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it
+        return whole(gen, outputs, config.model_name, token_text, req.return_token_ids)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req)
+        prompts = P.completion_prompts(req, llm)
+        params = [
+            P.sampling_params(req, len(ids), llm, req.max_tokens, req.logprobs) for ids in prompts
+        ]
+        gen = Generation(engine, prompts, params)
+        return await respond(request, gen, req, R.completion_stream, R.completion_response)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_model(req)
+        prompt = P.chat_prompt(req, llm)
+        logprobs = P.chat_logprobs(req)
+        params = P.sampling_params(req, len(prompt), llm, P.chat_max_tokens(req), logprobs)
+        gen = Generation(engine, [prompt], [params])
+        return await respond(request, gen, req, R.chat_stream, R.chat_response)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=config.model_name, created=started, max_model_len=llm.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,83 @@
+"""The `nanoqwen serve` flags beyond the engine flags shared with `generate`."""
+
+from __future__ import annotations
+
+import argparse
+
+from nanoqwen.model.shapes import SHAPES
+
+SERVE_HELP = """\
+Serves the model over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
+(streaming as server-sent events), GET /v1/models, /health, /metrics (Prometheus) and
+/version. Requests join the running batch as they arrive (continuous batching). Request
+fields the client leaves out take OpenAI's defaults (temperature 1, top_p 1; max_tokens 16
+for completions, the rest of the context for chat)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    g.add_argument(
+        "--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1 routes"
+    )
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send (default: --model as given, or the default "
+        "checkpoint's name)",
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="503 for a request that would make more than N sequences wait for a slot "
+        "(backpressure; with none waiting, any request is taken)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 << 20,
+        metavar="N",
+        help="larger request bodies get 413",
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="stream tokens N at a time (the first and last at once): fewer, larger chunks "
+        "leave more CPU to the engine when hundreds of clients stream",
+    )
+    g.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=0.2,
+        metavar="MS",
+        help="Python's thread switch interval: the longest the engine thread waits for the GIL "
+        "while the HTTP thread is busy (Python's default is 5)",
+    )
+    g.add_argument("--log-level", default="info", help="uvicorn's log level")
+    add_engine_arguments(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine flags beyond the shared ones (also used by the serving benchmark's --offline)."""
+    # Engine limits the shared engine flags lack today. The serve parser resolves conflicts,
+    # so once the shared flags gain one of these names, the definition here replaces it.
+    e = p.add_argument_group("engine limits")
+    e.add_argument(
+        "--random-shape",
+        choices=SHAPES,
+        help="random weights of this Qwen2.5 shape instead of a checkpoint (for benchmarks; "
+        "no tokenizer: prompts must be token ids)",
+    )
+    e.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="running batch size")
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, metavar="N", help="tokens per step"
+    )
+    e.add_argument("--max-model-len", type=int, metavar="N", help="context length limit")
+    e.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, metavar="F", help="GPU memory share"
+    )

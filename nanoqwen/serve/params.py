@@ -1,0 +1,154 @@
+"""API requests -> prompt token ids and SamplingParams, with the checks that make a 400.
+
+Every check raises APIError(400) with one line naming the field; range checks are
+SamplingParams' own (its ValueError message, passed through)."""
+
+from __future__ import annotations
+
+from jinja2.exceptions import TemplateError
+
+from nanoqwen.runtime.engine import LLM
+from nanoqwen.runtime.logprobs import MAX_LOGPROBS
+from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.serve.errors import APIError, bad_request
+from nanoqwen.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+MAX_N = 128
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _unsupported(name: str, value, default_ok: bool) -> None:
+    if not default_ok:
+        raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
+
+
+def completion_prompts(req: CompletionRequest, llm: LLM) -> list[list[int]]:
+    """The prompt field as a list of token id lists: a string, token ids, or a list of either."""
+    _unsupported("echo", req.echo, not req.echo)
+    _unsupported("suffix", req.suffix, req.suffix is None)
+    _unsupported("best_of", req.best_of, req.best_of in (None, req.n))
+    _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        batch = [prompt]
+    else:
+        batch = list(prompt)
+    if not batch:
+        message = "prompt is empty: give a string, token ids, or a list of them"
+        raise APIError(400, message, "prompt")
+    if isinstance(batch[0], str) and llm.tokenizer is None:
+        message = "this server has no tokenizer (random weights): send prompts as token ids"
+        raise APIError(400, message, "prompt")
+    try:
+        return [_nonempty(llm.encode(p)) for p in batch]
+    except ValueError as e:
+        raise APIError(400, f"prompt: {e}", "prompt") from None
+
+
+def chat_prompt(req: ChatCompletionRequest, llm: LLM) -> list[int]:
+    _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
+    _unsupported("tools", req.tools, not req.tools)
+    fmt = (req.response_format or {}).get("type", "text")
+    _unsupported("response_format", req.response_format, fmt == "text")
+    if not req.messages:
+        raise APIError(400, "messages is empty: at least one message is needed", "messages")
+    tok = llm.tokenizer
+    if tok is None or tok.chat_template is None:
+        why = "no tokenizer (random weights)" if tok is None else "no chat template"
+        raise APIError(400, f"this model has {why}: use /v1/completions", "messages")
+    # "developer" is OpenAI's newer name for the system role.
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in req.messages
+    ]
+    try:
+        return _nonempty(tok.encode_chat(messages))
+    except TemplateError as e:
+        raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+
+
+def _nonempty(ids: list[int]) -> list[int]:
+    if not ids:
+        raise APIError(400, "prompt is empty: at least one token is needed", "prompt")
+    return ids
+
+
+def sampling_params(
+    req: SamplingFields,
+    prompt_len: int,
+    llm: LLM,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> list[SamplingParams]:
+    """One SamplingParams per choice of one prompt (n of them): choice j of a seeded request
+    gets seed + j, so the n samples differ and each is reproducible.
+
+    max_tokens None: /v1/completions' 16, or for chat what the context has room for."""
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n={req.n} is out of range: allowed 1..{MAX_N}", "n")
+    limit = llm.max_model_len
+    if prompt_len >= limit:
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens: allowed at most {limit - 1} "
+            f"(the model's context length is {limit} tokens)",
+            "prompt" if isinstance(req, CompletionRequest) else "messages",
+        )
+    if max_tokens is None:
+        is_completion = isinstance(req, CompletionRequest)
+        room = limit - prompt_len
+        max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if is_completion else room
+    elif max_tokens >= 1 and prompt_len + max_tokens > limit:
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together "
+            f"{prompt_len + max_tokens}, over the model's context length of {limit} tokens",
+            "max_tokens",
+        )
+    vocab = llm.config.vocab_size
+    bad_ids = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
+    if bad_ids:
+        raise APIError(
+            400,
+            f"stop_token_ids: token id {bad_ids[0]} is out of range: allowed 0..{vocab - 1}",
+            "stop_token_ids",
+        )
+
+    def pick(value, default):
+        return default if value is None else value
+
+    try:
+        return [
+            SamplingParams(
+                temperature=pick(req.temperature, 1.0),
+                top_p=pick(req.top_p, 1.0),
+                top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                min_p=pick(req.min_p, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, 1.0),
+                presence_penalty=pick(req.presence_penalty, 0.0),
+                frequency_penalty=pick(req.frequency_penalty, 0.0),
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                seed=None if req.seed is None else req.seed + j,
+                logprobs=logprobs,
+            )
+            for j in range(req.n)
+        ]
+    except ValueError as e:  # issue 13's validation error subclasses ValueError too
+        raise bad_request(e) from None
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        message = f"top_logprobs={req.top_logprobs} is out of range: allowed 0..{MAX_LOGPROBS}"
+        raise APIError(400, message, "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

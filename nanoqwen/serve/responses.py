@@ -1,0 +1,260 @@
+"""Engine output -> OpenAI response bodies: whole responses and server-sent-event streams."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from nanoqwen.runtime.logprobs import TokenLogprobs
+from nanoqwen.serve.errors import APIError, error_body
+from nanoqwen.serve.generation import ChoiceOutput, Generation
+from nanoqwen.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    Delta,
+    TopLogprob,
+    Usage,
+)
+
+DONE = "data: [DONE]\n\n"
+TokenText = Callable[[int], str]  # a token id's own text, for logprobs
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(gen: Generation, completion_tokens: int) -> Usage:
+    prompt_tokens = sum(gen.prompt_lens)  # once per prompt, however many choices it has
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def sse(body) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+def completion_logprobs(
+    entries: list[TokenLogprobs] | None, token_text: TokenText, offset: int
+) -> CompletionLogprobs | None:
+    """The legacy completions shape: parallel lists; text_offset counts from offset."""
+    if entries is None:
+        return None
+    out = CompletionLogprobs()
+    for e in entries:
+        text = token_text(e.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({token_text(t): lp for t, lp in e.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(entries: list[TokenLogprobs] | None, token_text: TokenText):
+    if entries is None:
+        return None
+
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        text = token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = []
+    for e in entries:
+        first = top(e.token_id, e.logprob)
+        alternatives = [top(t, lp) for t, lp in e.top]
+        content.append(ChatTokenLogprob(**first.model_dump(), top_logprobs=alternatives))
+    return ChatLogprobs(content=content)
+
+
+# ---- /v1/completions ------------------------------------------------------------------------
+def completion_response(
+    gen: Generation,
+    outputs: list[ChoiceOutput],
+    model: str,
+    token_text: TokenText,
+    return_token_ids: bool,
+) -> CompletionResponse:
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=out.text,
+            logprobs=completion_logprobs(out.logprobs, token_text, 0),
+            finish_reason=out.finish_reason,
+            token_ids=out.token_ids if return_token_ids else None,
+        )
+        for i, out in enumerate(outputs)
+    ]
+    return CompletionResponse(
+        id=new_id("cmpl"),
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=usage(gen, sum(len(o.token_ids) for o in outputs)),
+    )
+
+
+async def completion_stream(
+    gen: Generation,
+    model: str,
+    token_text: TokenText,
+    return_token_ids: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    base = dict(id=new_id("cmpl"), created=int(time.time()), model=model)
+    encode = ChunkEncoder(CompletionChunk(**base, choices=[]), include_usage)
+    offsets = [0] * gen.num_choices
+    completion_tokens = 0
+    # Started here, not in the handler: a client gone before the stream begins then costs
+    # nothing (a generator that never ran has no `finally` to abort it).
+    gen.start()
+    try:
+        while gen.unfinished:
+            events = []
+            for i, part in (await gen.next_batch()).items():
+                completion_tokens += len(part.token_ids)
+                ids = part.token_ids if return_token_ids else None
+                if not (part.text or part.finish_reason or ids):
+                    continue  # nothing a client can see (text held back for UTF-8 or a stop)
+                if part.logprobs is None:
+                    events.append(encode.completion(i, part.text, part.finish_reason, ids))
+                else:
+                    logprobs = completion_logprobs(part.logprobs, token_text, offsets[i])
+                    choice = CompletionChoice(
+                        index=i, text=part.text, logprobs=logprobs,
+                        finish_reason=part.finish_reason, token_ids=ids,
+                    )  # fmt: skip
+                    events.append(encode.model(CompletionChunk(**base, choices=[choice])))
+                offsets[i] += len(part.text)
+            if events:
+                yield "".join(events)
+    except APIError as e:  # the engine failed mid-stream: the status line went out already
+        yield sse(error_body(e.status, e.message))
+        yield DONE
+        return
+    finally:
+        gen.abort()
+    if include_usage:
+        yield sse(CompletionChunk(**base, choices=[], usage=usage(gen, completion_tokens)))
+    yield DONE
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+def chat_response(
+    gen: Generation,
+    outputs: list[ChoiceOutput],
+    model: str,
+    token_text: TokenText,
+    return_token_ids: bool,
+) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=out.text),
+            logprobs=chat_logprobs(out.logprobs, token_text),
+            finish_reason=out.finish_reason or "length",
+            token_ids=out.token_ids if return_token_ids else None,
+        )
+        for i, out in enumerate(outputs)
+    ]
+    return ChatCompletionResponse(
+        id=new_id("chatcmpl"),
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=usage(gen, sum(len(o.token_ids) for o in outputs)),
+    )
+
+
+async def chat_stream(
+    gen: Generation,
+    model: str,
+    token_text: TokenText,
+    return_token_ids: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    base = dict(id=new_id("chatcmpl"), created=int(time.time()), model=model)
+    encode = ChunkEncoder(ChatCompletionChunk(**base, choices=[]), include_usage)
+    # As OpenAI does: each choice opens with the role and empty content.
+    opening = [
+        ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))
+        for i in range(gen.num_choices)
+    ]
+    completion_tokens = 0
+    gen.start()
+    try:
+        yield "".join(encode.model(ChatCompletionChunk(**base, choices=[c])) for c in opening)
+        while gen.unfinished:
+            events = []
+            for i, part in (await gen.next_batch()).items():
+                completion_tokens += len(part.token_ids)
+                ids = part.token_ids if return_token_ids else None
+                if not (part.text or part.finish_reason or ids):
+                    continue
+                if part.logprobs is None:
+                    events.append(encode.chat(i, part.text, part.finish_reason, ids))
+                else:
+                    choice = ChatStreamChoice(
+                        index=i, delta=Delta(content=part.text),
+                        logprobs=chat_logprobs(part.logprobs, token_text),
+                        finish_reason=part.finish_reason, token_ids=ids,
+                    )  # fmt: skip
+                    events.append(encode.model(ChatCompletionChunk(**base, choices=[choice])))
+            if events:
+                yield "".join(events)
+    except APIError as e:
+        yield sse(error_body(e.status, e.message))
+        yield DONE
+        return
+    finally:
+        gen.abort()
+    if include_usage:
+        yield sse(ChatCompletionChunk(**base, choices=[], usage=usage(gen, completion_tokens)))
+    yield DONE
+
+
+class ChunkEncoder:
+    """Server-sent events of one stream's chunks, written by hand on the hot path (one per
+    choice per delivery) and byte for byte what the pydantic models give
+    (tests/serve/test_serve_protocol.py checks it): building and dumping the models costs
+    ~20 µs a chunk, this ~2."""
+
+    def __init__(self, empty: CompletionChunk | ChatCompletionChunk, include_usage: bool):
+        self.exclude = None if include_usage else {"usage"}
+        head = empty.model_dump_json(exclude={"choices", "usage"})  # {"id":...,"model":"m"}
+        self.head = f'data: {head[:-1]},"choices":[{{"index":'
+        self.tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+
+    def model(self, chunk: CompletionChunk | ChatCompletionChunk) -> str:
+        return f"data: {chunk.model_dump_json(exclude=self.exclude)}\n\n"
+
+    @staticmethod
+    def _rest(finish_reason: str | None, token_ids: list[int] | None) -> str:
+        reason = "null" if finish_reason is None else json.dumps(finish_reason)
+        ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
+        return f'"logprobs":null,"finish_reason":{reason}{ids}}}]'
+
+    def completion(self, index, text: str, finish_reason, token_ids) -> str:
+        text_json = json.dumps(text, ensure_ascii=False)
+        rest = self._rest(finish_reason, token_ids)
+        return f'{self.head}{index},"text":{text_json},{rest}{self.tail}'
+
+    def chat(self, index, text: str, finish_reason, token_ids) -> str:
+        text_json = json.dumps(text, ensure_ascii=False)
+        rest = self._rest(finish_reason, token_ids)
+        return f'{self.head}{index},"delta":{{"content":{text_json}}},{rest}{self.tail}'
