@@ -304,31 +304,17 @@ class LLM:
         # Tokens are collected on each sequence, so none is lost when another generate() or
         # stream() call runs the engine while this iterator is paused.
         open_requests = set(range(len(seqs)))
-        streamed = [0] * len(seqs)  # tokens handed out per request
         try:
             while open_requests:
                 if any(not seqs[i].is_finished for i in open_requests):
                     self.step()
                 for i in sorted(open_requests):
-                    seq = seqs[i]
-                    if not seq.unstreamed and not seq.is_finished:
+                    chunk = self.take_output(seqs[i], index=i)
+                    if chunk is None:
                         continue
-                    tokens, seq.unstreamed = seq.unstreamed, []
-                    # A finished request's detokenizer is done with: drop it.
-                    detok = (self._detok.pop if seq.is_finished else self._detok.get)(
-                        seq.seq_id, None
-                    )
-                    text = detok.pending(final=seq.is_finished) if detok else ""
-                    if seq.is_finished:
+                    if chunk.finished:
                         open_requests.discard(i)
-                    logprobs = None
-                    if seq.logprobs is not None:
-                        logprobs = seq.logprobs[streamed[i] : streamed[i] + len(tokens)]
-                    streamed[i] += len(tokens)
-                    stop = self._stop_reason(seq, detok) if seq.is_finished else None
-                    yield StreamChunk(
-                        i, text, tokens, seq.is_finished, seq.finish_reason, logprobs, stop
-                    )
+                    yield chunk
         finally:
             self.abort([s for s in seqs if not s.is_finished])
 
@@ -340,13 +326,19 @@ class LLM:
         seq.unstreamed = []
         return seq
 
-    def take_output(self, seq: Sequence) -> StreamChunk | None:
+    def take_output(self, seq: Sequence, index: int = 0) -> StreamChunk | None:
         """The tokens and text seq made since the last call (the pieces join to exactly its
         final text, as in stream()), or None when there is nothing new. Once a chunk with
         finished=True is taken, seq is done with: it is not to be passed again."""
         if not seq.unstreamed and not seq.is_finished:
             return None
         tokens, seq.unstreamed = seq.unstreamed or [], []
+        # A finished request's detokenizer is done with: drop it.
         detok = (self._detok.pop if seq.is_finished else self._detok.get)(seq.seq_id, None)
         text = detok.pending(final=seq.is_finished) if detok else ""
-        return StreamChunk(0, text, tokens, seq.is_finished, seq.finish_reason)
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs = seq.logprobs[seq.num_streamed : seq.num_streamed + len(tokens)]
+        seq.num_streamed += len(tokens)
+        stop = self._stop_reason(seq, detok) if seq.is_finished else None
+        return StreamChunk(index, text, tokens, seq.is_finished, seq.finish_reason, logprobs, stop)

@@ -34,6 +34,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
         # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.
         self.unstreamed: list[int] | None = None
+        self.num_streamed = 0  # tokens handed out by stream() / take_output()
         # The sampling noise's key: params.seed, or one drawn when the request first samples.
         self.sampling_seed: int | None = None
         # With params.logprobs / prompt_logprobs: one entry per output / prompt token.

@@ -129,7 +129,7 @@ async def completion_stream(
             for i, part in (await gen.next_batch()).items():
                 completion_tokens += len(part.token_ids)
                 ids = part.token_ids if return_token_ids else None
-                if not (part.text or part.finish_reason or ids):
+                if not (part.text or part.finish_reason or ids or part.logprobs):
                     continue  # nothing a client can see (text held back for UTF-8 or a stop)
                 if part.logprobs is None:
                     events.append(encode.completion(i, part.text, part.finish_reason, ids))
@@ -204,7 +204,7 @@ async def chat_stream(
             for i, part in (await gen.next_batch()).items():
                 completion_tokens += len(part.token_ids)
                 ids = part.token_ids if return_token_ids else None
-                if not (part.text or part.finish_reason or ids):
+                if not (part.text or part.finish_reason or ids or part.logprobs):
                     continue
                 if part.logprobs is None:
                     events.append(encode.chat(i, part.text, part.finish_reason, ids))
