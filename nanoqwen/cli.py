@@ -83,6 +83,11 @@ def _engine_flags() -> argparse.ArgumentParser:
         "--num-kv-blocks", type=int, metavar="N", help="KV cache blocks (default: sized to memory)"
     )
     g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute every prompt instead of reusing cached KV blocks of earlier prompts",
+    )
+    g.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar, engine log or speed summary"
     )
     return p
@@ -214,6 +219,7 @@ def load_llm(args: argparse.Namespace) -> LLM:
         num_kv_blocks=args.num_kv_blocks,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_prefix_caching,
         progress=not args.quiet,
     )
 

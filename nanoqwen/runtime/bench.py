@@ -31,6 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="latency mode prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency mode new tokens")
     p.add_argument("--num-requests", type=int, default=256, help="throughput mode requests")
+    p.add_argument("--workload", choices=("random", "prefix"), default="random",
+                   help="throughput mode: random prompts and outputs in [100, 1024], or "
+                   "prompts that share one of --num-prefixes prefixes")  # fmt: skip
+    p.add_argument("--num-prefixes", type=int, default=1, help="prefix workload: shared prefixes")
+    p.add_argument("--prefix-len", type=int, default=2048, help="prefix workload: prefix tokens")
+    p.add_argument("--suffix-len", type=int, default=128, help="prefix workload: own tokens")
+    p.add_argument("--output-len", type=int, default=256, help="prefix workload: new tokens")
+    p.add_argument("--block-size", type=int, default=256, help="KV cache block size")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized to memory")
+    p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -110,16 +120,33 @@ def throughput_workload(num_requests: int, seed: int):
     return prompts, out_lens
 
 
-def throughput_run(llm: LLM, num_requests: int, seed: int):
-    prompts, out_lens = throughput_workload(num_requests, seed)
+def prefix_workload(num_requests: int, seed: int, num_prefixes: int, prefix_len: int,
+                    suffix_len: int, output_len: int):  # fmt: skip
+    """Every request: one of num_prefixes shared prefixes, then suffix_len tokens of its own;
+    requests of one prefix are spread over the run, as a chat service's system prompts are."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randint(0, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prompts = [
+        prefixes[i % num_prefixes] + [rng.randint(0, 10000) for _ in range(suffix_len)]
+        for i in range(num_requests)
+    ]
+    return prompts, [output_len] * num_requests
+
+
+def throughput_run(llm: LLM, num_requests: int, seed: int, workload=None):
+    prompts, out_lens = workload or throughput_workload(num_requests, seed)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up call
     if llm.runner.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _sync(llm)
+    before = llm.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     total = time.perf_counter() - start
+    after = llm.stats()
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs]
     tpot = [
         (o.metrics["latency_s"] - o.metrics["ttft_s"]) * 1e3 / (len(o.token_ids) - 1)
@@ -136,7 +163,8 @@ def throughput_run(llm: LLM, num_requests: int, seed: int):
         **{f"ttft_ms_p{q}": pct(ttft, q) for q in (50, 90, 99)},
         **{f"tpot_ms_p{q}": pct(tpot, q) for q in (50, 90, 99)},
         "peak_gpu_mem_gib": peak / 2**30,
-        "preemptions": llm.scheduler.num_preemptions,
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
 
 
@@ -163,6 +191,9 @@ def run(args) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=util,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
     backend = llm.runner.model.layers[0].self_attn.backend.name
     setup = {
@@ -171,6 +202,9 @@ def run(args) -> int:
         "device": torch.cuda.get_device_name() if llm.runner.device.type == "cuda" else "cpu",
         "attention_backend": backend,
         "cuda_graphs": llm.runner.graphs is not None,
+        "block_size": args.block_size,
+        "num_kv_blocks": llm.scheduler.blocks.num_blocks,
+        "prefix_caching": not args.no_prefix_caching,
         "weight_gb": weight_bytes(llm) / 1e9,
     }
     print(json.dumps(setup), file=sys.stderr)
@@ -200,21 +234,33 @@ def run(args) -> int:
         )  # fmt: skip
         print(f"(weight-read ceiling: ~{H200_COPY_GBPS:,.0f} GB/s on an H200)")
     if args.mode in ("throughput", "all"):
-        row = throughput_run(llm, args.num_requests, args.seed)
-        if hf is not None:
+        workload, title = None, "prompts and outputs uniform in [100, 1024]"
+        if args.workload == "prefix":
+            workload = prefix_workload(
+                args.num_requests, args.seed, args.num_prefixes, args.prefix_len,
+                args.suffix_len, args.output_len,
+            )  # fmt: skip
+            title = (
+                f"{args.num_prefixes} shared prefixes of {args.prefix_len} tokens, "
+                f"{args.suffix_len} own tokens, {args.output_len} new"
+            )
+        row = throughput_run(llm, args.num_requests, args.seed, workload)
+        if hf is not None and workload is None:
             n = args.hf_num_requests or args.num_requests
             row["hf_output_tok_s"] = hf_throughput(hf, *throughput_workload(n, args.seed))
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         results["throughput"] = row
         _print_table(
-            f"throughput: {args.num_requests} requests, prompts and outputs uniform in [100, 1024]",
+            f"throughput: {args.num_requests} requests, {title}",
             [row],
             [
                 ("output tok/s", "output_tok_s", ",.0f"), ("total s", "total_s", ".2f"),
                 ("TTFT p50/p90/p99 ms", "ttft_ms_p50", ".0f"), ("", "ttft_ms_p90", ".0f"),
                 ("", "ttft_ms_p99", ".0f"), ("TPOT p50/p90/p99 ms", "tpot_ms_p50", ".2f"),
                 ("", "tpot_ms_p90", ".2f"), ("", "tpot_ms_p99", ".2f"),
-                ("peak GiB", "peak_gpu_mem_gib", ".1f"), ("HF tok/s", "hf_output_tok_s", ",.0f"),
+                ("peak GiB", "peak_gpu_mem_gib", ".1f"), ("preemptions", "preemptions", "d"),
+                ("prefix hit rate", "prefix_cache_hit_rate", ".1%"),
+                ("HF tok/s", "hf_output_tok_s", ",.0f"),
                 ("x HF", "x_hf", ".1f"),
             ],
         )  # fmt: skip

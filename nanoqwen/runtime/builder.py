@@ -75,6 +75,7 @@ def build_engine(
     attention_backend: str,
     enforce_eager: bool,
     gpu_memory_utilization: float,
+    enable_prefix_caching: bool,
     random_shape: str | None,
     progress: bool,
 ) -> EngineParts:
@@ -139,7 +140,7 @@ def build_engine(
             f"{num_kv_blocks * block_size} tokens ({num_kv_blocks * per_block / 2**30:.2f} GiB), "
             f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
         )
-    blocks = BlockManager(num_kv_blocks, block_size)
+    blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     graphs = None

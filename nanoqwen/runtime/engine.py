@@ -58,6 +58,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
         random_shape: str | None = None,
         progress: bool = True,
     ) -> None:
@@ -73,6 +74,7 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
             random_shape=random_shape,
             progress=progress,
         )
@@ -252,6 +254,17 @@ class LLM:
         )
 
     # ---- public API -----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counters since the engine started: prefix-cache queries and hits (tokens of
+        admitted sequences, and of those the ones taken from the cache) and preemptions."""
+        cache = self.scheduler.blocks.stats
+        return {
+            "prefix_cache_queries": cache.queries,
+            "prefix_cache_hits": cache.hits,
+            "prefix_cache_hit_rate": cache.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
     def generate(
         self,
         prompts: Prompt | SequenceOf[Prompt],

@@ -49,6 +49,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch | None:
+        # Blocks filled by the last step become reusable by the sequences admitted now.
+        if self.waiting and self.waiting[0].block_table:
+            self.blocks.register_computed(self.waiting[0])
+        for seq in self.running:
+            self.blocks.register_computed(seq)
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> Batch | None:
@@ -61,11 +66,10 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
-            # A prompt gets all its blocks up front, so a chunked prefill never stalls halfway.
-            if not seq.block_table:
-                if not self.blocks.can_grow(seq, len(seq)):
-                    break
-                self.blocks.grow(seq, len(seq))
+            # A prompt gets all its blocks up front, so a chunked prefill never stalls halfway;
+            # a cached prefix counts as computed already.
+            if not seq.block_table and not self.blocks.admit(seq):
+                break
             n = min(seq.num_uncomputed_tokens, budget)
             seqs.append(seq)
             counts.append(n)

@@ -28,6 +28,10 @@ class Sequence:
         # Tokens whose K/V are in the cache; reset to 0 on preemption.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Prefix-cache keys of its full blocks (they depend on the tokens only, so they
+        # survive preemption), and how many leading blocks of block_table are registered.
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
         self.finish_reason: str | None = None
         # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.
         self.unstreamed: list[int] | None = None
