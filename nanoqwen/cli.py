@@ -88,6 +88,20 @@ def _engine_flags() -> argparse.ArgumentParser:
         help="recompute every prompt instead of reusing cached KV blocks of earlier prompts",
     )
     g.add_argument(
+        "--preemption-mode",
+        default="swap",
+        choices=["swap", "recompute"],
+        help="when the KV cache runs short: copy a sequence's blocks to host memory and back, "
+        "or drop them and recompute (swap falls back to recompute when the host pool is full)",
+    )
+    g.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        metavar="GIB",
+        help="host memory for swapped-out and evicted cached KV blocks (pinned on CUDA); 0 = none",
+    )
+    g.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar, engine log or speed summary"
     )
     return p
@@ -220,6 +234,8 @@ def load_llm(args: argparse.Namespace) -> LLM:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
         progress=not args.quiet,
     )
 

@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=256, help="KV cache block size")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized to memory")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
+    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="swap")
+    p.add_argument("--swap-space", type=float, default=4.0, help="host KV pool, GiB; 0 = none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -164,6 +166,8 @@ def throughput_run(llm: LLM, num_requests: int, seed: int, workload=None):
         **{f"tpot_ms_p{q}": pct(tpot, q) for q in (50, 90, 99)},
         "peak_gpu_mem_gib": peak / 2**30,
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "swaps": after["num_swaps"] - before["num_swaps"],
+        "host_tier_hit_tokens": after["prefix_cache_host_hits"] - before["prefix_cache_host_hits"],
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
 
@@ -194,6 +198,8 @@ def run(args) -> int:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
     )
     backend = llm.runner.model.layers[0].self_attn.backend.name
     setup = {
@@ -205,6 +211,8 @@ def run(args) -> int:
         "block_size": args.block_size,
         "num_kv_blocks": llm.scheduler.blocks.num_blocks,
         "prefix_caching": not args.no_prefix_caching,
+        "preemption_mode": args.preemption_mode,
+        "swap_space_gib": args.swap_space,
         "weight_gb": weight_bytes(llm) / 1e9,
     }
     print(json.dumps(setup), file=sys.stderr)
@@ -259,6 +267,7 @@ def run(args) -> int:
                 ("", "ttft_ms_p99", ".0f"), ("TPOT p50/p90/p99 ms", "tpot_ms_p50", ".2f"),
                 ("", "tpot_ms_p90", ".2f"), ("", "tpot_ms_p99", ".2f"),
                 ("peak GiB", "peak_gpu_mem_gib", ".1f"), ("preemptions", "preemptions", "d"),
+                ("swaps", "swaps", "d"), ("host-tier hit tokens", "host_tier_hit_tokens", "d"),
                 ("prefix hit rate", "prefix_cache_hit_rate", ".1%"),
                 ("HF tok/s", "hf_output_tok_s", ",.0f"),
                 ("x HF", "x_hf", ".1f"),

@@ -2,20 +2,29 @@
 
 With prefix caching, a sequence's full blocks are registered by content once their K/V are
 computed, and a new sequence starts from the longest chain of cached blocks that matches its
-tokens, so only the rest of its prompt is prefilled."""
+tokens, so only the rest of its prompt is prefilled.
+
+With a host pool (HostKVCache), a sequence's blocks can be swapped out to host memory and
+back, and cached blocks evicted from the device pool move to the host pool instead of being
+lost: a later hit copies them back (the second tier of the prefix cache)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanoqwen.runtime.block_pool import ROOT_HASH, BlockPool, block_hash, token_bytes
 from nanoqwen.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanoqwen.runtime.host_pool import HostKVCache
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # tokens of admitted sequences
-    hits: int = 0  # of those, tokens whose K/V came from the cache
+    hits: int = 0  # of those, tokens whose K/V came from the cache (either tier)
+    host_hits: int = 0  # of the hits, tokens copied back from the host tier
 
     @property
     def hit_rate(self) -> float:
@@ -33,7 +42,11 @@ def known_length(seq: Sequence) -> int:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        host: HostKVCache | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be >= 1")
@@ -41,6 +54,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.host = host
+        self.host_pool = BlockPool(host.num_blocks) if host is not None else None
         self.stats = PrefixCacheStats()
         # Full prompt blocks that admitted sequences are computing now: key -> (seq id, tokens).
         self._pending: dict[int, tuple[int, bytes]] = {}
@@ -71,7 +86,22 @@ class BlockManager:
         seq.block_table.extend(self._take(missing))
 
     def _take(self, n: int) -> list[int]:
-        blocks, _evicted = self.pool.take(n)
+        """n device blocks; cached content evicted for them moves to the host tier."""
+        blocks, evicted = self.pool.take(n)
+        if evicted and self.host_pool is not None:
+            out: list[int] = []
+            to: list[int] = []
+            for block, key, tokens in evicted:
+                if self.host_pool.lookup(key, tokens) is not None:
+                    continue  # already kept there (a swapped-out copy, say)
+                if not self.host_pool.num_available:
+                    break
+                [host_block], _ = self.host_pool.take(1)  # drops the host tier's LRU block
+                self.host_pool.register(host_block, key, tokens)
+                self.host_pool.release(host_block)  # cached, unused: evictable
+                out.append(block)
+                to.append(host_block)
+            self.host.copy_out(out, to)  # before the new owners write into these blocks
         return blocks
 
     def free(self, seq: Sequence) -> None:
@@ -84,6 +114,9 @@ class BlockManager:
             self.pool.release(block)
         seq.block_table = []
         seq.num_registered_blocks = 0
+        for block in seq.host_block_table:
+            self.host_pool.release(block)
+        seq.host_block_table = []
 
     # ---- prefix caching -------------------------------------------------------------------
     def _block_key(self, seq: Sequence, i: int) -> tuple[int, bytes]:
@@ -111,17 +144,23 @@ class BlockManager:
             self._drop_pending(key, seq)
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Device blocks holding seq's longest cached chain of full blocks. The last token is
-        never covered, so at least one token is computed and gives logits."""
+    def _cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        """seq's longest cached chain of full blocks, as (device block, -1) or, for a block
+        kept in the host tier only, (-1, host block). The last token is never covered, so at
+        least one token is computed and gives logits."""
         if not self.enable_prefix_caching:
             return []
-        hits: list[int] = []
+        hits: list[tuple[int, int]] = []
         for i in range((len(seq) - 1) // self.block_size):
-            block = self.pool.lookup(*self._block_key(seq, i))
-            if block is None:
+            key, tokens = self._block_key(seq, i)
+            block = self.pool.lookup(key, tokens)
+            if block is not None:
+                hits.append((block, -1))
+                continue
+            host_block = self.host_pool.lookup(key, tokens) if self.host_pool else None
+            if host_block is None:
                 break
-            hits.append(block)
+            hits.append((-1, host_block))
         return hits
 
     def _drop_pending(self, key: int, seq: Sequence) -> None:
@@ -145,23 +184,71 @@ class BlockManager:
         hits = self._cached_prefix(seq)
         if self._computed_elsewhere_soon(seq, len(hits)):
             return False
-        missing = self.blocks_for(len(seq)) - len(hits)
+        device_hits = [b for b, _ in hits if b >= 0]
+        host_hits = [h for _, h in hits if h >= 0]
+        missing = self.blocks_for(len(seq)) - len(device_hits)
         # Cached blocks nobody uses count as available, but taking them as hits uses them up.
-        idle_hits = sum(self.pool.is_evictable(b) for b in hits)
+        idle_hits = sum(self.pool.is_evictable(b) for b in device_hits)
         if missing > self.pool.num_available - idle_hits:
             return False
-        for block in hits:
+        for block in device_hits:
             self.pool.acquire(block)
-        seq.block_table = hits + self._take(missing)
-        seq.num_registered_blocks = len(hits)
+        for block in host_hits:
+            self.host_pool.acquire(block)  # so making room on the device cannot evict them
+        new = self._take(missing)
+        restored = iter(new[: len(host_hits)])
+        seq.block_table = [b if b >= 0 else next(restored) for b, _ in hits]
+        seq.block_table += new[len(host_hits) :]
+        if host_hits:
+            self.host.copy_in(host_hits, new[: len(host_hits)])
+            for block in host_hits:
+                self.host_pool.release(block)
+        seq.num_registered_blocks = 0
         seq.num_computed_tokens = len(hits) * self.block_size
+        self.register_computed(seq)  # the restored blocks; the others are registered already
         if self.enable_prefix_caching:
             for i in range(len(hits), len(seq) // self.block_size):
                 key, tokens = self._block_key(seq, i)
                 self._pending.setdefault(key, (seq.seq_id, tokens))
         self.stats.queries += len(seq)
         self.stats.hits += seq.num_computed_tokens
+        self.stats.host_hits += len(host_hits) * self.block_size
         return True
+
+    # ---- swapping -------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.host_pool is not None and (len(seq.block_table) <= self.host_pool.num_available)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Copies seq's blocks to the host pool and frees them on the device. Its computed
+        full blocks stay findable in both tiers."""
+        self.register_computed(seq)
+        host_blocks, _ = self.host_pool.take(len(seq.block_table))
+        self.host.copy_out(seq.block_table, host_blocks)
+        if self.enable_prefix_caching:
+            for i in range(seq.num_registered_blocks):
+                key, tokens = self._block_key(seq, i)
+                self.host_pool.register(host_blocks[i], key, tokens)
+        host_table = host_blocks
+        self.free(seq)
+        seq.host_block_table = host_table
+
+    def swap_in_blocks(self, seq: Sequence) -> int:
+        """Device blocks seq needs to come back and compute its next token."""
+        return max(len(seq.host_block_table), self.blocks_for(len(seq)))
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return self.swap_in_blocks(seq) <= self.pool.num_available
+
+    def swap_in(self, seq: Sequence) -> None:
+        host_table = seq.host_block_table
+        seq.block_table = self._take(len(host_table))
+        self.host.copy_in(host_table, seq.block_table)
+        for block in host_table:
+            self.host_pool.release(block)
+        seq.host_block_table = []
+        seq.num_registered_blocks = 0
+        self.register_computed(seq)
 
     # ---- slots ----------------------------------------------------------------------------
     def slot(self, seq: Sequence, position: int) -> int:

@@ -28,10 +28,13 @@ def block_hash(parent: int, tokens: bytes) -> int:
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.ref_count = [0] * num_blocks
-        # Unused blocks without content worth keeping; recently freed ones go to the back so a
-        # block is not immediately reused, which keeps stale-data bugs visible in tests.
-        self._empty: deque[int] = deque(range(num_blocks))
+        self.ref_count = array("q", bytes(8 * num_blocks))  # all zero
+        # Unused blocks without content worth keeping: never used ones (blocks _fresh..end,
+        # so a large host pool costs nothing up front), then freed ones. Recently freed ones
+        # go to the back so a block is not immediately reused, which keeps stale-data bugs
+        # visible in tests.
+        self._fresh = 0
+        self._empty: deque[int] = deque()
         # Unused blocks that still hold a cached prefix, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._index: dict[int, int] = {}  # key -> block
@@ -40,7 +43,7 @@ class BlockPool:
     @property
     def num_available(self) -> int:
         """Blocks a caller can take now: empty ones plus cached ones nobody uses."""
-        return len(self._empty) + len(self._evictable)
+        return self.num_blocks - self._fresh + len(self._empty) + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
@@ -68,7 +71,10 @@ class BlockPool:
         blocks: list[int] = []
         evicted: list[tuple[int, int, bytes]] = []
         while len(blocks) < n:
-            if self._empty:
+            if self._fresh < self.num_blocks:
+                block = self._fresh
+                self._fresh += 1
+            elif self._empty:
                 block = self._empty.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)

@@ -11,6 +11,7 @@ from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import fill_random, shape_config
 from nanoqwen.runtime.attention import AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.sampler import Sampler
@@ -76,6 +77,8 @@ def build_engine(
     enforce_eager: bool,
     gpu_memory_utilization: float,
     enable_prefix_caching: bool,
+    preemption_mode: str,
+    swap_space: float,
     random_shape: str | None,
     progress: bool,
 ) -> EngineParts:
@@ -85,6 +88,9 @@ def build_engine(
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} is out of range: allowed (0, 1]"
         )
+    if swap_space < 0:
+        raise ValueError(f"swap_space={swap_space} is out of range: allowed >= 0 (GiB)")
+    sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
     for name, value in (
         ("max_num_seqs", max_num_seqs),
         ("max_num_batched_tokens", max_num_batched_tokens),
@@ -140,8 +146,17 @@ def build_engine(
             f"{num_kv_blocks * block_size} tokens ({num_kv_blocks * per_block / 2**30:.2f} GiB), "
             f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
         )
-    blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks)
+    host = None
+    num_host_blocks = int(swap_space * 2**30) // per_block
+    if num_host_blocks > 0:
+        host = HostKVCache(kv, num_host_blocks)
+        if progress:
+            log(
+                f"host KV pool: {num_host_blocks} blocks ({num_host_blocks * per_block / 2**30:.2f}"
+                f" GiB{', pinned' if dev.type == 'cuda' else ''}); preemption: {preemption_mode}"
+            )
+    blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, host)
+    scheduler = Scheduler(sched_config, blocks)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     graphs = None
     variants = backend.graph_variants(max_len)

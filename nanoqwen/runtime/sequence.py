@@ -13,6 +13,7 @@ _ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its blocks copied to the host pool
     FINISHED = "finished"
 
 
@@ -32,6 +33,7 @@ class Sequence:
         # survive preemption), and how many leading blocks of block_table are registered.
         self.block_hashes: list[int] = []
         self.num_registered_blocks = 0
+        self.host_block_table: list[int] = []  # its blocks while swapped out
         self.finish_reason: str | None = None
         # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.
         self.unstreamed: list[int] | None = None

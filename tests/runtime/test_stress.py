@@ -2,7 +2,8 @@
 
 Random prompt and output lengths, a third of the prompts starting with one of five long
 system prompts, greedy and seeded sampling mixed, some requests aborted midway; run with
-prefix caching on and off. Every completed output must equal the same request's output from
+prefix caching on and off, preempting by swapping to a host pool or by recomputing, and with
+the host pool off. Every completed output must equal the same request's output from
 an unconstrained run (a big pool, one batch, no cache). A divergence is accepted only where
 the reference's two best logits at that position differ by less than float32 noise; the test
 counts and prints them. At the end every block is free and every refcount is zero."""
@@ -17,12 +18,14 @@ import torch
 from conftest import write_tiny_model
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.sequence import Sequence
 
 NUM_REQUESTS = 1000
 VOCAB = 512
 BLOCK_SIZE = 4
 SMALL_POOL = 40  # blocks: 160 tokens, room for two or three sequences at a time
+HOST_POOL = 24  # host blocks: fewer than the device pool, so swapping sometimes falls back
 MAX_NUM_SEQS = 12
 MAX_NUM_BATCHED_TOKENS = 48
 # Logits of this tiny model are O(1..10); float32 noise between batch shapes is ~1e-6.
@@ -133,6 +136,7 @@ def reference(checkpoint, workload):
         max_num_batched_tokens=1 << 16,
         max_model_len=SMALL_POOL * BLOCK_SIZE,
         enable_prefix_caching=False,
+        swap_space=0,
         progress=False,
     )
     results = run(llm, workload, aborts=False)
@@ -150,9 +154,28 @@ def near_tie(llm: LLM, context: list[int], a: int, b: int) -> bool:
     )
 
 
-@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
-def test_a_thousand_requests_through_a_tiny_pool(checkpoint, workload, reference, caching):
+@pytest.mark.parametrize(
+    ("caching", "mode", "host"),
+    [
+        (True, "swap", True),
+        (False, "swap", True),
+        (True, "recompute", True),
+        (False, "recompute", True),
+        (True, "recompute", False),
+    ],
+    ids=[
+        "prefix-cache-swap",
+        "no-cache-swap",
+        "prefix-cache-recompute-host-tier",
+        "no-cache-recompute",
+        "prefix-cache-recompute-no-host-pool",
+    ],
+)
+def test_a_thousand_requests_through_a_tiny_pool(
+    checkpoint, workload, reference, caching, mode, host
+):
     ref_llm, expected = reference
+    per_block = KVCache.bytes_per_block(ref_llm.config, BLOCK_SIZE, ref_llm.runner.kv.k[0].dtype)
     llm = LLM(
         checkpoint,
         block_size=BLOCK_SIZE,
@@ -160,6 +183,8 @@ def test_a_thousand_requests_through_a_tiny_pool(checkpoint, workload, reference
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching=caching,
+        preemption_mode=mode,
+        swap_space=HOST_POOL * per_block / 2**30 if host else 0,
         progress=False,
     )
     results = run(llm, workload, aborts=True)
@@ -189,16 +214,27 @@ def test_a_thousand_requests_through_a_tiny_pool(checkpoint, workload, reference
 
     stats = llm.stats()
     print(
-        f"\nstress (prefix caching {'on' if caching else 'off'}): {compared} outputs compared, "
-        f"{aborted} aborted, {skipped} skipped, {diverged} near-tie divergences, "
-        f"{stats['num_preemptions']} preemptions, prefix-cache hit rate "
-        f"{stats['prefix_cache_hit_rate']:.1%}"
+        f"\nstress (prefix caching {'on' if caching else 'off'}, {mode}, host pool "
+        f"{HOST_POOL if host else 0}): {compared} outputs compared, {aborted} aborted, "
+        f"{skipped} skipped, {diverged} near-tie divergences, {stats['num_preemptions']} "
+        f"preemptions ({stats['num_swaps']} swaps), prefix-cache hit rate "
+        f"{stats['prefix_cache_hit_rate']:.1%} (host tier {stats['prefix_cache_host_hits']} "
+        f"tokens), blocks to/from host {stats['blocks_swapped_out']}/"
+        f"{stats['blocks_swapped_in']}"
     )
     assert stats["num_preemptions"] >= 200
     assert aborted >= 10
+    if mode == "swap":
+        assert 100 <= stats["num_swaps"] < stats["num_preemptions"]  # some fell back
+    else:
+        assert stats["num_swaps"] == 0
     if caching:
-        assert stats["prefix_cache_hit_rate"] > 0.2
+        assert stats["prefix_cache_hit_rate"] > 0.1
+        assert (stats["prefix_cache_host_hits"] > 0) == host
     blocks = llm.scheduler.blocks
     assert blocks.num_free_blocks == SMALL_POOL
     assert set(blocks.pool.ref_count) == {0}
+    if host:
+        assert blocks.host_pool.num_available == HOST_POOL
+        assert set(blocks.host_pool.ref_count) == {0}
     assert not llm.scheduler.has_unfinished()
