@@ -10,16 +10,13 @@ counts and prints them. At the end every block is free and every refcount is zer
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import pytest
 import torch
 from conftest import write_tiny_model
+from stress_workload import Request, compare, make_workload, run
 
-from nanoqwen import LLM, SamplingParams
+from nanoqwen import LLM
 from nanoqwen.runtime.kv_cache import KVCache
-from nanoqwen.runtime.sequence import Sequence
 
 NUM_REQUESTS = 1000
 VOCAB = 512
@@ -30,69 +27,6 @@ MAX_NUM_SEQS = 12
 MAX_NUM_BATCHED_TOKENS = 48
 # Logits of this tiny model are O(1..10); float32 noise between batch shapes is ~1e-6.
 NEAR_TIE = 1e-4
-# Today's sampler draws a seeded request's noise from a torch.Generator on the sequence; the
-# counter-based sampler keys it by (seed, output position). Set this to True to compare
-# seeded requests that were preempted too.
-COMPARE_PREEMPTED_SEEDED = True
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    params: SamplingParams
-    abort_at_step: int | None  # aborted when the run reaches this step, if still running
-
-
-def make_workload(seed: int = 0) -> list[Request]:
-    rng = random.Random(seed)
-    system_prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(30, 44))] for _ in range(5)]
-    requests = []
-    for i in range(NUM_REQUESTS):
-        own = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))]
-        prompt = rng.choice(system_prompts) + own if i % 3 == 0 else own
-        max_tokens = rng.randint(1, 28)
-        if rng.random() < 0.5:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        else:
-            params = SamplingParams(
-                temperature=0.8, max_tokens=max_tokens, seed=rng.randrange(1 << 30)
-            )
-        abort = rng.randint(1, 3000) if rng.random() < 0.05 else None
-        requests.append(Request(prompt, params, abort))
-    return requests
-
-
-@dataclass
-class Result:
-    tokens: list[int]
-    finish_reason: str | None
-    preempted: bool
-
-
-def run(llm: LLM, requests: list[Request], aborts: bool) -> list[Result]:
-    seqs: list[Sequence] = [llm._add(r.prompt, r.params, detokenize=False) for r in requests]
-    preempted: set[int] = set()
-    preempt = llm.scheduler._preempt
-
-    def recording_preempt(seq):
-        preempted.add(seq.seq_id)
-        preempt(seq)
-
-    llm.scheduler._preempt = recording_preempt
-    by_step: dict[int, list[Sequence]] = {}
-    if aborts:
-        for r, s in zip(requests, seqs):
-            if r.abort_at_step is not None:
-                by_step.setdefault(r.abort_at_step, []).append(s)
-    steps = 0
-    while llm.scheduler.has_unfinished():
-        steps += 1
-        assert steps < 200_000, "the engine does not finish"
-        llm.step()
-        llm.abort(by_step.pop(steps, []))
-    llm.drain()
-    assert all(s.is_finished for s in seqs)
-    return [Result(s.output_token_ids, s.finish_reason, s.seq_id in preempted) for s in seqs]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,7 +56,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def workload() -> list[Request]:
-    return make_workload()
+    return make_workload(NUM_REQUESTS, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -142,16 +76,6 @@ def reference(checkpoint, workload):
     results = run(llm, workload, aborts=False)
     assert llm.scheduler.num_preemptions == 0
     return llm, results
-
-
-def near_tie(llm: LLM, context: list[int], a: int, b: int) -> bool:
-    """Whether tokens a and b are the reference's two best candidates after context, with
-    logits closer than float32 noise."""
-    logits = llm.runner.prompt_logits(context, last=1)[0]
-    top2 = logits.topk(2)
-    return (
-        set(top2.indices.tolist()) == {a, b} and float(top2.values[0] - top2.values[1]) < NEAR_TIE
-    )
 
 
 @pytest.mark.parametrize(
@@ -189,41 +113,19 @@ def test_a_thousand_requests_through_a_tiny_pool(
     )
     results = run(llm, workload, aborts=True)
 
-    compared = diverged = skipped = aborted = 0
-    for i, (req, got, ref) in enumerate(zip(workload, results, expected)):
-        if got.finish_reason == "abort":
-            aborted += 1
-            n = len(got.tokens)
-            ok = got.tokens == ref.tokens[:n]
-        elif req.params.seed is not None and got.preempted and not COMPARE_PREEMPTED_SEEDED:
-            skipped += 1
-            continue
-        else:
-            ok = got.tokens == ref.tokens and got.finish_reason == ref.finish_reason
-        compared += 1
-        if ok:
-            continue
-        j = next((k for k, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
-        assert j is not None, f"request {i}: {got.tokens} vs reference {ref.tokens}"
-        context = req.prompt + ref.tokens[:j]
-        assert req.params.greedy and near_tie(ref_llm, context, ref.tokens[j], got.tokens[j]), (
-            f"request {i} ({'greedy' if req.params.greedy else 'seeded'}, preempted: "
-            f"{got.preempted}) diverges at output {j}: {got.tokens} vs reference {ref.tokens}"
-        )
-        diverged += 1
-
+    c = compare(workload, results, expected, ref_llm, NEAR_TIE)
     stats = llm.stats()
     print(
         f"\nstress (prefix caching {'on' if caching else 'off'}, {mode}, host pool "
-        f"{HOST_POOL if host else 0}): {compared} outputs compared, {aborted} aborted, "
-        f"{skipped} skipped, {diverged} near-tie divergences, {stats['num_preemptions']} "
+        f"{HOST_POOL if host else 0}): {c.compared} outputs compared, {c.aborted} aborted, "
+        f"{c.skipped} skipped, {c.diverged} near-tie divergences, {stats['num_preemptions']} "
         f"preemptions ({stats['num_swaps']} swaps), prefix-cache hit rate "
         f"{stats['prefix_cache_hit_rate']:.1%} (host tier {stats['prefix_cache_host_hits']} "
         f"tokens), blocks to/from host {stats['blocks_swapped_out']}/"
         f"{stats['blocks_swapped_in']}"
     )
     assert stats["num_preemptions"] >= 200
-    assert aborted >= 10
+    assert c.aborted >= 10
     if mode == "swap":
         assert 100 <= stats["num_swaps"] < stats["num_preemptions"]  # some fell back
     else:

@@ -33,7 +33,9 @@ def test_consecutive_runs():
     assert consecutive_runs([]) == []
 
 
-def test_blocks_go_out_and_come_back_whole():
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 1], ids=["one-batch", "block-by-block"])
+def test_blocks_go_out_and_come_back_whole(monkeypatch, staging_bytes):
+    monkeypatch.setattr("nanoqwen.runtime.host_pool.STAGING_BYTES", staging_bytes)
     kv, host = pools()
     before = [block(kv, b) for b in (5, 2, 3)]
     host.copy_out([5, 2, 3], [0, 1, 6])  # two runs of host blocks
