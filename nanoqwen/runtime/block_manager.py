@@ -241,13 +241,26 @@ class BlockManager:
         return self.swap_in_blocks(seq) <= self.pool.num_available
 
     def swap_in(self, seq: Sequence) -> None:
+        """Brings seq's blocks back; leading full blocks still cached on the device are
+        taken from there instead of copied."""
         host_table = seq.host_block_table
-        seq.block_table = self._take(len(host_table))
-        self.host.copy_in(host_table, seq.block_table)
+        reused: list[int] = []
+        if self.enable_prefix_caching:
+            computed = min(seq.num_computed_tokens, known_length(seq))
+            for i in range(min(computed // self.block_size, len(host_table))):
+                block = self.pool.lookup(*self._block_key(seq, i))
+                if block is None:
+                    break
+                reused.append(block)
+        for block in reused:
+            self.pool.acquire(block)
+        new = self._take(len(host_table) - len(reused))
+        self.host.copy_in(host_table[len(reused) :], new)
+        seq.block_table = reused + new
         for block in host_table:
             self.host_pool.release(block)
         seq.host_block_table = []
-        seq.num_registered_blocks = 0
+        seq.num_registered_blocks = len(reused)
         self.register_computed(seq)
 
     # ---- slots ----------------------------------------------------------------------------

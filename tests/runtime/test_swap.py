@@ -74,6 +74,22 @@ def test_swap_out_frees_the_device_and_swap_in_restores_the_contents():
     assert bm.num_free_blocks == 8 and set(bm.pool.ref_count) == {0}
 
 
+def test_swap_in_reuses_blocks_still_cached_on_the_device():
+    kv, host = pools()
+    bm = BlockManager(8, 2, enable_prefix_caching=True, host=host)
+    seq = seq_of(5)
+    assert bm.admit(seq)
+    seq.num_computed_tokens = 5
+    table = list(seq.block_table)
+    bm.swap_out(seq)
+    assert host.blocks_out == 3
+    bm.swap_in(seq)
+    assert seq.block_table[:2] == table[:2]  # its two full blocks, never evicted
+    assert host.blocks_in == 1  # only the partial one is copied back
+    bm.free(seq)
+    assert set(bm.pool.ref_count) == {0} and set(bm.host_pool.ref_count) == {0}
+
+
 def test_swap_needs_room_in_the_host_pool():
     kv, host = pools(host_blocks=2)
     bm = BlockManager(8, 2, host=host)
