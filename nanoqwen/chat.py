@@ -6,6 +6,7 @@ import contextlib
 import sys
 import time
 
+from nanoqwen.cli_parser import flag_spelling
 from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
 
@@ -52,6 +53,12 @@ def _answer(llm: LLM, ids: list[int], params: SamplingParams, quiet: bool) -> tu
     wall = time.perf_counter() - start
     if interrupted:
         _note("answer stopped (Ctrl-C)")
+    elif reason == "length" and len(ids) + tokens >= llm.max_model_len:
+        _note(
+            f"answer cut at the context length (--max-model-len {llm.max_model_len}): "
+            "/reset starts a new conversation",
+            quiet,
+        )
     elif reason == "length":
         _note(f"answer cut at --max-tokens {params.max_tokens}", quiet)
     if first is not None:
@@ -89,7 +96,7 @@ def run_chat(llm: LLM, params: SamplingParams, system: str | None, quiet: bool) 
             answer, _ = _answer(llm, ids, params, quiet)
         except ValueError as e:  # e.g. the conversation no longer fits max_model_len
             history.pop()
-            _note(f"error: {' '.join(str(e).split())}; /reset starts a new conversation")
+            _note(f"error: {flag_spelling(str(e))}; /reset starts a new conversation")
             continue
         # A stopped answer stays in the history as far as it got, as it is on screen.
         history.append({"role": "assistant", "content": answer})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,6 +131,15 @@ def tiny_model(tmp_path_factory):
     return path, write_tiny_model(path)
 
 
+def readme_signature(name: str) -> dict[str, object]:
+    """The keyword defaults of `name(...)` as README.md's API section spells them."""
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    match = re.search(rf"`{name}\(([^`]*)\)`", text)
+    assert match, f"README documents no {name}(...) signature"
+    call = ast.parse(f"f({match.group(1)})").body[0].value
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/gpu/ is marked gpu and skipped on machines without CUDA."""
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -175,3 +187,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("real-model fidelity")
         for line in REAL_MODEL_REPORT:
             terminalreporter.write_line(line)
+
+
+# ---- attention setups of the GPU tests (tests/gpu) -------------------------------------------
+# (backend, block size, whether flash-attn imports): the triton backend also runs on a GPU
+# without flash-attn (its own kernels only), at any block size.
+GPU_SETUPS = {
+    "flash-attn": ("flash-attn", 256, True),
+    "triton": ("triton", 256, True),
+    "triton-no-flash-attn": ("triton", 256, False),
+    "triton-block16-no-flash-attn": ("triton", 16, False),
+}
+
+
+@pytest.fixture(params=list(GPU_SETUPS))
+def backend(request, monkeypatch) -> tuple[str, int, bool]:
+    """One of GPU_SETUPS, with `import flash_attn` made to fail where it says so."""
+    name, block, flash = GPU_SETUPS[request.param]
+    if flash:
+        pytest.importorskip("flash_attn")
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
+    return name, block, flash

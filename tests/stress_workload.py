@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 
-# Today's sampler draws a seeded request's noise from a torch.Generator on the sequence, one
-# draw per output token, so a preempted seeded request reproduces too; the counter-based
-# sampler keys it by (seed, output position). False skips preempted seeded requests.
+# The sampler keys a seeded request's noise by (seed, output position), so a preempted (or
+# swapped) seeded request reproduces too. False would skip preempted seeded requests.
 COMPARE_PREEMPTED_SEEDED = True
 
 

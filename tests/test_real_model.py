@@ -5,7 +5,7 @@
   it), and both tokenize the chat template identically.
 - bfloat16: teacher-forced on HF-fp32's output, at every generated position HF-bf16's argmax
   is in nanoqwen-bf16's top 5 and vice versa (bf16 rounding differs between the two, so exact
-  tokens are not expected); the fraction of positions whose argmaxes agree is reported.
+  tokens are not expected), and the argmaxes agree at 99% of the positions or more.
 
 Needs `python tools/make_qwen_coder.py` (skipped without it; CI sets
 NANOQWEN_REQUIRE_REAL_MODEL=1 to fail instead). Deselect with -m "not real_model".
@@ -27,6 +27,10 @@ pytestmark = pytest.mark.real_model
 
 NEW_TOKENS = 64
 TOP_K = 5
+# bf16 argmaxes of nanoqwen and HF agreed at 483 (and at 487 in an earlier run) of 487
+# teacher-forced positions as measured; exact ties in one side's logits count as agreement.
+# Below 99% something changed in nanoqwen's bf16 numerics, even if every top-5 still holds.
+MIN_BF16_ARGMAX_AGREEMENT = 0.99
 
 
 def _long_module() -> str:
@@ -167,14 +171,6 @@ def nanoqwen_fp32_outputs(real_model_dir):
     return dict(zip(PROMPTS, outputs)), eos
 
 
-def test_prompts_cover_the_intended_cases(hf_fp32_reference):
-    lengths = {name: len(ref.prompt_ids) for name, ref in hf_fp32_reference.items()}
-    REAL_MODEL_REPORT.append(f"  prompt lengths (tokens): {lengths}")
-    assert len(PROMPTS) >= 8
-    assert lengths["long-code"] >= 1000
-    assert PROMPTS["multi-turn"][0]["role"] == "system"
-
-
 def test_float32_greedy_is_token_exact_with_hf(
     hf_fp32_reference, nanoqwen_fp32_outputs, real_model_dir
 ):
@@ -182,6 +178,8 @@ def test_float32_greedy_is_token_exact_with_hf(
 
     outputs, eos = nanoqwen_fp32_outputs
     assert eos == set(GenerationConfig.from_pretrained(real_model_dir).eos_token_id)
+    lengths = {name: len(ref.prompt_ids) for name, ref in hf_fp32_reference.items()}
+    REAL_MODEL_REPORT.append(f"  prompt lengths (tokens): {lengths}")
     failures, lines = [], []
     for name, ref in hf_fp32_reference.items():
         out = outputs[name]
@@ -264,7 +262,7 @@ def bf16_logits(real_model_dir, hf_fp32_reference):
 
 def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
     failures, lines = [], []
-    agree = total = 0
+    agree = ties = total = 0
     worst = None  # the disagreement with the largest rank either way
     for name, (ours, theirs) in bf16_logits.items():
         assert ours.shape == theirs.shape == (len(hf_fp32_reference[name].tokens), ours.shape[1])
@@ -276,6 +274,9 @@ def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
             r_ours = int(_rank(ours[step : step + 1], hf_top[step : step + 1]))
             r_hf = int(_rank(theirs[step : step + 1], our_top[step : step + 1]))
             gap = float(theirs[step, hf_top[step]] - theirs[step, our_top[step]])
+            # Rank 0 on either side: the two tokens tie for the top logit there, and the
+            # argmax among exact bf16 ties is arbitrary.
+            ties += r_ours == 0 or r_hf == 0
             case = (max(r_ours, r_hf), name, step, r_ours, r_hf, gap)
             worst = max(worst or case, case)
             if not (hf_in_ours[step] and ours_in_hf[step]):
@@ -293,7 +294,7 @@ def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
         )
     REAL_MODEL_REPORT.append(
         f"  bfloat16 teacher-forced: argmaxes agree at {agree}/{total} positions "
-        f"({agree / total:.1%})"
+        f"({agree / total:.1%}), {agree + ties}/{total} counting exact ties"
     )
     REAL_MODEL_REPORT.extend(lines)
     if worst is not None:
@@ -303,3 +304,7 @@ def test_bfloat16_top5_agreement_with_hf(bf16_logits, hf_fp32_reference):
             f"nanoqwen, nanoqwen's argmax rank {r_hf} in HF, HF logit gap {gap:.4f}"
         )
     assert not failures, "\n".join(failures)
+    assert (agree + ties) / total >= MIN_BF16_ARGMAX_AGREEMENT, (
+        f"bf16 argmaxes agree at {agree}/{total} positions, {agree + ties} counting exact ties "
+        f"({(agree + ties) / total:.1%}): below {MIN_BF16_ARGMAX_AGREEMENT:.0%}"
+    )

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # One device call: install the flash-attn wheel, run the GPU tests, then the benchmarks.
-# Usage (device tool, carry .whl): bash tools/gpu_check.sh [tests|bench|all|kernels|profile] [args...]
+# Usage (device tool, carry .whl):
+#   bash tools/gpu_check.sh [tests|bench|all|kernels|profile|prefill] [args...]
+# FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+if [[ ${FLASH_ATTN:-1} != 0 ]]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, flash_attn, triton, transformers; print('torch', torch.__version__, 'flash_attn', flash_attn.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null || echo "flash_attn: not installed"
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest tests/gpu -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 fi
@@ -26,4 +31,8 @@ if [[ $what == profile ]]; then
     python3 tools/profile_decode.py --shape "$shape" --kernels "$@" 2>&1 | tee "$OUT/profile_${shape}.log"
     python3 tools/profile_decode.py --shape "$shape" --max-model-len 4096 "$@" 2>&1 | tee -a "$OUT/profile_${shape}.log"
   done
+fi
+if [[ $what == prefill ]]; then  # prefill kernels [--sweep] | prefill engine --shape 7B
+  python3 tools/prefill_bench.py "$@" --json "$OUT/prefill_$1.json" 2>&1 | grep -v '\r' \
+    | tee -a "$OUT/prefill_$1.log"
 fi

@@ -14,6 +14,7 @@ import time
 import torch
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.bench import PRESETS
 
 
 def median_ms(fn, n: int = 100) -> float:
@@ -44,13 +45,14 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--kernels", action="store_true", help="print the top kernels of a replay")
+    p.add_argument("--sampling", default="greedy", choices=PRESETS, help="bench.py's presets")
     args = p.parse_args()
     llm = LLM(random_shape=args.shape, device="cuda", dtype="bfloat16",
               max_model_len=args.max_model_len, progress=False)  # fmt: skip
     graphs = llm.runner.graphs
     print(f"shape {args.shape}, max_model_len {llm.max_model_len}, table width {graphs.width}")
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        params = SamplingParams(max_tokens=10_000, ignore_eos=True, **PRESETS[args.sampling])
         seqs = [llm._add([7] * args.prompt_len, params, False) for _ in range(bs)]
         while llm.scheduler.waiting:
             llm.step()
@@ -62,9 +64,11 @@ def main() -> None:
         phases["prepare+copy"] = lambda b=batch: graphs.prepare(llm.runner, b.seqs)
         logits = llm.runner.compute_logits(batch)
         torch.cuda.synchronize()
-        phases["sample+tolist"] = lambda b=batch, x=logits: llm.runner.sampler(x, b.seqs).tolist()
+        slots = torch.tensor(llm.runner.sampler.slots(batch.seqs), device="cuda")
+        phases["sample"] = lambda x=logits, s=slots, f=llm.runner.sampler: f(x, s, f.filtering)
         cpu = {name: median_ms(fn, 50) for name, fn in phases.items()}
-        graph = graphs.graphs[graphs.key_for(bs, args.prompt_len + 5)][0]
+        key = graphs.key_for(bs, args.prompt_len + 5, llm.runner.sampler.filtering)
+        graph = graphs.graphs[key][0]
         gpu = replay_ms(graph)
         print(
             f"bs {bs}: step {step:.3f} ms | graph replay {gpu:.3f} ms | "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.validation import choice
 from nanoqwen.weights.config import ModelConfig
 
 # size: (hidden, intermediate, layers, heads, kv_heads, vocab, tied, rms_norm_eps)
@@ -18,8 +19,7 @@ SHAPES = tuple(_SHAPES)
 
 
 def shape_config(name: str) -> ModelConfig:
-    if name not in _SHAPES:
-        raise ValueError(f"shape={name!r} is unknown: allowed {', '.join(SHAPES)}")
+    choice("shape", name, SHAPES)
     hidden, inter, layers, heads, kv_heads, vocab, tied, eps = _SHAPES[name]
     return ModelConfig(
         vocab_size=vocab,

@@ -12,25 +12,37 @@ import time
 import torch
 from tqdm import tqdm
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.shapes import SHAPES
 from nanoqwen.runtime.attention import BACKENDS
+from nanoqwen.runtime.builder import DTYPES, resolve_device
 from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
 
-H200_COPY_GBPS = 4300.0  # measured device-to-device copy rate, the batch-1 decode ceiling
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint dir or hub id (default: random weights)")
+    p.add_argument("--model", help="checkpoint dir or hub id (default: random weights of --shape)")
     p.add_argument("--shape", choices=SHAPES, default="0.5B", help="random-weight Qwen2.5 shape")
-    p.add_argument("--mode", choices=("latency", "throughput", "all"), default="all",
-                   help="which benchmark to run")  # fmt: skip
+    p.add_argument(
+        "--mode",
+        choices=("latency", "throughput", "all"),
+        default="all",
+        help="which benchmark to run",
+    )
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    p.add_argument("--batch-sizes", default="1,8,32,128", help="latency mode, comma-separated")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights and KV")
+    p.add_argument(
+        "--batch-sizes",
+        type=_batch_sizes,
+        default="1,8,32,128",
+        help="latency mode, comma-separated",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="latency mode prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency mode new tokens")
     p.add_argument("--num-requests", type=int, default=256, help="throughput mode requests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and output lengths")
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="as for generate")
+    p.add_argument("--block-size", type=int, default=256, help="KV cache block size (tokens)")
     p.add_argument("--workload", choices=("random", "prefix"), default="random",
                    help="throughput mode: random prompts and outputs in [100, 1024], or "
                    "prompts that share one of --num-prefixes prefixes")  # fmt: skip
@@ -38,22 +50,135 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=2048, help="prefix workload: prefix tokens")
     p.add_argument("--suffix-len", type=int, default=128, help="prefix workload: own tokens")
     p.add_argument("--output-len", type=int, default=256, help="prefix workload: new tokens")
-    p.add_argument("--block-size", type=int, default=256, help="KV cache block size")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized to memory")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
-    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="swap")
+    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="swap",
+                   help="as for generate")  # fmt: skip
     p.add_argument("--swap-space", type=float, default=4.0, help="host KV pool, GiB; 0 = none")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="default 0.9, or 0.45 with --compare hf so HF fits beside")  # fmt: skip
-    p.add_argument("--compare", choices=("hf",), help="run HF transformers on the same weights")
-    p.add_argument("--hf-num-requests", type=int, default=None,
-                   help="throughput requests given to HF (default: all)")  # fmt: skip
-    p.add_argument("--json", dest="json_path", help="write all results to this JSON file")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of GPU memory (default: 0.9, or 0.45 with --compare hf)",
+    )
+    p.add_argument(
+        "--compare",
+        choices=("hf",),
+        help="also run HF transformers on the same weights (default: no)",
+    )
+    p.add_argument(
+        "--hf-num-requests",
+        type=int,
+        default=None,
+        help="throughput requests given to HF (default: all of --num-requests)",
+    )
+    p.add_argument("--json", dest="json_path",
+                   help="write all results to this JSON file (default: none)")  # fmt: skip
+    g = p.add_argument_group("sampling")
+    g.add_argument("--sampling", default="greedy,cli",
+                   help="latency mode: comma-separated presets, each a row per batch size: "
+                   + ", ".join(f"{k} ({v})" for k, v in PRESET_HELP.items()))  # fmt: skip
+    g.add_argument("--throughput-sampling", default="t0.6",
+                   help="throughput mode preset (t0.6 is nano-vllm's workload)")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=1.0, help="the custom preset")
+    g.add_argument("--top-p", type=float, default=1.0, help="the custom preset")
+    g.add_argument("--top-k", type=int, default=-1, help="the custom preset")
+    g.add_argument("--min-p", type=float, default=0.0, help="the custom preset")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="the custom preset")
+    g.add_argument("--logprobs", type=int, default=None, help="the custom preset")
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid batch sizes {text!r}: allowed comma-separated integers >= 1"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"invalid batch sizes {text!r}: allowed integers >= 1")
+    return sizes
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every value that needs no model, checked before the model loads."""
+    for flag, value, minimum in (
+        ("--prompt-len", args.prompt_len, 1),
+        ("--new-tokens", args.new_tokens, 2),  # a decode step after the first token
+        ("--num-requests", args.num_requests, 1),
+        ("--max-num-seqs", args.max_num_seqs, 1),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+        ("--num-prefixes", args.num_prefixes, 1),
+        ("--prefix-len", args.prefix_len, 0),
+        ("--suffix-len", args.suffix_len, 1),
+        ("--output-len", args.output_len, 1),
+    ):
+        if value < minimum:
+            raise InvalidInputError(f"{flag} {value} is out of range: allowed >= {minimum}")
+    if args.hf_num_requests is not None and args.hf_num_requests < 1:
+        raise InvalidInputError(
+            f"--hf-num-requests {args.hf_num_requests} is out of range: allowed >= 1"
+        )
+    if args.hf_num_requests is not None and args.compare is None:
+        raise InvalidInputError("--hf-num-requests is unused without --compare hf")
+    util = args.gpu_memory_utilization
+    if util is not None and not 0 < util <= 1:
+        raise InvalidInputError(f"--gpu-memory-utilization {util} is out of range: allowed (0, 1]")
+    if args.mode != "throughput" and max(args.batch_sizes) > args.max_num_seqs:
+        raise InvalidInputError(
+            f"--batch-sizes {max(args.batch_sizes)} is more than --max-num-seqs "
+            f"{args.max_num_seqs}: allowed batch sizes up to --max-num-seqs"
+        )
+    for name in args.sampling.split(",") + [args.throughput_sampling]:
+        preset(name, args)
+    resolve_device(args.device)
+
+
+def copy_ceiling_gbps(device: torch.device) -> float:
+    """The device's memory bandwidth as a copy measures it (bytes read + written per second):
+    what one decode step, which reads every weight once, cannot beat."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 28)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        _sync_device(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync_device(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * n / statistics.median(times[1:]) / 1e9
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+PRESETS = {
+    "greedy": dict(temperature=0.0),
+    # The CLI's defaults for Qwen2.5 checkpoints (their generation_config.json).
+    "cli": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+    "t0.6": dict(temperature=0.6),
+    "t1-p0.9": dict(temperature=1.0, top_p=0.9),
+}
+PRESET_HELP = {k: ", ".join(f"{n}={v}" for n, v in d.items()) for k, d in PRESETS.items()}
+PRESET_HELP["custom"] = "the flags below"
+
+
+def preset(name: str, args) -> dict:
+    if name == "custom":
+        return dict(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
+        )  # fmt: skip
+    if name not in PRESETS:
+        raise InvalidInputError(f"--sampling {name} is unknown: allowed {', '.join(PRESET_HELP)}")
+    return PRESETS[name]
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -78,9 +203,12 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize()
 
 
-def latency_run(llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random.Random):
-    prompts = [[rng.randrange(10000) for _ in range(prompt_len)] for _ in range(bs)]
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+def latency_run(
+    llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random.Random, sampling: dict
+):
+    vocab = min(10000, llm.config.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(bs)]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **sampling)
     seqs = [llm._add(p, params, detokenize=False) for p in prompts]
     _sync(llm)
     start = time.perf_counter()
@@ -112,32 +240,34 @@ def latency_run(llm: LLM, bs: int, prompt_len: int, new_tokens: int, rng: random
     }
 
 
-def throughput_workload(num_requests: int, seed: int):
+def throughput_workload(num_requests: int, seed: int, vocab: int = 10001):
     """nano-vllm's benchmark workload: all prompts drawn first, then all output lengths."""
     rng = random.Random(seed)
     prompts = [
-        [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)
+        [rng.randint(0, min(10000, vocab - 1)) for _ in range(rng.randint(100, 1024))]
+        for _ in range(num_requests)
     ]
     out_lens = [rng.randint(100, 1024) for _ in range(num_requests)]
     return prompts, out_lens
 
 
-def prefix_workload(num_requests: int, seed: int, num_prefixes: int, prefix_len: int,
-                    suffix_len: int, output_len: int):  # fmt: skip
+def prefix_workload(num_requests: int, seed: int, vocab: int, num_prefixes: int,
+                    prefix_len: int, suffix_len: int, output_len: int):  # fmt: skip
     """Every request: one of num_prefixes shared prefixes, then suffix_len tokens of its own;
     requests of one prefix are spread over the run, as a chat service's system prompts are."""
     rng = random.Random(seed)
-    prefixes = [[rng.randint(0, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    top = min(10000, vocab - 1)
+    prefixes = [[rng.randint(0, top) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     prompts = [
-        prefixes[i % num_prefixes] + [rng.randint(0, 10000) for _ in range(suffix_len)]
+        prefixes[i % num_prefixes] + [rng.randint(0, top) for _ in range(suffix_len)]
         for i in range(num_requests)
     ]
     return prompts, [output_len] * num_requests
 
 
-def throughput_run(llm: LLM, num_requests: int, seed: int, workload=None):
-    prompts, out_lens = workload or throughput_workload(num_requests, seed)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+def throughput_run(llm: LLM, num_requests: int, seed: int, sampling: dict, workload=None):
+    prompts, out_lens = workload or throughput_workload(num_requests, seed, llm.config.vocab_size)
+    params = [SamplingParams(ignore_eos=True, max_tokens=n, **sampling) for n in out_lens]
     llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up call
     if llm.runner.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -184,6 +314,7 @@ def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str
 def run(args) -> int:
     from nanoqwen.runtime.bench_hf import hf_latency, hf_model_from, hf_throughput
 
+    check_args(args)
     util = args.gpu_memory_utilization or (0.45 if args.compare else 0.9)
     llm = LLM(
         model=args.model,
@@ -191,11 +322,11 @@ def run(args) -> int:
         dtype=args.dtype,
         random_shape=None if args.model else args.shape,
         attention_backend=args.attention_backend,
+        block_size=args.block_size,
         enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=util,
-        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
@@ -207,8 +338,8 @@ def run(args) -> int:
         "dtype": args.dtype,
         "device": torch.cuda.get_device_name() if llm.runner.device.type == "cuda" else "cpu",
         "attention_backend": backend,
-        "cuda_graphs": llm.runner.graphs is not None,
         "block_size": args.block_size,
+        "cuda_graphs": llm.runner.graphs is not None,
         "num_kv_blocks": llm.scheduler.blocks.num_blocks,
         "prefix_caching": not args.no_prefix_caching,
         "preemption_mode": args.preemption_mode,
@@ -220,46 +351,63 @@ def run(args) -> int:
     results: dict = {"setup": setup}
     rng = random.Random(args.seed)
     if args.mode in ("latency", "all"):
-        latency_run(llm, 1, 16, 8, rng)  # warm-up
+        presets = args.sampling.split(",")
+        for name in presets:
+            latency_run(llm, 1, 16, 8, rng, preset(name, args))  # warm-up
         rows = []
-        for bs in [int(b) for b in args.batch_sizes.split(",")]:
-            row = latency_run(llm, bs, args.prompt_len, args.new_tokens, rng)
-            if hf is not None:
-                row["hf_tok_s"] = hf_latency(hf, bs, args.prompt_len, args.new_tokens, rng)
-                row["x_hf"] = row["e2e_tok_s"] / row["hf_tok_s"]
-            rows.append(row)
+        for bs in args.batch_sizes:
+            first = None
+            for name in presets:
+                row = {"sampling": name}
+                row |= latency_run(
+                    llm, bs, args.prompt_len, args.new_tokens, rng, preset(name, args)
+                )
+                first = first or row
+                row["x_first"] = row["decode_tok_s"] / first["decode_tok_s"]
+                if hf is not None and name == presets[0]:
+                    row["hf_tok_s"] = hf_latency(hf, bs, args.prompt_len, args.new_tokens, rng)
+                    row["x_hf"] = row["e2e_tok_s"] / row["hf_tok_s"]
+                rows.append(row)
         results["latency"] = rows
         _print_table(
             f"latency: {setup['model']}, {args.dtype}, {backend}, graphs={setup['cuda_graphs']}",
             rows,
             [
-                ("bs", "batch_size", "d"), ("TTFT ms", "ttft_ms", ".1f"),
+                ("bs", "batch_size", "d"), ("sampling", "sampling", "s"),
+                (f"x {presets[0]}", "x_first", ".3f"), ("TTFT ms", "ttft_ms", ".1f"),
                 ("step ms p50", "step_ms_p50", ".3f"), ("p99", "step_ms_p99", ".3f"),
                 ("decode tok/s", "decode_tok_s", ",.0f"), ("e2e tok/s", "e2e_tok_s", ",.0f"),
                 ("weights GB/s", "weight_gb_s", ",.0f"), ("HF tok/s", "hf_tok_s", ",.1f"),
                 ("x HF", "x_hf", ".1f"),
             ],
         )  # fmt: skip
-        print(f"(weight-read ceiling: ~{H200_COPY_GBPS:,.0f} GB/s on an H200)")
+        ceiling = copy_ceiling_gbps(llm.runner.device)
+        results["copy_ceiling_gb_s"] = ceiling
+        print(f"(weight-read ceiling: ~{ceiling:,.0f} GB/s, a copy measured on {setup['device']})")
     if args.mode in ("throughput", "all"):
         workload, title = None, "prompts and outputs uniform in [100, 1024]"
         if args.workload == "prefix":
             workload = prefix_workload(
-                args.num_requests, args.seed, args.num_prefixes, args.prefix_len,
-                args.suffix_len, args.output_len,
+                args.num_requests, args.seed, llm.config.vocab_size, args.num_prefixes,
+                args.prefix_len, args.suffix_len, args.output_len,
             )  # fmt: skip
             title = (
                 f"{args.num_prefixes} shared prefixes of {args.prefix_len} tokens, "
                 f"{args.suffix_len} own tokens, {args.output_len} new"
             )
-        row = throughput_run(llm, args.num_requests, args.seed, workload)
+        row = throughput_run(
+            llm, args.num_requests, args.seed, preset(args.throughput_sampling, args), workload
+        )
         if hf is not None and workload is None:
             n = args.hf_num_requests or args.num_requests
-            row["hf_output_tok_s"] = hf_throughput(hf, *throughput_workload(n, args.seed))
+            row["hf_output_tok_s"] = hf_throughput(
+                hf, *throughput_workload(n, args.seed, llm.config.vocab_size)
+            )
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         results["throughput"] = row
         _print_table(
-            f"throughput: {args.num_requests} requests, {title}",
+            f"throughput: {args.num_requests} requests, {title}, sampling "
+            f"{args.throughput_sampling}",
             [row],
             [
                 ("output tok/s", "output_tok_s", ",.0f"), ("total s", "total_s", ".2f"),

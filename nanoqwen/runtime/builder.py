@@ -7,15 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
-from nanoqwen.model.shapes import fill_random, shape_config
-from nanoqwen.runtime.attention import AttentionMetadata, create_backend
+from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
+from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.model_runner import ModelRunner
-from nanoqwen.runtime.sampler import Sampler
-from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
+from nanoqwen.runtime.sampling.sampler import Sampler
+from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
+from nanoqwen.validation import boolean, check_engine_args, choice, invalid, number
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.hub import resolve_model
 from nanoqwen.weights.loader import checkpoint_dtype, load_weights
@@ -37,16 +39,19 @@ class EngineParts:
 
 
 def resolve_device(device: str) -> torch.device:
+    allowed = "cpu, cuda, cuda:N"
     try:
         dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device={device!r} is unknown: allowed cpu, cuda, cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device='cuda' but CUDA is not available on this machine: use --device cpu"
-        )
+    except (RuntimeError, TypeError):
+        raise invalid("device", device, "is unknown", allowed) from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported: allowed cpu, cuda, cuda:N")
+        raise invalid("device", device, "is not supported", allowed)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise invalid("device", device, "but CUDA is not available on this machine", "cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise invalid(
+            "device", device, "does not exist", f"cuda:0..cuda:{torch.cuda.device_count() - 1}"
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -55,9 +60,7 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
     if dtype == "auto":
         return stored if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is unknown: allowed auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return DTYPES[choice("dtype", dtype, ["auto", *DTYPES])]
 
 
 def log(message: str) -> None:
@@ -82,21 +85,28 @@ def build_engine(
     random_shape: str | None,
     progress: bool,
 ) -> EngineParts:
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} is invalid: allowed powers of two >= 1")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"gpu_memory_utilization={gpu_memory_utilization} is out of range: allowed (0, 1]"
-        )
-    if swap_space < 0:
-        raise ValueError(f"swap_space={swap_space} is out of range: allowed >= 0 (GiB)")
+    check_engine_args(
+        model=model,
+        device=device,
+        dtype=dtype,
+        dtypes=list(DTYPES),
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        attention_backend=attention_backend,
+        backends=BACKENDS,
+        enforce_eager=enforce_eager,
+        gpu_memory_utilization=gpu_memory_utilization,
+        random_shape=random_shape,
+        shapes=SHAPES,
+        progress=progress,
+    )
+    boolean("enable_prefix_caching", enable_prefix_caching)
+    choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+    number("swap_space", swap_space, lambda v: v >= 0, "a number of GiB >= 0")
     sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
-    for name, value in (
-        ("max_num_seqs", max_num_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-    ):
-        if value < 1:
-            raise ValueError(f"{name}={value} is out of range: allowed >= 1")
     dev = resolve_device(device)
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
@@ -127,6 +137,9 @@ def build_engine(
 
     if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
         net.use_fused_kernels(True)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
+    # Before the KV pool is sized: the sampler's per-slot token tables take memory too.
+    sampler = Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
     per_block = KVCache.bytes_per_block(cfg, block_size, torch_dtype)
     if num_kv_blocks is None:
         if dev.type == "cpu":
@@ -135,11 +148,16 @@ def build_engine(
             tokens = min(max_num_batched_tokens, max_model_len or cfg.max_position_embeddings)
             peak = _profile_forward(net, tokens, min(max_num_seqs, tokens), block_size)
             num_kv_blocks = _gpu_num_blocks(dev, per_block, peak, gpu_memory_utilization)
-    if num_kv_blocks < 1:
-        raise ValueError(f"num_kv_blocks={num_kv_blocks} is out of range: allowed >= 1")
-    kv = KVCache.allocate(cfg, num_kv_blocks, block_size, torch_dtype, dev)
     limit = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
-    max_len = min(max_model_len or limit, limit)
+    if max_model_len is not None and max_model_len > limit:
+        why = (
+            "the model's max_position_embeddings"
+            if limit == cfg.max_position_embeddings
+            else f"what the KV cache holds: num_kv_blocks={num_kv_blocks} x block_size={block_size}"
+        )
+        raise invalid("max_model_len", max_model_len, "is too long", f"at most {limit}, {why}")
+    max_len = max_model_len or limit
+    kv = KVCache.allocate(cfg, num_kv_blocks, block_size, torch_dtype, dev)
     if progress:
         log(
             f"KV cache: {num_kv_blocks} blocks of {block_size} tokens = "
@@ -156,15 +174,14 @@ def build_engine(
                 f" GiB{', pinned' if dev.type == 'cuda' else ''}); preemption: {preemption_mode}"
             )
     blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, host)
-    scheduler = Scheduler(sched_config, blocks)
-    eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
+    scheduler = Scheduler(sched_config, blocks, sampler.release)
     graphs = None
     variants = backend.graph_variants(max_len)
     if dev.type == "cuda" and not enforce_eager and variants:
         from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
 
-        graphs = CUDAGraphRunner(max_num_seqs, kv)
-    runner = ModelRunner(net, kv, blocks, Sampler(eos), graphs)
+        graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch)
+    runner = ModelRunner(net, kv, blocks, sampler, graphs)
     if graphs is not None:
         graphs.capture(runner, max_len, variants, progress=progress)
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
@@ -209,8 +226,10 @@ def _gpu_num_blocks(dev: torch.device, per_block: int, peak: int, utilization: f
     headroom = 512 << 20
     usable = total * utilization - peak - other_processes - headroom
     if usable < per_block:
-        raise ValueError(
+        raise InvalidInputError(
             f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
-            f"weights and activations peak at {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"
+            f"weights and activations peak at {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; "
+            "allowed a larger gpu_memory_utilization or a smaller model",
+            param="gpu_memory_utilization",
         )
     return int(usable // per_block)

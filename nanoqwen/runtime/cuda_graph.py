@@ -19,23 +19,24 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class _HostMirror:
     """Pinned host copies of the graphs' input buffers, with numpy views to fill them.
 
-    int64 part: ids, positions, slot_mapping, and for a token still in flight the row of the
-    previous step's output that holds it. int32 part: context_lens, cache_seqlens, tables.
+    int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
+    previous step's output that holds it, and each row's sampler slot. int32 part:
+    context_lens, cache_seqlens, tables.
     """
 
     def __init__(self, n: int, width: int) -> None:
-        self.t64 = torch.zeros(4 * n, dtype=torch.int64, pin_memory=True)
+        self.t64 = torch.zeros(5 * n, dtype=torch.int64, pin_memory=True)
         self.t32 = torch.zeros(2 * n + n * width, dtype=torch.int32, pin_memory=True)
         h64, h32 = self.t64.numpy(), self.t32.numpy()
         self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
-        self.sources = h64[3 * n :]
+        self.sources, self.sampler_slots = h64[3 * n : 4 * n], h64[4 * n :]
         self.ctx, self.cached = h32[:n], h32[n : 2 * n]
         self.tables = h32[2 * n :].reshape(n, width)
 
 
 class CUDAGraphRunner:
-    """Replays the decode step (embedding through lm_head) for a batch padded to the next
-    captured size.
+    """Replays the decode step (embedding through lm_head, then the sampler) for a batch
+    padded to the next captured size.
 
     The graphs read static device buffers. Each step fills pinned host mirrors of them with
     numpy and sends them in two asynchronous copies (one per dtype), so preparing a step
@@ -43,11 +44,16 @@ class CUDAGraphRunner:
     copy may still be queued behind step N-1, step N+1 fills the other one.
     """
 
-    def __init__(self, max_num_seqs: int, kv: KVCache) -> None:
+    def __init__(self, max_num_seqs: int, kv: KVCache, sampler_scratch: int) -> None:
         self.sizes = capture_sizes(max_num_seqs)
         self.kv = kv
-        # Keyed by (batch size, variant): variant i serves contexts up to variants[i][0].
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sampler_scratch = sampler_scratch  # the sampler slot padding rows use
+        # Keyed by (batch size, variant, filtering): variant i serves contexts up to
+        # variants[i][0]; filtering graphs include the sampler's top-k/top-p/min-p stage.
+        # Each holds (graph, logits, tokens).
+        self.graphs: dict[
+            tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
         self.meta: dict[tuple[int, int], AttentionMetadata] = {}
 
     def _allocate(self, device: torch.device, max_model_len: int, variants) -> None:
@@ -61,6 +67,7 @@ class CUDAGraphRunner:
         self.dev64 = self.mirrors[0].t64.to(device)
         self.dev32 = self.mirrors[0].t32.to(device)
         self.ids = self.dev64[:n]
+        self.sampler_slots = self.dev64[4 * n :]
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
 
     def _fill_padding(self, m: _HostMirror, start: int, end: int) -> None:
@@ -73,6 +80,7 @@ class CUDAGraphRunner:
         m.ctx[start:end] = 1
         m.cached[start:end] = 0
         m.tables[start:end] = scratch
+        m.sampler_slots[start:end] = self.sampler_scratch
 
     def _static_meta(self, bs: int, variant: int) -> AttentionMetadata:
         n, d64, d32 = self.max_bs, self.dev64, self.dev32
@@ -100,18 +108,26 @@ class CUDAGraphRunner:
         self._allocate(runner.device, max_model_len, variants)
         pool = None
         # Largest first: smaller graphs then fit inside the memory pool the largest reserved.
-        keys = [(bs, i) for bs in sorted(self.sizes, reverse=True) for i in range(len(variants))]
+        keys = [
+            (bs, i, filtering)
+            for bs in sorted(self.sizes, reverse=True)
+            for i in range(len(variants))
+            for filtering in (False, True)
+        ]
         for key in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, leave=False):
-            bs = key[0]
-            meta = self._static_meta(*key)
-            ids = self.ids[:bs]
-            model.compute_logits(model(ids, meta))  # warm-up: autotuning, lazy init
+            bs, variant, filtering = key
+            meta = self._static_meta(bs, variant)
+            ids, slots = self.ids[:bs], self.sampler_slots[:bs]
+            # Warm-up: autotuning, lazy init, Triton compiles (padding rows sample in the
+            # sampler's scratch slot).
+            runner.sampler(model.compute_logits(model(ids, meta)), slots, filtering)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = model.compute_logits(model(ids, meta))
+                tokens = runner.sampler(logits, slots, filtering)
             pool = graph.pool()
-            self.graphs[key] = (graph, logits)
+            self.graphs[key] = (graph, logits, tokens)
             self.meta[key] = meta
         torch.cuda.synchronize()
 
@@ -121,19 +137,20 @@ class CUDAGraphRunner:
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
-    def key_for(self, num_seqs: int, max_context: int) -> tuple[int, int]:
-        """The graph serving this batch: (padded batch size, first variant long enough)."""
+    def key_for(self, num_seqs: int, max_context: int, filtering: bool = False):
+        """The graph serving this batch: (padded batch size, first variant long enough,
+        filtering)."""
         variant = next(i for i, (limit, _) in enumerate(self.variants) if max_context <= limit)
-        return self.padded_size(num_seqs), variant
+        return self.padded_size(num_seqs), variant, filtering
 
     @torch.inference_mode()
-    def prepare(self, runner, seqs) -> tuple[int, int]:
+    def prepare(self, runner, seqs, filtering: bool = False) -> tuple[int, int, bool]:
         """Writes the decode inputs of seqs into the static buffers; returns the key of the
         graph to replay.
         Only host arithmetic and async device work: nothing here waits for the GPU."""
         n = len(seqs)
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-        bs, variant = self.key_for(n, int(lens.max()))
+        bs, variant, _ = key = self.key_for(n, int(lens.max()), filtering)
         block_size = self.kv.block_size
         ids, sources, pending = runner.token_sources(seqs)
         # This mirror was last copied from two steps ago, and the engine has read that
@@ -142,6 +159,7 @@ class CUDAGraphRunner:
         self.turn ^= 1
         m.ids[:n] = ids
         m.sources[:n] = sources
+        m.sampler_slots[:n] = runner.sampler.slots(seqs)
         m.pos[:n] = lens - 1
         m.ctx[:n] = lens
         m.cached[:n] = lens - 1
@@ -157,10 +175,11 @@ class CUDAGraphRunner:
         if pending:
             ids, rows = self.dev64[:n], self.dev64[3 * self.max_bs :][:n]
             ids.copy_(runner.fill_placeholders(ids, rows))
-        return bs, variant
+        return key
 
     @torch.inference_mode()
-    def run(self, runner, seqs) -> torch.Tensor:
-        graph, logits = self.graphs[self.prepare(runner, seqs)]
+    def run(self, runner, seqs, filtering: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays the step; returns the (padded) logits and sampled tokens."""
+        graph, logits, tokens = self.graphs[self.prepare(runner, seqs, filtering)]
         graph.replay()
-        return logits
+        return logits, tokens

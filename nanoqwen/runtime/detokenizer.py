@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded so far, trimmed at a stop string once one is found
         self._emitted = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string found, once stopped
 
     def add(self, token_ids: list[int], final: bool = False) -> None:
         """final: the sequence ended, so text held back for incomplete UTF-8 goes out too."""
@@ -48,12 +49,13 @@ class IncrementalDetokenizer:
     def _find_stop(self, new_from: int) -> None:
         """Finds the first stop string that ends in text[new_from:]."""
         hits = [
-            i
+            (i, s)
             for s in self.stop_strings
             if (i := self.text.find(s, max(0, new_from - len(s) + 1))) >= 0
         ]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_string = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:at]
             self.stopped = True
 
     def pending(self, final: bool) -> str:

@@ -9,12 +9,20 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
 from nanoqwen.runtime.logprobs import TokenLogprobs
-from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep
+from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep, logprob_entries
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
+from nanoqwen.validation import (
+    check_prompt,
+    check_prompt_length,
+    split_prompts,
+    split_sampling_params,
+    token_ids,
+)
 
 Prompt = str | list[int]
 
@@ -30,6 +38,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # As vLLM reports it: the stop token id or stop string that ended the request; None when
+    # EOS, max_tokens or the context length (max_model_len) did.
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -40,6 +51,13 @@ class StreamChunk:
     finished: bool
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # for token_ids, with SamplingParams.logprobs
+    stop_reason: int | str | None = None  # on the finished chunk, as in RequestOutput
+
+
+def _cut(entry: TokenLogprobs, top: int) -> TokenLogprobs:
+    """entry with only the top alternatives its request asked for."""
+    entry.top = entry.top[:top]
+    return entry
 
 
 class LLM:
@@ -94,25 +112,21 @@ class LLM:
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids; InvalidInputError for anything but a str or token ids."""
+        prompt = check_prompt(prompt, self.config.vocab_size)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompts as token id lists")
+                raise InvalidInputError(
+                    "prompt is a string but this engine has no tokenizer: allowed token id lists",
+                    param="prompt",
+                )
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} is out of range: allowed 0..{self.config.vocab_size - 1}"
-            )
-        return ids
+        return prompt
 
     def _add(self, prompt: Prompt, params: SamplingParams, detokenize: bool) -> Sequence:
         ids = self.encode(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens: allowed at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len})"
-            )
+        check_prompt_length(len(ids), self.max_model_len)
+        token_ids("stop_token_ids", params.stop_token_ids, self.config.vocab_size)
         seq = Sequence(ids, params)
         seq.arrival_time = time.perf_counter()
         if (detokenize or params.stop_strings) and self.tokenizer is not None:
@@ -123,16 +137,8 @@ class LLM:
         return seq
 
     def _add_all(self, prompts, sampling_params, detokenize: bool) -> list[Sequence]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
-                )
+        prompts = split_prompts(prompts)
+        params = split_sampling_params(sampling_params, len(prompts), SamplingParams)
         seqs: list[Sequence] = []
         try:
             for p, sp in zip(prompts, params):
@@ -152,6 +158,7 @@ class LLM:
         """Why seq ends with token at position length - 1, or None to go on."""
         p = seq.params
         if token in p.stop_token_ids:
+            seq.stop_reason = token
             return "stop"
         outputs = length - seq.num_prompt_tokens
         if not p.ignore_eos and token in self.eos_token_ids and outputs >= p.min_tokens:
@@ -177,7 +184,15 @@ class LLM:
             return []
         now = time.perf_counter()
         resolved = []
-        for seq, token in zip(launched.seqs, launched.result()):
+        tokens = launched.result()
+        for seq, first, tensors in launched.prompt_logprobs:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]
+            targets = seq.token_ids[first : first + len(tensors[0])]
+            top = seq.params.prompt_logprobs
+            seq.prompt_logprobs += [_cut(e, top) for e in logprob_entries(tensors, targets)]
+        entries = logprob_entries(launched.logprobs, tokens) if launched.logprobs else None
+        for row, (seq, token) in enumerate(zip(launched.seqs, tokens)):
             if seq.is_finished:  # aborted while its token was in flight
                 continue
             # At most two tokens are in flight per sequence; this step's is the older one.
@@ -189,6 +204,8 @@ class LLM:
                 seq.unstreamed.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.logprobs is not None:
+                seq.logprobs.append(_cut(entries[row], seq.params.logprobs))
             reason = self._finish_reason(seq, token, pos + 1)
             detok = self._detok.get(seq.seq_id)
             if detok is not None:
@@ -210,14 +227,6 @@ class LLM:
         batch = self.scheduler.schedule()
         if batch is None:
             return self._resolve()
-        if any(s.params.needs_penalties for s in batch.seqs):
-            # Penalties read each sequence's full history: apply pending tokens first.
-            resolved = self._resolve()
-            batch.drop_finished()
-            if not batch.seqs:
-                return resolved
-            self._launched = self._launch(batch)
-            return resolved + self._resolve()
         launched = self._launch(batch)
         resolved = self._resolve()
         self._launched = launched
@@ -234,6 +243,12 @@ class LLM:
                     seq.token_ids.pop()
                 self.scheduler.finish(seq, "abort")
                 self._detok.pop(seq.seq_id, None)
+
+    @staticmethod
+    def _stop_reason(seq: Sequence, detok: IncrementalDetokenizer | None) -> int | str | None:
+        if seq.stop_reason is None and detok is not None and detok.stopped:
+            return detok.stop_string
+        return seq.stop_reason
 
     def _output(self, seq: Sequence) -> RequestOutput:
         detok = self._detok.pop(seq.seq_id, None)
@@ -255,6 +270,9 @@ class LLM:
             text,
             seq.finish_reason or "length",
             metrics,
+            seq.logprobs,
+            seq.prompt_logprobs,
+            stop_reason=self._stop_reason(seq, detok),
         )
 
     # ---- public API -----------------------------------------------------------------------
@@ -309,6 +327,7 @@ class LLM:
         # Tokens are collected on each sequence, so none is lost when another generate() or
         # stream() call runs the engine while this iterator is paused.
         open_requests = set(range(len(seqs)))
+        streamed = [0] * len(seqs)  # tokens handed out per request
         try:
             while open_requests:
                 if any(not seqs[i].is_finished for i in open_requests):
@@ -325,6 +344,13 @@ class LLM:
                     text = detok.pending(final=seq.is_finished) if detok else ""
                     if seq.is_finished:
                         open_requests.discard(i)
-                    yield StreamChunk(i, text, tokens, seq.is_finished, seq.finish_reason)
+                    logprobs = None
+                    if seq.logprobs is not None:
+                        logprobs = seq.logprobs[streamed[i] : streamed[i] + len(tokens)]
+                    streamed[i] += len(tokens)
+                    stop = self._stop_reason(seq, detok) if seq.is_finished else None
+                    yield StreamChunk(
+                        i, text, tokens, seq.is_finished, seq.finish_reason, logprobs, stop
+                    )
         finally:
             self.abort([s for s in seqs if not s.is_finished])

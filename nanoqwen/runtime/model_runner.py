@@ -8,7 +8,7 @@ device tensor that step N sampled into.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,12 +16,14 @@ from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.kv_cache import KVCache
-from nanoqwen.runtime.sampler import Sampler
+from nanoqwen.runtime.logprobs import TokenLogprobs
+from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
 
 PLACEHOLDER = -1
+PROMPT_LOGPROB_CHUNK = 512  # prompt rows turned into logits at a time
 
 
 @dataclass
@@ -30,12 +32,35 @@ class LaunchedStep:
     tokens: torch.Tensor  # their sampled tokens, on the device
     host: torch.Tensor  # pinned copy of tokens, filled when `done` fires
     done: torch.cuda.Event | None
+    # With logprobs asked for: host copies of Sampler.logprobs() for these rows.
+    logprobs: tuple[torch.Tensor, ...] | None = None
+    # Prompt logprobs computed this step: (sequence, first prompt position, host tensors).
+    prompt_logprobs: list[tuple[Sequence, int, tuple[torch.Tensor, ...]]] = field(
+        default_factory=list
+    )
 
     def result(self) -> list[int]:
-        if self.done is None:
-            return self.tokens.tolist()
-        self.done.synchronize()
+        if self.done is not None:
+            self.done.synchronize()
         return self.host.tolist()
+
+
+def logprob_entries(tensors: tuple[torch.Tensor, ...], tokens: list[int]) -> list[TokenLogprobs]:
+    """Sampler.logprobs() output (host tensors) as one entry per row, with every top
+    alternative computed; callers cut each to what its request asked for."""
+    lp, rank, top_lp, top_ids = (t.tolist() for t in tensors)
+    return [
+        TokenLogprobs(token, lp[r], rank[r], list(zip(top_ids[r], top_lp[r])))
+        for r, token in enumerate(tokens)
+    ]
+
+
+@dataclass
+class StepOutput:
+    seqs: list[Sequence]  # those that sample a token this step
+    logits: torch.Tensor  # their raw logits
+    tokens: torch.Tensor | None  # None when none samples (a prefill chunk mid-prompt)
+    prompt_logprobs: list
 
 
 class ModelRunner:
@@ -133,18 +158,68 @@ class ModelRunner:
             ids_t = self.fill_placeholders(ids_t, self._tensor(sources + [0] * pad, torch.int64))
         return ids_t, meta
 
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool):
+        slots = self._tensor(self.sampler.slots(seqs), torch.int64)
+        return self.sampler(logits, slots, filtering)
+
     @torch.inference_mode()
-    def compute_logits(self, batch: Batch) -> torch.Tensor:
-        """[number of sequences that complete this step, vocab] float32 logits."""
+    def execute(self, batch: Batch) -> StepOutput:
+        """Runs the model and the sampler for one step, without waiting for either."""
+        seqs = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
+        if batch.is_prefill:
+            self.sampler.admit(seqs)
+        filtering = self.sampler.filtering
+        n = len(batch.seqs)
+        prompt_lp: list = []
         if batch.is_prefill:
             ids, meta, rows = self.prepare_prefill(batch)
             x, residual = self.model(ids, meta)
-            return self.model.compute_logits((x[rows], residual[rows]))
-        n = len(batch.seqs)
-        if self.graphs is not None and self.graphs.can_run(n):
-            return self.graphs.run(self, batch.seqs)[:n]
-        ids, meta = self.prepare_decode(batch, n)
-        return self.model.compute_logits(self.model(ids, meta))
+            prompt_lp = self._prompt_logprobs(batch, x, residual)
+            logits = self.model.compute_logits((x[rows], residual[rows]))
+            tokens = self._sample(logits, seqs, filtering) if seqs else None
+        elif self.graphs is not None and self.graphs.can_run(n):
+            logits, tokens = self.graphs.run(self, batch.seqs, filtering)
+            logits, tokens = logits[:n], tokens[:n]
+        else:
+            ids, meta = self.prepare_decode(batch, n)
+            logits = self.model.compute_logits(self.model(ids, meta))
+            tokens = self._sample(logits, seqs, filtering)
+        return StepOutput(seqs, logits, tokens, prompt_lp)
+
+    def compute_logits(self, batch: Batch) -> torch.Tensor:
+        """[number of sequences that complete this step, vocab] float32 logits (the step's
+        sampler runs too)."""
+        return self.execute(batch).logits
+
+    def _prompt_logprobs(self, batch: Batch, x: torch.Tensor, residual: torch.Tensor) -> list:
+        """For prompts that ask for them: the log-probability of each prompt token this
+        chunk predicts (the row of position p predicts token p + 1), with the top-N."""
+        found = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            top = seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            first = max(start + 1, seq.prompt_logprobs_launched)
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if top is not None and first <= last:
+                targets = seq.token_ids[first : last + 1]
+                rows = slice(row + first - 1 - start, row + last - start)
+                for lo in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
+                    chunk = targets[lo : lo + PROMPT_LOGPROB_CHUNK]
+                    r = slice(rows.start + lo, rows.start + lo + len(chunk))
+                    logits = self.model.compute_logits((x[r], residual[r]))
+                    ids = self._tensor(chunk, torch.int64)
+                    tensors = self.sampler.logprobs(logits, ids, top)
+                    found.append((seq, first + lo, tuple(self._to_host(t) for t in tensors)))
+                seq.prompt_logprobs_launched = last + 1
+            row += n
+        return found
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._pin:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], last: int | None = None) -> torch.Tensor:
@@ -163,18 +238,21 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: Batch) -> LaunchedStep:
         """Queues one step on the device and returns at once; result() waits for it."""
-        logits = self.compute_logits(batch)
-        seqs = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
-        if not seqs:
-            empty = torch.empty(0, dtype=torch.int64)
-            return LaunchedStep([], empty, empty, None)
-        tokens = self.sampler(logits, seqs)
-        self._last_tokens = tokens
-        self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        if not self._pin:
-            return LaunchedStep(seqs, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return LaunchedStep(seqs, tokens, host, done)
+        out = self.execute(batch)
+        seqs, tokens = out.seqs, out.tokens
+        if tokens is None:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        logprobs = None
+        top = self.sampler.state.max_logprobs
+        if seqs and top is not None:
+            raw = self.sampler.logprobs(out.logits, tokens, top)
+            logprobs = tuple(self._to_host(t) for t in raw)
+        if seqs:
+            self._last_tokens = tokens
+            self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        host = self._to_host(tokens)
+        done = None
+        if self._pin:
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(seqs, tokens, host, done, logprobs, out.prompt_logprobs)

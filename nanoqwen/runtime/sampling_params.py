@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.logprobs import MAX_LOGPROBS
-
-
-def _check(name: str, value: float, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is out of range: allowed {allowed}")
+from nanoqwen.validation import (
+    a_type,
+    boolean,
+    integer,
+    invalid,
+    number,
+    optional_integer,
+    token_ids,
+)
 
 
 @dataclass
@@ -33,32 +41,57 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy)")
-        _check("top_p", self.top_p, 0 < self.top_p <= 1, "0 < top_p <= 1")
-        _check("top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "-1 (off) or >= 1")
-        _check("min_p", self.min_p, 0 <= self.min_p <= 1, "0 <= min_p <= 1")
-        _check("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0")
+        # Each value is checked for its type and range, then stored normalized (ints given for
+        # floats become floats), so nothing downstream sees a bool, a string or a NaN.
+        self.temperature = number(
+            "temperature", self.temperature, lambda v: v >= 0, "a number >= 0 (0 = greedy)"
+        )
+        self.top_p = number("top_p", self.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        self.top_k = integer(
+            "top_k", self.top_k, lambda v: v == -1 or v >= 1, "-1 (off) or an integer >= 1"
+        )
+        self.min_p = number("min_p", self.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        self.repetition_penalty = number(
+            "repetition_penalty", self.repetition_penalty, lambda v: v > 0, "a number > 0 (1 = off)"
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(name, value, -2 <= value <= 2, "-2 <= value <= 2")
-        _check("max_tokens", self.max_tokens, self.max_tokens >= 1, ">= 1")
-        _check(
+            value = number(name, getattr(self, name), lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+            setattr(self, name, value)
+        self.max_tokens = integer(
+            "max_tokens", self.max_tokens, lambda v: v >= 1, "an integer >= 1"
+        )
+        self.min_tokens = integer(
             "min_tokens",
             self.min_tokens,
-            0 <= self.min_tokens <= self.max_tokens,
-            f"0 <= min_tokens <= max_tokens ({self.max_tokens})",
+            lambda v: 0 <= v <= self.max_tokens,
+            f"an integer from 0 to max_tokens ({self.max_tokens})",
         )
-        if self.seed is not None:
-            _check("seed", self.seed, 0 <= self.seed < 2**63, "0 <= seed < 2**63")
+        self.ignore_eos = boolean("ignore_eos", self.ignore_eos)
+        self.seed = optional_integer(
+            "seed", self.seed, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"
+        )
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                _check(name, value, 0 <= value <= MAX_LOGPROBS, f"None or 0..{MAX_LOGPROBS}")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop={self.stop!r} is invalid: allowed non-empty strings")
-        self.stop_strings = tuple(stops)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+            value = optional_integer(
+                name, getattr(self, name), lambda v: 0 <= v <= MAX_LOGPROBS, f"0..{MAX_LOGPROBS}"
+            )
+            setattr(self, name, value)
+        self.stop_strings = _stop_strings(self.stop)
+        # Ids past the vocabulary are refused by the engine, which knows its size.
+        self.stop_token_ids = token_ids("stop_token_ids", self.stop_token_ids or [])
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SamplingParams:
+        """From a mapping of field names (a request body, say); unknown names are refused."""
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        if not isinstance(data, Mapping):
+            raise invalid("sampling_params", data, "is not a mapping", "an object of parameters")
+        for key in data:
+            if key not in names:
+                raise InvalidInputError(
+                    f"unknown sampling parameter {str(key)[:40]!r}: allowed {', '.join(names)}",
+                    param=str(key),
+                )
+        return cls(**data)
 
     @property
     def greedy(self) -> bool:
@@ -71,3 +104,21 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    allowed = "None, a non-empty string or a list of them"
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, (list, tuple)):
+        stops = list(stop)
+    else:
+        raise invalid("stop", stop, f"is {a_type(stop)}", allowed)
+    for s in stops:
+        if not isinstance(s, str):
+            raise invalid("stop", stop, f"holds {a_type(s)}", allowed)
+        if not s:
+            raise invalid("stop", stop, "holds an empty string", allowed)
+    return tuple(stops)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoqwen.runtime.block_manager import BlockManager
@@ -48,9 +49,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        on_release: Callable[[Sequence], None] | None = None,
+    ) -> None:
         self.config = config
         self.blocks = block_manager
+        # Told when a sequence samples no more (retired, finished or preempted), so the
+        # sampler can hand its slot on.
+        self.on_release = on_release or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # oldest first
@@ -131,6 +140,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq):
+            # It keeps its sampling slot (counts, output position) and resumes in decode.
+            # Running plus swapped sequences never exceed max_num_seqs, the slots there are:
+            # nothing new is admitted while any is swapped out.
             self.blocks.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=lambda s: s.seq_id)
@@ -138,6 +150,7 @@ class Scheduler:
             return
         # Recompute later: drop its cache and put it first in line.
         self.blocks.free(seq)
+        self.on_release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         # Behind a half-prefilled head: that one already holds its blocks and must finish.
@@ -149,11 +162,13 @@ class Scheduler:
         until finish()."""
         if seq in self.running:
             self.running.remove(seq)
+        self.on_release(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.blocks.free(seq)
+        self.on_release(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

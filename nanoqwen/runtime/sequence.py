@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import itertools
 
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -20,7 +22,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise InvalidInputError("prompt is empty: allowed at least one token", param="prompt")
         self.seq_id = next(_ids)
         self.params = params
         self.token_ids = list(prompt_token_ids)
@@ -35,9 +37,15 @@ class Sequence:
         self.num_registered_blocks = 0
         self.host_block_table: list[int] = []  # its blocks while swapped out
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token or string that ended it
         # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.
         self.unstreamed: list[int] | None = None
-        self.generator = None  # per-request torch.Generator when params.seed is set
+        # The sampling noise's key: params.seed, or one drawn when the request first samples.
+        self.sampling_seed: int | None = None
+        # With params.logprobs / prompt_logprobs: one entry per output / prompt token.
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.prompt_logprobs_launched = 1  # the next prompt position whose entry is computed
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.validation import a_type, is_int, is_number, read_json_object, show
 
-class ConfigError(ValueError):
+
+class ConfigError(InvalidInputError):
     """A checkpoint's config.json describes a model nanoqwen cannot run."""
 
 
@@ -25,8 +27,6 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    torch_dtype: str = "bfloat16"
-    bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
     @property
@@ -46,71 +46,139 @@ class ModelConfig:
         return v * h + self.num_hidden_layers * per_layer + h + head
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures") or []
-        model_type = raw.get("model_type")
-        if "Qwen2ForCausalLM" not in archs and not (not archs and model_type == "qwen2"):
-            field, value = ("architectures", archs) if archs else ("model_type", model_type)
-            raise ConfigError(f"{field}={value!r}: nanoqwen runs only Qwen2ForCausalLM")
-        rope_theta = _rope_theta(raw)
-        for key in ("use_sliding_window",):
-            if raw.get(key):
-                raise ConfigError(f"{key}=true: sliding-window attention is not supported")
-        heads = _required(raw, "num_attention_heads")
-        hidden = _required(raw, "hidden_size")
-        head_dim = raw.get("head_dim") or hidden // heads
-        kv_heads = raw.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ConfigError(
-                f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}"
-            )
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            vocab_size=_required(raw, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_required(raw, "intermediate_size"),
-            num_hidden_layers=_required(raw, "num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos_ids,
-        )
+    def from_dict(cls, raw: Any, source: str = "config.json") -> ModelConfig:
+        """source names the file in error messages."""
+        return _Reader(raw, source).config()
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+            raw = read_json_object(path)
+        except InvalidInputError as e:
+            raise ConfigError(str(e)) from None
+        return cls.from_dict(raw, str(path))
 
 
-def _required(raw: dict[str, Any], key: str) -> int:
-    if key not in raw:
-        raise ConfigError(f"config.json lacks the field {key!r}")
-    return int(raw[key])
+class _Reader:
+    """Reads and checks each field; every refusal is `source: field=value problem: allowed`."""
 
+    def __init__(self, raw: Any, source: str) -> None:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source} holds {a_type(raw)}: allowed a JSON object")
+        self.raw, self.source = raw, source
 
-def _rope_theta(raw: dict[str, Any]) -> float:
-    """Accept the classic top-level rope_theta/rope_scaling and the newer rope_parameters."""
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    theta = raw.get("rope_theta")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        scaling = scaling or params
-    if scaling:
-        key = "rope_type" if scaling.get("rope_type") else "type"
-        kind = scaling.get(key) or "default"
-        if kind != "default":
-            field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-            raise ConfigError(f"{field}.{key}={kind!r}: only default RoPE is supported")
-    return float(theta if theta is not None else 10000.0)
+    def fail(self, key: str, value: Any, problem: str, allowed: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}={show(value)} {problem}: allowed {allowed}")
+
+    def integer(self, key: str, default: Any = ..., minimum: int = 1) -> int:
+        if key not in self.raw and default is ...:
+            raise ConfigError(f"{self.source} lacks the field {key!r}")
+        value = self.raw.get(key, default)
+        if value is None and default is not ...:
+            value = default
+        allowed = f"an integer >= {minimum}"
+        if not is_int(value):
+            raise self.fail(key, value, "is not an integer", allowed)
+        if value < minimum:
+            raise self.fail(key, value, "is out of range", allowed)
+        return int(value)
+
+    def positive_number(self, key: str, value: Any) -> float:
+        if not is_number(value):
+            raise self.fail(key, value, "is not a number", "a number > 0")
+        try:
+            as_float = float(value)
+        except OverflowError:  # an int past float's range
+            as_float = float("inf")
+        if not 0 < as_float < float("inf"):
+            raise self.fail(key, value, "is out of range", "a number > 0")
+        return as_float
+
+    def config(self) -> ModelConfig:
+        raw = self.raw
+        archs = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        if not isinstance(archs, list):
+            raise self.fail("architectures", archs, "is not a list", '["Qwen2ForCausalLM"]')
+        if "Qwen2ForCausalLM" not in archs and not (not archs and model_type == "qwen2"):
+            field, value = ("architectures", archs) if archs else ("model_type", model_type)
+            raise ConfigError(
+                f"{self.source}: {field}={show(value)}: nanoqwen runs only Qwen2ForCausalLM"
+            )
+        if raw.get("use_sliding_window"):
+            raise ConfigError(
+                f"{self.source}: use_sliding_window=true: sliding-window attention is not supported"
+            )
+        rope_theta = self.rope_theta()
+        vocab = self.integer("vocab_size")
+        hidden = self.integer("hidden_size")
+        heads = self.integer("num_attention_heads")
+        if raw.get("head_dim") is not None:
+            head_dim = self.integer("head_dim")
+        elif hidden < heads:
+            raise self.fail(
+                "num_attention_heads", heads, "exceeds hidden_size", f"at most {hidden}"
+            )
+        else:
+            head_dim = hidden // heads
+        if head_dim % 2:
+            raise ConfigError(
+                f"{self.source}: head_dim={head_dim} is odd: allowed an even head_dim "
+                "(RoPE rotates pairs of dimensions)"
+            )
+        kv_heads = self.integer("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ConfigError(
+                f"{self.source}: num_key_value_heads={kv_heads} must divide "
+                f"num_attention_heads={heads}"
+            )
+        tied = raw.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise self.fail("tie_word_embeddings", tied, "is not a bool", "true or false")
+        return ModelConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=self.integer("intermediate_size"),
+            num_hidden_layers=self.integer("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=self.positive_number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=self.integer("max_position_embeddings", 32768, minimum=2),
+            tie_word_embeddings=tied,
+            eos_token_id=self.eos_ids(vocab),
+        )
+
+    def eos_ids(self, vocab: int) -> tuple[int, ...]:
+        eos = self.raw.get("eos_token_id")
+        ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(is_int(t) and 0 <= t < vocab for t in ids):
+            raise self.fail(
+                "eos_token_id", eos, "is invalid", f"a token id in 0..{vocab - 1} or a list of them"
+            )
+        return tuple(int(t) for t in ids)
+
+    def rope_theta(self) -> float:
+        """Accepts the classic top-level rope_theta/rope_scaling and the newer rope_parameters."""
+        raw = self.raw
+        params, scaling, theta = (
+            raw.get("rope_parameters"),
+            raw.get("rope_scaling"),
+            raw.get("rope_theta"),
+        )
+        for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+            if value is not None and not isinstance(value, dict):
+                raise self.fail(key, value, "is not an object", "null or an object")
+        if params:
+            theta = params.get("rope_theta", theta)
+            scaling = scaling or params
+        if scaling:
+            key = "rope_type" if scaling.get("rope_type") else "type"
+            kind = scaling.get(key) or "default"
+            if kind != "default":
+                field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+                raise ConfigError(
+                    f"{self.source}: {field}.{key}={show(kind)}: only default RoPE is supported"
+                )
+        return self.positive_number("rope_theta", 10000.0 if theta is None else theta)

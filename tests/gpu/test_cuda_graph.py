@@ -1,6 +1,9 @@
-"""CUDA-graph decode: same logits as eager, and no host sync inside a decode step."""
+"""CUDA-graph decode: same logits and tokens as eager, and no host sync inside a step, for
+every sampling option."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -27,42 +30,58 @@ def gpu_model(tmp_path_factory):
     return path
 
 
-def _engine(path, **kw):
-    return LLM(
+def _engine(path, backend: tuple[str, int, bool], **kw):
+    name, block, flash = backend
+    llm = LLM(
         str(path),
         device="cuda",
         dtype="bfloat16",
         max_num_seqs=80,
-        num_kv_blocks=80,
+        num_kv_blocks=80 * 256 // block,
+        attention_backend=name,
+        block_size=block,
         progress=False,
         **kw,
     )
+    attention = llm.runner.model.layers[0].self_attn.backend
+    assert attention.name == name
+    if name == "triton":
+        assert (attention.flash is not None) == flash
+    return llm
 
 
-def _decode_batch(llm: LLM, lengths: list[int]) -> Batch:
+# A batch that mixes every sampling option.
+MIXED = [
+    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, max_tokens=8),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=8, logprobs=3),
+    SamplingParams(temperature=0.6, min_p=0.1, presence_penalty=0.4, frequency_penalty=0.3),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, min_tokens=4, stop_token_ids=[5]),
+    SamplingParams(temperature=0.9, top_k=600, seed=9, max_tokens=8),  # top-k past candidates
+]
+
+
+def _decode_batch(llm: LLM, lengths: list[int], params=None) -> Batch:
     """Prefill sequences of the given lengths, then return the decode batch that follows."""
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = params or [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
     for i, n in enumerate(lengths):
-        llm._add([(7 * i + j) % 997 for j in range(n)], params, detokenize=False)
+        p = params[i % len(params)]
+        llm._add([(7 * i + j) % 997 for j in range(n)], p, detokenize=False)
     while llm.scheduler.waiting:
         llm.step()
     return llm.scheduler.schedule()
 
 
-BACKENDS = ["flash-attn", "triton"]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-# 70 sequences x 2 KV heads: the triton backend's flash-attn side.
+# 70 sequences x 2 KV heads: the triton backend's flash-attn side where that is installed.
 @pytest.mark.parametrize("batch", [1, 3, 17, 70])
 def test_graph_replay_matches_eager(gpu_model, batch, backend):
-    llm = _engine(gpu_model, attention_backend=backend)
-    # Up to 3 blocks each; 70 sequences stay within one block each, so that the 80-block
-    # pool holds them and one prefill step (8,192 tokens) takes them all.
+    llm = _engine(gpu_model, backend)
+    # Up to 600 tokens each, 200 for 70 sequences, so that the pool (80 x 256 tokens at
+    # every block size) holds them and one prefill step (8,192 tokens) takes them all.
     lengths = [5 + 37 * i % (600 if batch < 32 else 200) for i in range(batch)]
     b = _decode_batch(llm, lengths)
     graphs = llm.runner.graphs
-    key = graphs.key_for(batch, max(lengths) + 1)
+    key = graphs.key_for(batch, max(lengths) + 1, llm.runner.sampler.filtering)
     bs = key[0]
     assert bs >= batch
     graph_logits = llm.runner.compute_logits(b).clone()
@@ -78,29 +97,58 @@ def test_graph_replay_matches_eager(gpu_model, batch, backend):
     assert torch.equal(llm.runner.compute_logits(b).argmax(-1), graph_logits.argmax(-1))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_decode_step_has_no_host_sync(gpu_model, backend):
-    llm = _engine(gpu_model, attention_backend=backend)
+@pytest.mark.parametrize("params", [[p] for p in MIXED] + [MIXED], ids=[*map(str, range(6)), "all"])
+def test_steps_have_no_host_sync(gpu_model, backend, params):
+    """Prefill (slot admission included) and decode, with graphs and eager."""
+    llm = _engine(gpu_model, backend)
     for graphs in (True, False):
-        b = _decode_batch(llm, [9, 300, 41])
+        lengths = [9, 300, 41, 77, 5, 130][: max(3, len(params))]
+        for i, n in enumerate(lengths):
+            llm._add([(7 * i + j) % 997 for j in range(n)], params[i % len(params)], False)
+        prefill = llm.scheduler.schedule()
+        assert prefill.is_prefill
         if not graphs:
             llm.runner.graphs = None
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            llm.runner.compute_logits(b)
+            first = llm._launch(prefill)
+            second = llm._launch(llm.scheduler.schedule())  # decode, a token in flight
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        for seq in b.seqs:
-            llm.scheduler.finish(seq, "abort")
+        first.result(), second.result()
+        llm.abort(prefill.seqs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_graphs_and_eager_generate_the_same_tokens(gpu_model, backend):
     prompts = [[(3 * i + j) % 991 for j in range(10 + 50 * i)] for i in range(5)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    with_graphs = _engine(gpu_model, attention_backend=backend).generate(prompts, params)
-    eager = _engine(gpu_model, attention_backend=backend, enforce_eager=True).generate(
-        prompts, params
+    # Greedy and the mixed options (the unseeded rows differ by their drawn seeds, so only
+    # greedy and seeded rows are compared).
+    for params in ([SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)], MIXED):
+        params = [params[i % len(params)] for i in range(len(prompts))]
+        with_graphs = _engine(gpu_model, backend).generate(prompts, params)
+        eager = _engine(gpu_model, backend, enforce_eager=True).generate(prompts, params)
+        for p, a, b in zip(params, with_graphs, eager):
+            if p.greedy or p.seed is not None:
+                assert a.token_ids == b.token_ids, p
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_auto_runs_triton_with_graphs_without_flash_attn(gpu_model, block_size, monkeypatch):
+    """A GPU without flash-attn still gets the Triton backend and its CUDA graphs at any
+    block size (the tests above check what they compute)."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    llm = LLM(
+        str(gpu_model),
+        device="cuda",
+        dtype="bfloat16",
+        block_size=block_size,
+        num_kv_blocks=4096 // block_size,
+        max_num_seqs=8,
+        progress=False,
     )
-    assert [o.token_ids for o in with_graphs] == [o.token_ids for o in eager]
+    assert llm.runner.model.layers[0].self_attn.backend.name == "triton"
+    assert llm.runner.model.layers[0].self_attn.backend.flash is None
+    assert llm.runner.graphs is not None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 16

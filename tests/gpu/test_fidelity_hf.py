@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 
 import pytest
 import torch
@@ -30,15 +31,22 @@ def logprob_gap(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor) -> torch
 
 
 @pytest.mark.parametrize("shape", ["0.5B", "1.5B"])
-def test_bf16_fidelity(shape):
+@pytest.mark.parametrize(
+    "block_size", [256, 16], ids=["block256", "block16-no-flash-attn"]
+)  # the default backend: triton, with flash-attn's kernels inside at 256 where installed
+def test_bf16_fidelity(shape, block_size, monkeypatch):
+    if block_size != 256:
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
     llm = LLM(
         random_shape=shape,
         device="cuda",
         dtype="bfloat16",
-        num_kv_blocks=64,
+        block_size=block_size,
+        num_kv_blocks=64 * 256 // block_size,
         max_num_seqs=8,
         progress=False,
     )
+    assert llm.runner.model.layers[0].self_attn.backend.name == "triton"
     hf = hf_model_from(llm)
     failures = []
     for p, prompt in enumerate(_prompts(4, seed=1)):

@@ -112,7 +112,9 @@ def test_params_count_mismatch_is_refused(llm, n_params):
 
 def test_a_bad_prompt_leaves_no_request_behind(llm, greedy_outputs):
     vocab = llm.config.vocab_size
-    with pytest.raises(ValueError, match=rf"token id {vocab} is out of range"):
+    with pytest.raises(
+        ValueError, match=rf"holds the token id {vocab}: allowed .* 0\.\.{vocab - 1}$"
+    ):
         llm.generate(["Hello world", [1, vocab]], GREEDY)
     assert_idle(llm)
     out = llm.generate("Hello world", GREEDY)[0]
@@ -127,6 +129,7 @@ def test_text_is_the_decoded_output_and_length_finishes(llm, greedy_outputs):
         assert len(out.token_ids) == GREEDY.max_tokens
         assert out.text == decode(llm, out.token_ids)
         assert out.finish_reason == "length"
+        assert out.stop_reason is None  # as vLLM: None when max_tokens ends a request
         assert out.metrics["latency_s"] >= out.metrics["ttft_s"] > 0
 
 
@@ -137,6 +140,7 @@ def test_stop_token_ids_end_the_request(llm, greedy_outputs):
     out = llm.generate("def fib(n):", params)[0]
     assert out.token_ids == ids[: k + 1]  # the stop token is kept in token_ids
     assert out.finish_reason == "stop"
+    assert out.stop_reason == ids[k]  # which stop token, as vLLM reports it
     assert out.text == decode(llm, ids[: k + 1])
     # min_tokens past it: the token is banned and the request runs on.
     params = SamplingParams(
@@ -158,6 +162,7 @@ def test_eos_ends_the_request_unless_ignored(llm, greedy_outputs, monkeypatch):
     out = llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=16))[0]
     assert out.token_ids == ids[: k + 1]
     assert out.finish_reason == "stop"
+    assert out.stop_reason is None  # EOS, as vLLM reports it
     out = llm.generate("The quick brown fox", GREEDY)[0]  # ignore_eos
     assert out.token_ids == ids and out.finish_reason == "length"
     assert_idle(llm)
@@ -173,6 +178,28 @@ def test_stop_string_trims_the_text_and_ends_generation(llm, greedy_outputs):
         assert out.text == full[:k], prompt
         assert out.token_ids == ids[:n], prompt
         assert out.finish_reason == "stop" or n == len(ids)
+        if out.finish_reason == "stop":
+            assert out.stop_reason == stop, prompt  # which stop string
+
+
+def test_the_context_length_ends_a_request_by_length(tiny_model, greedy_outputs):
+    """max_model_len cuts an answer before max_tokens: finish_reason "length", stop_reason
+    None (as vLLM), and fewer tokens than max_tokens, which tells the two apart."""
+    llm = LLM(str(tiny_model[0]), num_kv_blocks=8, block_size=16, max_model_len=12, progress=False)
+    prompt = llm.encode("The quick brown fox")
+    out = llm.generate([prompt], GREEDY)[0]
+    assert len(prompt) + len(out.token_ids) == 12 < len(prompt) + GREEDY.max_tokens
+    assert out.token_ids == greedy_outputs["The quick brown fox"][0][: 12 - len(prompt)]
+    assert (out.finish_reason, out.stop_reason) == ("length", None)
+
+
+def test_stream_reports_the_stop_reason_on_the_last_chunk(llm, greedy_outputs):
+    ids = greedy_outputs["def fib(n):"][0]
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[ids[k]])
+    chunks = list(llm.stream("def fib(n):", params))
+    assert [c.stop_reason for c in chunks] == [None] * (len(chunks) - 1) + [ids[k]]
+    assert chunks[-1].finished and chunks[-1].finish_reason == "stop"
 
 
 def test_stop_string_is_ignored_until_min_tokens(llm, greedy_outputs):

@@ -17,7 +17,7 @@ from transformers.generation import (
 )
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.sampler import Sampler
+from nanoqwen.runtime.sampling.reference import ReferenceSampler as Sampler
 from nanoqwen.runtime.sequence import Sequence
 
 VOCAB = 64

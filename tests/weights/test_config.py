@@ -69,8 +69,7 @@ def test_classic_config_matches_hf():
     assert cfg.rms_norm_eps == 1e-6
     assert cfg.max_position_embeddings == 32768
     assert cfg.tie_word_embeddings is True
-    assert cfg.torch_dtype == "bfloat16"
-    assert cfg.bos_token_id == 151643 and cfg.eos_token_id == (151645,)
+    assert cfg.eos_token_id == (151645,)
     assert (cfg.q_size, cfg.kv_size) == (896, 128)
 
 
@@ -93,7 +92,6 @@ def test_transformers5_written_config(tiny_model):
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"] == 10000.0
     assert cfg.head_dim == hf.head_dim == 16
     assert cfg.vocab_size == 512 and cfg.tie_word_embeddings
-    assert cfg.torch_dtype == "float32"
     assert cfg.eos_token_id == (hf.eos_token_id,)
 
 
@@ -160,10 +158,50 @@ def test_num_key_value_heads_defaults_to_heads():
             "num_key_value_heads=4 must divide num_attention_heads=14",
         ),
         (dict(hidden_size=...), "config.json lacks the field 'hidden_size'"),
+        # Types and ranges: each was a traceback or a silently wrong model before.
+        (
+            dict(num_attention_heads=0),
+            "num_attention_heads=0 is out of range: allowed an integer >= 1",
+        ),
+        (dict(vocab_size=-1), "vocab_size=-1 is out of range: allowed an integer >= 1"),
+        (dict(vocab_size=1.5), "vocab_size=1.5 is not an integer: allowed an integer >= 1"),
+        (dict(hidden_size="896"), "hidden_size='896' is not an integer: allowed an integer >= 1"),
+        (dict(num_hidden_layers=True), "num_hidden_layers=True is not an integer"),
+        (
+            dict(num_attention_heads=1000),
+            "num_attention_heads=1000 exceeds hidden_size: allowed at most 896",
+        ),
+        (dict(head_dim=63), "head_dim=63 is odd: allowed an even head_dim"),
+        (dict(num_key_value_heads=0), "num_key_value_heads=0 is out of range"),
+        (dict(rms_norm_eps=0), "rms_norm_eps=0 is out of range: allowed a number > 0"),
+        (dict(rope_theta="big"), "rope_theta='big' is not a number: allowed a number > 0"),
+        (dict(max_position_embeddings=1), "max_position_embeddings=1 is out of range"),
+        (dict(tie_word_embeddings="yes"), "tie_word_embeddings='yes' is not a bool"),
+        (dict(eos_token_id=-1), "eos_token_id=-1 is invalid: allowed a token id in 0..151935"),
+        (dict(eos_token_id=[1, 200000]), "eos_token_id=[1, 200000] is invalid"),
+        (dict(rope_scaling="linear"), "rope_scaling='linear' is not an object"),
+        (dict(architectures="Qwen2ForCausalLM"), "architectures='Qwen2ForCausalLM' is not a list"),
     ],
 )
-def test_refusals_name_the_field(changes, expected):
-    assert refusal(config(**changes)) == expected
+def test_refusals_name_the_file_and_field(changes, expected):
+    message = refusal(config(**changes))
+    assert message.startswith("config.json: " if "lacks" not in expected else "config.json")
+    assert expected in message, message
+
+
+def test_a_config_that_is_not_an_object_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_file(path)
+    assert str(info.value) == f"{path} holds a list: allowed a JSON object"
+
+
+def test_a_config_that_is_not_utf8_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ConfigError, match=rf"^{path} is not UTF-8 text \(byte 0xff at offset 7\)$"):
+        ModelConfig.from_file(path)
 
 
 def test_model_type_alone_is_accepted():
@@ -178,7 +216,7 @@ def test_default_rope_scaling_is_accepted():
 def test_invalid_json_names_the_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text("{not json")
-    with pytest.raises(ConfigError, match=rf"^{path} is not valid JSON"):
+    with pytest.raises(ConfigError, match=rf"^{path} is not valid JSON \(.* at line 1 column 2\)$"):
         ModelConfig.from_file(path)
 
 

@@ -167,6 +167,61 @@ def test_no_weights_at_all(tiny_model, tmp_path):
         load(out)
 
 
+# ---- unreadable files: one line naming the file ------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncated", "empty", "zero-filled", "garbage header"])
+def test_a_damaged_safetensors_file_is_named(tiny_model, tmp_path, damage):
+    out = copy_checkpoint(tiny_model[0], tmp_path / "ckpt")
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(
+        {
+            "truncated": data[: len(data) - 100],
+            "empty": b"",
+            "zero-filled": bytes(len(data)),
+            "garbage header": data[:8] + b"{not json" + data[17:],
+        }[damage]
+    )
+    with pytest.raises(LoadError) as info:
+        load(out)
+    message = str(info.value)
+    assert message.startswith(f"{weights} is not a readable safetensors file (")
+    assert message.endswith("allowed a complete safetensors file, as save_pretrained writes it")
+    assert "\n" not in message
+
+
+def test_a_tensor_of_integers_is_refused(tiny_model, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def to_int(tensors):
+        tensors[name] = tensors[name].to(torch.int32)
+
+    out = copy_checkpoint(tiny_model[0], tmp_path / "ckpt", to_int)
+    with pytest.raises(LoadError) as info:
+        load(out)
+    assert str(info.value) == (
+        f"tensor {name} in model.safetensors has dtype I32: allowed F32, F16, BF16"
+    )
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ("{not json", "is not valid JSON (Expecting property name"),
+        ("[]", "holds a list: allowed a JSON object"),
+        ("{}", 'has no "weight_map" object naming the shards'),
+        ('{"weight_map": {"a": 3}}', 'the "weight_map" values must be shard file names'),
+    ],
+)
+def test_a_bad_shard_index_is_named(untied, tmp_path, index, message):
+    out = tmp_path / "sharded"
+    split_into_shards(untied[0], out, 2)
+    (out / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(LoadError) as info:
+        load(out)
+    assert str(info.value).startswith(str(out / "model.safetensors.index.json"))
+    assert message in str(info.value)
+
+
 # ---- errors that name the tensor ---------------------------------------------------------------
 @pytest.mark.parametrize(
     "name",

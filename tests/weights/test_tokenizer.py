@@ -12,7 +12,7 @@ from conftest import build_tokenizer
 from tokenizers import Regex, normalizers, pre_tokenizers
 from transformers import AutoTokenizer
 
-from nanoqwen import LLM
+from nanoqwen import LLM, InvalidInputError
 from nanoqwen.weights.tokenizer import Tokenizer
 
 # Qwen2.5's pre-tokenizer, as its tokenizer.json has it (transformers 5's Qwen2Tokenizer
@@ -157,13 +157,19 @@ def test_encode_and_decode_equal_hf(qwen_dir):
     assert ours.vocab_size == len(hf)
 
 
-def test_encode_of_the_tiny_fixture_tokenizer_equals_tokenizers(tiny_model):
-    from tokenizers import Tokenizer as HFTokenizer
-
-    raw = HFTokenizer.from_file(str(tiny_model[0] / "tokenizer.json"))
-    ours = Tokenizer(tiny_model[0])
-    for text in TEXTS:
-        assert ours.encode(text) == raw.encode(text).ids
+def test_special_tokens_are_single_ids_and_skipped_when_decoding(tiny_model):
+    """The wrapper's own choices: special tokens in text become their ids, decode drops them
+    by default (as HF's skip_special_tokens=True) and keeps them when asked."""
+    tok = Tokenizer(tiny_model[0])
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    ids = tok.encode("<|im_start|>user\nHello world<|im_end|>")
+    assert ids[0] == im_start and ids[-1] == im_end
+    assert im_start not in ids[1:-1] and im_end not in ids[1:-1]
+    assert tok.decode(ids) == "user\nHello world"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHello world<|im_end|>"
+    for text in TEXTS[:5]:  # byte-level BPE without a normalizer: an exact round trip
+        assert tok.decode(tok.encode(text)) == text, text
+    assert tok.vocab_size == 400
 
 
 # ---- chat template -----------------------------------------------------------------------------
@@ -309,3 +315,62 @@ def test_missing_tokenizer_json_is_named(tiny_model, tmp_path):
     shutil.copytree(tiny_model[0], path, ignore=shutil.ignore_patterns("tokenizer.json"))
     with pytest.raises(FileNotFoundError, match=rf"{path} has no tokenizer.json"):
         Tokenizer(path)
+
+
+# ---- files that cannot be read: one line naming the file ----------------------------------------
+def test_an_invalid_tokenizer_json_is_named(tiny_model, tmp_path):
+    path = write_tokenizer_dir(tiny_model[0], tmp_path / "bad")
+    (path / "tokenizer.json").write_text('{"version": "1.0", "model": 3}')
+    with pytest.raises(InvalidInputError) as info:
+        Tokenizer(path)
+    message = str(info.value)
+    assert message.startswith(f"{path / 'tokenizer.json'} is not a tokenizer the tokenizers ")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        # "Expecting value: line 1 column 1" named no file before
+        ("tokenizer_config.json", "", "is not valid JSON (Expecting value at line 1 column 1)"),
+        ("generation_config.json", "{", "is not valid JSON (Expecting property name"),
+        ("generation_config.json", "[5]", "holds a list: allowed a JSON object"),
+        ("tokenizer_config.json", b"\xff", "is not UTF-8 text (byte 0xff at offset 0)"),
+        ("chat_template.jinja", "{% for %}", "holds an invalid chat template (line 1: "),
+        ("chat_template.jinja", b"\xfe{{x}}", "is not UTF-8 text (byte 0xfe at offset 0)"),
+    ],
+)
+def test_unreadable_tokenizer_files_are_named(tiny_model, tmp_path, name, content, expected):
+    path = write_tokenizer_dir(tiny_model[0], tmp_path / "bad")
+    data = content if isinstance(content, bytes) else content.encode()
+    (path / name).write_bytes(data)
+    with pytest.raises(InvalidInputError) as info:
+        Tokenizer(path)
+    assert str(info.value).startswith(f"{path / name} {expected}"), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"eos_token": 5}, "tokenizer_config.json: eos_token=5 is not a token"),
+        ({"chat_template": 7}, "tokenizer_config.json: chat_template=7 is not a string"),
+        ({"chat_template": [{"name": 1}]}, "tokenizer_config.json: chat_template=[{'name': 1}]"),
+        ({"chat_template": "{% if %}"}, "tokenizer_config.json holds an invalid chat template"),
+    ],
+)
+def test_bad_tokenizer_config_entries_are_named(tiny_model, tmp_path, config, expected):
+    path = write_tokenizer_dir(tiny_model[0], tmp_path / "bad", **config)
+    with pytest.raises(InvalidInputError) as info:
+        Tokenizer(path)
+    assert expected in str(info.value)
+
+
+def test_a_bad_eos_token_id_in_generation_config_is_named(tiny_model, tmp_path):
+    path = write_tokenizer_dir(tiny_model[0], tmp_path / "bad")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, -1]}))
+    with pytest.raises(InvalidInputError) as info:
+        Tokenizer(path)
+    assert str(info.value) == (
+        f"{path / 'generation_config.json'}: eos_token_id=[2, -1] holds -1: "
+        "allowed a list of token ids >= 0"
+    )

@@ -7,6 +7,7 @@ import torch
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
+from nanoqwen.validation import choice, invalid
 
 BACKENDS = ("auto", "triton", "flash-attn", "torch")
 
@@ -16,11 +17,13 @@ __all__ = [
     "AttentionMetadata",
     "create_backend",
     "flash_attn_problem",
+    "triton_problem",
 ]
 
 
-def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int):
-    """Why flash-attn cannot serve this setup, or None when it can."""
+def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the Triton kernels cannot serve this setup, or None when they can (any block
+    size: they look keys up block by block)."""
     if device.type != "cuda":
         return "it needs a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -28,7 +31,19 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, 
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "it needs an Ampere or newer GPU"
     if head_dim not in (64, 128):
-        return f"head_dim {head_dim} is not built into the flash-attn wheel (64, 128)"
+        return f"head_dim {head_dim} is not supported (64, 128)"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton does not import ({e})"
+    return None
+
+
+def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int):
+    """Why flash-attn cannot serve this setup, or None when it can."""
+    problem = triton_problem(device, dtype, head_dim)  # its prefill needs the RoPE kernel
+    if problem:
+        return problem
     if block_size % 256:
         return f"block_size {block_size} is not a multiple of 256"
     try:
@@ -47,19 +62,23 @@ def create_backend(
     head_dim: int,
     block_size: int,
 ) -> AttentionBackend:
-    """auto: the Triton decode backend where flash-attn works (it prefills with flash-attn),
-    else torch."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend={name!r} is unknown: allowed {', '.join(BACKENDS)}")
-    problem = flash_attn_problem(device, dtype, head_dim, block_size)
+    """auto: the Triton backend on any CUDA GPU with float16/bfloat16 (with flash-attn's
+    kernels inside where flash-attn imports and fits), else torch."""
+    choice("attention_backend", name, BACKENDS)
+    problem = (
+        flash_attn_problem(device, dtype, head_dim, block_size)
+        if name == "flash-attn"
+        else triton_problem(device, dtype, head_dim)
+    )
     if name in ("flash-attn", "triton") and problem:
-        raise ValueError(f"attention_backend={name!r} is unavailable: {problem}")
+        raise invalid("attention_backend", name, f"is unavailable ({problem})", "auto or torch")
     if name == "torch" or problem:
         return TorchAttention(rotary, scale)
     if name == "flash-attn":
         from nanoqwen.runtime.attention.flash_backend import FlashAttention
 
         return FlashAttention(rotary, scale)
-    from nanoqwen.runtime.attention.triton_backend import TritonDecodeAttention
+    from nanoqwen.runtime.attention.triton_backend import TritonAttention
 
-    return TritonDecodeAttention(rotary, scale)
+    use_flash = flash_attn_problem(device, dtype, head_dim, block_size) is None
+    return TritonAttention(rotary, scale, use_flash_attn=use_flash)

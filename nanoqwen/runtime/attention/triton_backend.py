@@ -1,11 +1,16 @@
-"""flash-attn, with a Triton kernel for decode at small batch (kernels/decode_attention.py).
+"""Triton attention over the paged cache, at any block size, with flash-attn where it helps.
 
-flash-attn's decode runs one thread block per (sequence, KV head), so below ~128 of those
-most of the GPU idles while each block walks its whole context. The Triton kernel spreads
-the context over up to 16 programs per KV head and also rotates and stores the new K/V in
-the same launch: ~4-6 µs per layer against flash-attn's ~12 at batch 1 (BENCHMARKS.md).
-From 128 (sequence, KV head) pairs up, one block per pair fills the GPU and flash-attn's
-decode is as fast or up to 1.2x faster; prefill is always flash-attn's.
+Prefill: rope_and_store (kernels/rope.py) rotates q and writes the rotated K and V to their
+slots, then the paged prefill kernel (kernels/prefill_attention.py) attends over the cache,
+which holds the cached context too. Decode: one launch of kernels/decode_attention.py rotates
+q and the new key, writes the new K/V and attends, the context split over up to 16 programs
+per KV head; from 128 (sequence, KV head) pairs up it runs one program per pair.
+
+flash-attn is optional. Where it imports and fits (block size a multiple of 256), decode
+batches from 128 (sequence, KV head) pairs up go to flash_attn_with_kvcache, up to 1.2x
+faster there (BENCHMARKS.md); below that the Triton kernel is 1.8-4.5x faster.
+PREFILL_WITH_FLASH_ATTN says whether prefill takes flash_attn_varlen_func where it fits;
+tools/prefill_bench.py measures the two prefills side by side.
 """
 
 from __future__ import annotations
@@ -13,25 +18,53 @@ from __future__ import annotations
 import torch
 
 from nanoqwen.kernels.decode_attention import decode_attention
-from nanoqwen.runtime.attention.base import AttentionMetadata
-from nanoqwen.runtime.attention.flash_backend import FlashAttention
+from nanoqwen.kernels.prefill_attention import prefill_attention
+from nanoqwen.kernels.rope import rope_and_store
+from nanoqwen.model.layers import RotaryEmbedding
+from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
 
-TRITON_BELOW = 128  # (sequence, KV head) pairs per decode step
+FLASH_DECODE_FROM = 128  # (sequence, KV head) pairs per decode step
+PREFILL_WITH_FLASH_ATTN = True
 
 
-class TritonDecodeAttention(FlashAttention):
+class TritonAttention:
     name = "triton"
 
+    def __init__(self, rotary: RotaryEmbedding, scale: float, use_flash_attn: bool) -> None:
+        """use_flash_attn: flash-attn imports and fits this setup (flash_attn_problem)."""
+        self.rotary = rotary
+        self.scale = scale
+        self.flash = None
+        if use_flash_attn:
+            from nanoqwen.runtime.attention.flash_backend import FlashAttention
+
+            self.flash = FlashAttention(rotary, scale)
+
     def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
-        # Neither kernel's work depends on the table width here (flash-attn only serves
-        # batches it splits once anyway): one graph per batch size.
+        # The Triton kernels read only the live context, whatever the table width, and
+        # flash-attn serves only batches it gives one split anyway: one graph per batch size.
         return [(max_model_len, 0)]
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.is_prefill or qkv.shape[0] * k_cache.shape[2] >= TRITON_BELOW:
-            return super().forward(qkv, k_cache, v_cache, meta)
+        if meta.is_prefill:
+            if self.flash is not None and PREFILL_WITH_FLASH_ATTN:
+                return self.flash.forward(qkv, k_cache, v_cache, meta)
+            return self.prefill(qkv, k_cache, v_cache, meta)
+        if self.flash is not None and qkv.shape[0] * k_cache.shape[2] >= FLASH_DECODE_FROM:
+            return self.flash.forward(qkv, k_cache, v_cache, meta)
         return decode_attention(
             qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
             self.rotary.cos_half, self.rotary.sin_half, k_cache, v_cache, self.scale,
             num_splits=meta.num_splits,
+        )  # fmt: skip
+
+    def prefill(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, _ = split_qkv(qkv, k_cache)
+        rope_and_store(
+            q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
+            meta.slot_mapping, k_cache, v_cache,
+        )  # fmt: skip
+        return prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+            meta.max_seqlen_q, self.scale,
         )  # fmt: skip

@@ -1,4 +1,12 @@
-"""Batched token selection: penalties, temperature, top-k/top-p/min-p, seeded sampling."""
+"""The reference sampler: the straightforward batched implementation (full sorts, Python
+lists), kept as the specification the device-resident Sampler is tested against.
+
+Semantics: penalties (repetition over prompt and output tokens as HF, presence and
+frequency over output tokens as vLLM), min_tokens bans, then temperature, top-k, top-p and
+min-p in HF's warper order. Ties at a filter's boundary are all kept: top-k keeps every token
+as likely as the k-th (HF's TopKLogitsWarper), top-p every token as likely as the last one
+the sorted cumulative rule keeps.
+"""
 
 from __future__ import annotations
 
@@ -57,17 +65,18 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     """Applies top-k, then top-p, then min-p (HF's warper order); masked entries become -inf."""
     vocab = logits.shape[1]
     if any(k != -1 and k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        k = _column([vocab if k == -1 else k for k in top_k], logits, torch.int64)
-        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        sorted_logits, _ = logits.sort(dim=-1, descending=True)
+        k = _column([vocab if k == -1 else min(k, vocab) for k in top_k], logits, torch.int64)
+        kth = sorted_logits.gather(1, k - 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep a token while the mass before it is below top_p; the first always stays.
         # Rows with top_p 1 keep everything, even where rounding lifts the cumsum past 1.
         before = probs.cumsum(dim=-1) - probs
         limit = _column([p if p < 1.0 else float("inf") for p in top_p], logits)
-        sorted_logits = sorted_logits.masked_fill(before >= limit, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        kept = (before < limit).sum(dim=-1, keepdim=True).clamp(min=1)
+        threshold = torch.maximum(kth, sorted_logits.gather(1, kept - 1))
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
     if any(p > 0.0 for p in min_p):
         probs = logits.softmax(dim=-1)
         threshold = _column(min_p, logits) * probs.amax(dim=-1, keepdim=True)
@@ -75,21 +84,24 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     return logits
 
 
-def exponential_noise(seqs: list[Sequence], shape, device) -> torch.Tensor:
+def exponential_noise(
+    seqs: list[Sequence], shape, device, generators: dict[int, torch.Generator]
+) -> torch.Tensor:
     """One Exp(1) draw per vocabulary entry; seeded rows use their own generator, so their
     draws do not depend on what else is in the batch."""
     noise = torch.empty(shape, device=device).exponential_()
     for i, seq in enumerate(seqs):
         if seq.params.seed is not None:
-            if seq.generator is None:
-                seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
-            noise[i].exponential_(generator=seq.generator)
+            if seq.seq_id not in generators:
+                generators[seq.seq_id] = torch.Generator(device=device).manual_seed(seq.params.seed)
+            noise[i].exponential_(generator=generators[seq.seq_id])
     return noise
 
 
-class Sampler:
+class ReferenceSampler:
     def __init__(self, eos_token_ids: frozenset[int]) -> None:
         self.eos_token_ids = eos_token_ids
+        self.generators: dict[int, torch.Generator] = {}
 
     def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Penalties and min_tokens bans applied: greedy rows take the argmax of these."""
@@ -122,6 +134,8 @@ class Sampler:
             return greedy
         probs = self.probabilities(logits, seqs)
         # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
-        sampled = (probs / exponential_noise(seqs, probs.shape, probs.device)).argmax(dim=-1)
+        sampled = (
+            probs / exponential_noise(seqs, probs.shape, probs.device, self.generators)
+        ).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled)

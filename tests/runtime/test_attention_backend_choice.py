@@ -1,0 +1,80 @@
+"""Which attention backend each setup gets (create_backend), without a GPU: the CUDA checks
+are answered by monkeypatching, and no kernel runs."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from nanoqwen.model.layers import RotaryEmbedding
+from nanoqwen.runtime.attention import create_backend
+
+pytest.importorskip("triton")
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """torch reports an sm90 GPU; `import flash_attn` fails unless a test installs a fake."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_varlen_func = module.flash_attn_with_kvcache = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
+def _backend(name, device=CUDA, dtype=torch.bfloat16, head_dim=64, block_size=256):
+    rotary = RotaryEmbedding(head_dim, 16, 1e6, "cpu")
+    return create_backend(name, rotary, head_dim**-0.5, device, dtype, head_dim, block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("name", ["auto", "triton"])
+def test_triton_serves_any_block_size_without_flash_attn(hopper, name, block_size):
+    backend = _backend(name, block_size=block_size)
+    assert backend.name == "triton" and backend.flash is None
+    assert backend.graph_variants(4096) == [(4096, 0)]
+
+
+def test_triton_uses_flash_attn_only_where_it_fits(hopper, fake_flash_attn):
+    assert _backend("triton", block_size=256).flash is not None
+    assert _backend("triton", block_size=512).flash is not None
+    assert _backend("auto", block_size=64).flash is None
+    assert _backend("flash-attn", block_size=256).name == "flash-attn"
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "problem"),
+    [
+        ("flash-attn", {"block_size": 16}, "block_size 16 is not a multiple of 256"),
+        ("flash-attn", {}, "flash_attn does not import"),
+        ("triton", {"dtype": torch.float32}, "it needs float16 or bfloat16, not float32"),
+        ("triton", {"head_dim": 96}, "head_dim 96 is not supported (64, 128)"),
+        ("triton", {"device": torch.device("cpu")}, "it needs a CUDA device"),
+    ],
+)
+def test_unavailable_backends_say_why(hopper, name, kwargs, problem):
+    with pytest.raises(ValueError, match=f"attention_backend='{name}' is unavailable: ") as e:
+        _backend(name, **kwargs)
+    assert problem in str(e.value)
+
+
+def test_flash_attn_needs_blocks_of_256(hopper, fake_flash_attn):
+    with pytest.raises(ValueError, match="block_size 16 is not a multiple of 256"):
+        _backend("flash-attn", block_size=16)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"dtype": torch.float32}, {"head_dim": 96}, {"device": torch.device("cpu")}],
+    ids=["float32", "head_dim-96", "cpu"],
+)
+def test_auto_falls_back_to_torch(hopper, kwargs):
+    assert _backend("auto", **kwargs).name == "torch"

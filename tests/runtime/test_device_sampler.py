@@ -1,0 +1,222 @@
+"""The device-resident Sampler against the reference sampler: filtered sets (ties included),
+sampled frequencies (chi-square), penalties and bans, and its torch and Triton passes against
+each other (Triton in its CPU interpreter, see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoqwen import SamplingParams
+from nanoqwen.runtime.sampling import sampler as sampler_module
+from nanoqwen.runtime.sampling.passes import TorchPasses, TritonPasses
+from nanoqwen.runtime.sampling.reference import ReferenceSampler, filter_logits
+from nanoqwen.runtime.sampling.sampler import Sampler
+from nanoqwen.runtime.sequence import Sequence
+
+EOS = 3
+
+
+def make_seq(prompt, output=(), **params) -> Sequence:
+    params.setdefault("max_tokens", 64)
+    s = Sequence(list(prompt), SamplingParams(**params))
+    s.token_ids.extend(output)
+    return s
+
+
+def make_sampler(seqs, vocab, passes="torch", capacity=None) -> tuple[Sampler, torch.Tensor]:
+    sampler = Sampler(frozenset({EOS}), vocab, capacity or len(seqs), torch.device("cpu"))
+    if passes == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the Triton interpreter runs on CPU machines; tests/gpu covers CUDA")
+        sampler.passes = TritonPasses()
+    else:
+        sampler.passes = TorchPasses()
+    sampler.admit(seqs)
+    return sampler, torch.tensor(sampler.slots(seqs))
+
+
+def tied_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits on a coarse grid, so that many tokens tie, boundaries included."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-12, 12, (rows, vocab), generator=g).float() / 4
+
+
+FILTERS = [
+    dict(top_k=1),
+    dict(top_k=5),
+    dict(top_k=40),
+    dict(top_p=0.3),
+    dict(top_p=0.8),
+    dict(top_p=0.999),
+    dict(min_p=0.2),
+    dict(top_k=20, top_p=0.8),
+    dict(top_k=8, top_p=0.5, min_p=0.3),
+    dict(top_p=0.7, min_p=0.05),
+    dict(temperature=0.4, top_k=30, top_p=0.95),
+    dict(temperature=2.0, top_p=0.6),
+    dict(),
+]
+
+
+@pytest.mark.parametrize("passes", ["torch", "triton"])
+@pytest.mark.parametrize("candidates", [256, 4])  # 4: every boundary past the candidates
+def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candidates):
+    monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    vocab = 300
+    params = [dict(temperature=1.0) | f for f in FILTERS]
+    seqs = [make_seq([1, 2], **p) for p in params]
+    sampler, slots = make_sampler(seqs, vocab, passes)
+    for seed in range(3 if passes == "torch" else 1):
+        logits = tied_logits(len(seqs), vocab, seed)
+        ours = sampler.filtered_logits(logits, slots)
+        temps = torch.tensor([[p["temperature"]] for p in params])
+        ref = filter_logits(
+            logits / temps,
+            [s.params.top_k for s in seqs],
+            [s.params.top_p for s in seqs],
+            [s.params.min_p for s in seqs],
+        )
+        for row, p in enumerate(params):
+            kept, ref_kept = torch.isfinite(ours[row]), torch.isfinite(ref[row])
+            assert torch.equal(kept, ref_kept), f"{p}: {int(kept.sum())} vs {int(ref_kept.sum())}"
+        torch.testing.assert_close(ours[torch.isfinite(ours)], ref[torch.isfinite(ref)])
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([[5.0, 4.0, 4.0, 4.0, 1.0, 0.0]])
+    sampler, slots = make_sampler([make_seq([1], top_k=2)], 6)
+    kept = torch.isfinite(sampler.filtered_logits(logits, slots))[0]
+    assert kept.tolist() == [True, True, True, True, False, False]
+
+
+def test_top_p_one_leaves_the_row_untouched():
+    logits = torch.randn(1, 50) * 30  # one token holds nearly all the mass
+    sampler, slots = make_sampler([make_seq([1], top_p=1.0, top_k=-1)], 50)
+    assert torch.isfinite(sampler.filtered_logits(logits, slots)).all()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token the filters removed"
+    expected = probs[support] * n
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    if dof == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))
+
+
+DISTRIBUTIONS = [
+    dict(temperature=1.0),
+    dict(temperature=0.6),
+    dict(temperature=1.3, top_k=6),
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=0.8, min_p=0.15),
+    dict(temperature=0.7, top_k=20, top_p=0.8),
+    dict(temperature=1.5, top_k=10, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("params", DISTRIBUTIONS, ids=lambda p: ",".join(map(str, p.values())))
+def test_sampled_frequencies_match_the_reference_distribution(params):
+    """20,000 draws: 500 requests with their own seeds, 40 steps each over fixed logits."""
+    vocab, requests, steps = 24, 500, 40
+    g = torch.Generator().manual_seed(7)
+    row = torch.randn(vocab, generator=g) * 1.5
+    seqs = [make_seq([1], seed=1000 + i, **params) for i in range(requests)]
+    sampler, slots = make_sampler(seqs, vocab)
+    logits = row.expand(requests, vocab).contiguous()
+    counts = torch.zeros(vocab)
+    for _ in range(steps):
+        tokens = sampler(logits, slots, sampler.filtering)
+        counts += torch.bincount(tokens, minlength=vocab).float()
+    probs = ReferenceSampler.probabilities(row[None].clone(), seqs[:1])[0].double()
+    assert chi_square_p(counts.double(), probs) > 0.001
+
+
+def test_torch_and_triton_passes_sample_the_same_tokens():
+    """Same state, same logits: the same processed logits and the same draws, for a batch
+    that mixes every option (the counter-based noise is bit-identical in both)."""
+    vocab = 3000
+    mixed = [
+        dict(temperature=0),
+        dict(temperature=0, repetition_penalty=1.3),
+        dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+        dict(temperature=1.0, top_p=0.9),
+        dict(temperature=0.6, seed=3),
+        dict(temperature=1.0, min_p=0.1, min_tokens=3, presence_penalty=0.5),
+        dict(temperature=0.9, top_k=300, frequency_penalty=1.0),
+    ]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(mixed), vocab, generator=g) * 3
+    logits[:, EOS] = 20  # EOS would win but for min_tokens
+    tokens = {}
+    for passes in ("torch", "triton"):
+        seqs = []
+        for i, p in enumerate(mixed):
+            prompt = torch.randint(0, vocab, (10 + i,), generator=torch.Generator().manual_seed(i))
+            seqs.append(make_seq(prompt.tolist(), output=[5, 5][:i], **p))
+            seqs[-1].sampling_seed = 100 + i
+        sampler, slots = make_sampler(seqs, vocab, passes)
+        tokens[passes] = [sampler(logits, slots, True).tolist() for _ in range(3)]
+    assert tokens["torch"] == tokens["triton"]
+    # min_tokens=3 with two outputs: one more step may not pick EOS, the next one does.
+    assert tokens["torch"][0][5] != EOS and tokens["torch"][1][5] == EOS
+
+
+def test_penalties_and_bans_equal_the_reference():
+    vocab = 64
+    g = torch.Generator().manual_seed(2)
+    kinds = [
+        dict(),
+        dict(repetition_penalty=1.3),
+        dict(repetition_penalty=0.7),
+        dict(presence_penalty=0.5, frequency_penalty=0.2),
+        dict(presence_penalty=-1.0, frequency_penalty=1.5, repetition_penalty=1.2),
+        dict(min_tokens=4, stop_token_ids=[7, 100]),
+    ]
+    seqs = []
+    for i, kw in enumerate(kinds):
+        prompt = torch.randint(0, vocab, (5 + i,), generator=g).tolist()
+        output = torch.randint(0, vocab // 4, (2 * i,), generator=g).tolist() + prompt[:2]
+        seqs.append(make_seq(prompt, output, temperature=0, **kw))
+    sampler, slots = make_sampler(seqs, vocab)
+    logits = torch.randn(len(seqs), vocab, generator=g) * 3
+    out = sampler.passes.prepare(logits, slots, sampler.state, write_z=True, sample=False)
+    ref = ReferenceSampler(frozenset({EOS})).processed_logits(logits.clone(), seqs)
+    assert torch.equal(out.z, ref)
+    assert out.greedy.tolist() == ref.argmax(-1).tolist()
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 100, generator=g) * 4
+    tokens = torch.tensor([0, 17, 99, 50])
+    lp, rank, top_lp, top_ids = Sampler.logprobs(logits, tokens, 5)
+    ref = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(lp, ref.gather(1, tokens[:, None]).squeeze(1), rtol=0, atol=1e-5)
+    order = ref.argsort(dim=-1, descending=True)
+    assert top_ids.tolist() == order[:, :5].tolist()
+    torch.testing.assert_close(top_lp, ref.gather(1, order[:, :5]), rtol=0, atol=1e-5)
+    expected_rank = [(order[r] == t).nonzero().item() + 1 for r, t in enumerate(tokens.tolist())]
+    assert rank.tolist() == expected_rank
+
+
+def test_slots_are_reused_and_state_reset():
+    vocab = 32
+    first = make_seq([4, 4, 4], temperature=0, repetition_penalty=2.0)
+    sampler, slots = make_sampler([first], vocab, capacity=1)
+    sampler(torch.zeros(1, vocab), slots, False)
+    sampler.release(first)
+    second = make_seq([9], temperature=0, repetition_penalty=2.0)
+    sampler.admit([second])
+    assert sampler.slots([second]) == slots.tolist()  # the one slot, handed on
+    state = sampler.state
+    slot = slots.item()
+    assert state.prompt_mask[slot].nonzero().flatten().tolist() == [9]
+    assert state.counts[slot].sum().item() == 0 and state.out_pos[slot].item() == 0
+    with pytest.raises(RuntimeError, match="no sampling slot"):
+        sampler.admit([make_seq([1])])
