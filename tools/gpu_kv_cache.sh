@@ -16,7 +16,7 @@ bench() {  # name, then bench flags
     --json "$OUT/kv_${shape}_${name}.json" "$@" 2>&1 | grep -v $'\r' | tee "$OUT/kv_${shape}_${name}.log"
 }
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest tests/gpu/test_swap_gpu.py -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/kv_tests.log"
+  python3 -m pytest tests/gpu/test_swap_gpu.py tests/gpu/test_prefix_cache_gpu.py -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/kv_tests.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   # 1. 256 requests of ~1,124 tokens (prompt and output uniform in [100, 1024]) need ~288k
