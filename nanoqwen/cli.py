@@ -96,6 +96,9 @@ def load_llm(args: argparse.Namespace, template: str | None = None) -> LLM:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
         progress=not args.quiet,
     )
     if template is not None:

@@ -110,6 +110,25 @@ def _engine_flags() -> argparse.ArgumentParser:
         help="GPU: fraction of the GPU's memory for weights, activations and KV cache",
     )
     g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute every prompt instead of reusing cached KV blocks of earlier prompts",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        default="swap",
+        choices=["swap", "recompute"],
+        help="when the KV cache runs short: copy a sequence's blocks to host memory and back, "
+        "or drop them and recompute (swap falls back to recompute when the host pool is full)",
+    )
+    g.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        metavar="GIB",
+        help="host memory for swapped-out and evicted cached KV blocks (pinned on CUDA); 0 = none",
+    )
+    g.add_argument(
         "--chat-template",
         metavar="FILE",
         help="a Jinja chat template (a file, or the template text itself) to use instead of "

@@ -87,6 +87,22 @@ def test_generate_streams_what_llm_generate_gives(model, llm):
     assert f"-> {len(expected.token_ids)} tokens in" in r.stderr and "tok/s" in r.stderr
 
 
+def test_kv_cache_flags(model, llm):
+    r = cli(
+        "generate", "--model", model, *GREEDY, "--no-prefix-caching",
+        "--preemption-mode", "recompute", "--swap-space", "0", "--block-size", "4",
+        "--num-kv-blocks", "64", "Hello world",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == as_printed(greedy(llm, chat_ids(llm, "Hello world")).text)
+    assert "host KV pool" not in r.stderr
+    r = cli("generate", "--model", model, *GREEDY, "--swap-space", "0.001", "Hello world")
+    assert r.returncode == 0, r.stderr
+    assert "[nanoqwen] host KV pool:" in r.stderr and "preemption: swap" in r.stderr
+    r = cli("generate", "--model", model, "--preemption-mode", "later", "Hello world")
+    assert r.returncode == 2 and "--preemption-mode" in r.stderr and "'later'" in r.stderr
+
+
 def test_chat_template_applied_unless_no_chat(model, llm):
     chat = cli("generate", "--model", model, *GREEDY, "-q", "The quick brown fox")
     raw = cli("generate", "--model", model, *GREEDY, "-q", "--no-chat", "The quick brown fox")

@@ -168,6 +168,27 @@ def test_preemption_keeps_outputs_identical(gqa_checkpoint):
     assert llm.scheduler.blocks.num_free_blocks == 10
 
 
+def test_prefix_cache_hits_keep_outputs_identical(gqa_checkpoint):
+    """Prompts that share prefixes with earlier ones (and with each other, in one batch)
+    reuse cached blocks and still match HF token for token."""
+    ck = gqa_checkpoint
+    llm = LLM(str(ck.path), block_size=8, num_kv_blocks=128, progress=False)
+    first = llm.generate(ck.prompts, greedy())
+    assert_matches_hf(ck, first)
+    # Each prompt again, then each prompt plus its own answer's first tokens: the second
+    # kind hits blocks registered while the first run decoded.
+    longest = max(ck.prompt_ids, key=len)
+    extended = [ids + out.token_ids[:20] for ids, out in zip(ck.prompt_ids, first)]
+    prompts = ck.prompt_ids + extended + [longest[:k] for k in (9, 33, 64)]
+    before = llm.stats()["prefix_cache_hits"]
+    outputs = llm.generate(prompts, greedy(max_tokens=12))
+    # Every full block but the one holding a prompt's last token is already cached.
+    assert llm.stats()["prefix_cache_hits"] - before == sum((len(p) - 1) // 8 * 8 for p in prompts)
+    for ids, out in zip(prompts, outputs):
+        assert out.token_ids == hf_generate(ck, ids, 12), f"prompt of length {len(ids)}"
+    assert llm.scheduler.blocks.num_free_blocks == 128
+
+
 def test_chunked_prefill_keeps_outputs_identical(gqa_checkpoint):
     # A 24-token budget splits the 100- and 63-token prompts over several steps.
     llm = LLM(

@@ -43,6 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and output lengths")
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="as for generate")
     p.add_argument("--block-size", type=int, default=256, help="KV cache block size (tokens)")
+    p.add_argument("--workload", choices=("random", "prefix"), default="random",
+                   help="throughput mode: random prompts and outputs in [100, 1024], or "
+                   "prompts that share one of --num-prefixes prefixes")  # fmt: skip
+    p.add_argument("--num-prefixes", type=int, default=1, help="prefix workload: shared prefixes")
+    p.add_argument("--prefix-len", type=int, default=2048, help="prefix workload: prefix tokens")
+    p.add_argument("--suffix-len", type=int, default=128, help="prefix workload: own tokens")
+    p.add_argument("--output-len", type=int, default=256, help="prefix workload: new tokens")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized to memory")
+    p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
+    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="swap",
+                   help="as for generate")  # fmt: skip
+    p.add_argument("--swap-space", type=float, default=4.0, help="host KV pool, GiB; 0 = none")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step")
@@ -99,6 +111,10 @@ def check_args(args: argparse.Namespace) -> None:
         ("--num-requests", args.num_requests, 1),
         ("--max-num-seqs", args.max_num_seqs, 1),
         ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+        ("--num-prefixes", args.num_prefixes, 1),
+        ("--prefix-len", args.prefix_len, 0),
+        ("--suffix-len", args.suffix_len, 1),
+        ("--output-len", args.output_len, 1),
     ):
         if value < minimum:
             raise InvalidInputError(f"{flag} {value} is out of range: allowed >= {minimum}")
@@ -235,16 +251,34 @@ def throughput_workload(num_requests: int, seed: int, vocab: int = 10001):
     return prompts, out_lens
 
 
-def throughput_run(llm: LLM, num_requests: int, seed: int, sampling: dict):
-    prompts, out_lens = throughput_workload(num_requests, seed, llm.config.vocab_size)
+def prefix_workload(num_requests: int, seed: int, vocab: int, num_prefixes: int,
+                    prefix_len: int, suffix_len: int, output_len: int):  # fmt: skip
+    """Every request: one of num_prefixes shared prefixes, then suffix_len tokens of its own;
+    requests of one prefix are spread over the run, as a chat service's system prompts are."""
+    rng = random.Random(seed)
+    top = min(10000, vocab - 1)
+    prefixes = [[rng.randint(0, top) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prompts = [
+        prefixes[i % num_prefixes] + [rng.randint(0, top) for _ in range(suffix_len)]
+        for i in range(num_requests)
+    ]
+    return prompts, [output_len] * num_requests
+
+
+def throughput_run(llm: LLM, num_requests: int, seed: int, sampling: dict, workload=None):
+    prompts, out_lens = workload or throughput_workload(num_requests, seed, llm.config.vocab_size)
     params = [SamplingParams(ignore_eos=True, max_tokens=n, **sampling) for n in out_lens]
     llm.generate([[1] * 16], SamplingParams(max_tokens=4))  # warm-up call
     if llm.runner.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     _sync(llm)
+    before = llm.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     total = time.perf_counter() - start
+    after = llm.stats()
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs]
     tpot = [
         (o.metrics["latency_s"] - o.metrics["ttft_s"]) * 1e3 / (len(o.token_ids) - 1)
@@ -261,7 +295,10 @@ def throughput_run(llm: LLM, num_requests: int, seed: int, sampling: dict):
         **{f"ttft_ms_p{q}": pct(ttft, q) for q in (50, 90, 99)},
         **{f"tpot_ms_p{q}": pct(tpot, q) for q in (50, 90, 99)},
         "peak_gpu_mem_gib": peak / 2**30,
-        "preemptions": llm.scheduler.num_preemptions,
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "swaps": after["num_swaps"] - before["num_swaps"],
+        "host_tier_hit_tokens": after["prefix_cache_host_hits"] - before["prefix_cache_host_hits"],
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
 
 
@@ -290,6 +327,10 @@ def run(args) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=util,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
     )
     backend = llm.runner.model.layers[0].self_attn.backend.name
     setup = {
@@ -299,6 +340,10 @@ def run(args) -> int:
         "attention_backend": backend,
         "block_size": args.block_size,
         "cuda_graphs": llm.runner.graphs is not None,
+        "num_kv_blocks": llm.scheduler.blocks.num_blocks,
+        "prefix_caching": not args.no_prefix_caching,
+        "preemption_mode": args.preemption_mode,
+        "swap_space_gib": args.swap_space,
         "weight_gb": weight_bytes(llm) / 1e9,
     }
     print(json.dumps(setup), file=sys.stderr)
@@ -340,10 +385,20 @@ def run(args) -> int:
         results["copy_ceiling_gb_s"] = ceiling
         print(f"(weight-read ceiling: ~{ceiling:,.0f} GB/s, a copy measured on {setup['device']})")
     if args.mode in ("throughput", "all"):
+        workload, title = None, "prompts and outputs uniform in [100, 1024]"
+        if args.workload == "prefix":
+            workload = prefix_workload(
+                args.num_requests, args.seed, llm.config.vocab_size, args.num_prefixes,
+                args.prefix_len, args.suffix_len, args.output_len,
+            )  # fmt: skip
+            title = (
+                f"{args.num_prefixes} shared prefixes of {args.prefix_len} tokens, "
+                f"{args.suffix_len} own tokens, {args.output_len} new"
+            )
         row = throughput_run(
-            llm, args.num_requests, args.seed, preset(args.throughput_sampling, args)
+            llm, args.num_requests, args.seed, preset(args.throughput_sampling, args), workload
         )
-        if hf is not None:
+        if hf is not None and workload is None:
             n = args.hf_num_requests or args.num_requests
             row["hf_output_tok_s"] = hf_throughput(
                 hf, *throughput_workload(n, args.seed, llm.config.vocab_size)
@@ -351,15 +406,18 @@ def run(args) -> int:
             row["x_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         results["throughput"] = row
         _print_table(
-            f"throughput: {args.num_requests} requests, prompts and outputs uniform in [100, 1024],"
-            f" sampling {args.throughput_sampling}",
+            f"throughput: {args.num_requests} requests, {title}, sampling "
+            f"{args.throughput_sampling}",
             [row],
             [
                 ("output tok/s", "output_tok_s", ",.0f"), ("total s", "total_s", ".2f"),
                 ("TTFT p50/p90/p99 ms", "ttft_ms_p50", ".0f"), ("", "ttft_ms_p90", ".0f"),
                 ("", "ttft_ms_p99", ".0f"), ("TPOT p50/p90/p99 ms", "tpot_ms_p50", ".2f"),
                 ("", "tpot_ms_p90", ".2f"), ("", "tpot_ms_p99", ".2f"),
-                ("peak GiB", "peak_gpu_mem_gib", ".1f"), ("HF tok/s", "hf_output_tok_s", ",.0f"),
+                ("peak GiB", "peak_gpu_mem_gib", ".1f"), ("preemptions", "preemptions", "d"),
+                ("swaps", "swaps", "d"), ("host-tier hit tokens", "host_tier_hit_tokens", "d"),
+                ("prefix hit rate", "prefix_cache_hit_rate", ".1%"),
+                ("HF tok/s", "hf_output_tok_s", ",.0f"),
                 ("x HF", "x_hf", ".1f"),
             ],
         )  # fmt: skip

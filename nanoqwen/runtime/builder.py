@@ -12,11 +12,12 @@ from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
 from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.sampling.sampler import Sampler
-from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
-from nanoqwen.validation import check_engine_args, choice, invalid
+from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
+from nanoqwen.validation import boolean, check_engine_args, choice, invalid, number
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.hub import resolve_model
 from nanoqwen.weights.loader import checkpoint_dtype, load_weights
@@ -78,6 +79,9 @@ def build_engine(
     attention_backend: str,
     enforce_eager: bool,
     gpu_memory_utilization: float,
+    enable_prefix_caching: bool,
+    preemption_mode: str,
+    swap_space: float,
     random_shape: str | None,
     progress: bool,
 ) -> EngineParts:
@@ -99,6 +103,10 @@ def build_engine(
         shapes=SHAPES,
         progress=progress,
     )
+    boolean("enable_prefix_caching", enable_prefix_caching)
+    choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+    number("swap_space", swap_space, lambda v: v >= 0, "a number of GiB >= 0")
+    sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
     dev = resolve_device(device)
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
@@ -156,10 +164,17 @@ def build_engine(
             f"{num_kv_blocks * block_size} tokens ({num_kv_blocks * per_block / 2**30:.2f} GiB), "
             f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
         )
-    blocks = BlockManager(num_kv_blocks, block_size)
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks, sampler.release
-    )
+    host = None
+    num_host_blocks = int(swap_space * 2**30) // per_block
+    if num_host_blocks > 0:
+        host = HostKVCache(kv, num_host_blocks)
+        if progress:
+            log(
+                f"host KV pool: {num_host_blocks} blocks ({num_host_blocks * per_block / 2**30:.2f}"
+                f" GiB{', pinned' if dev.type == 'cuda' else ''}); preemption: {preemption_mode}"
+            )
+    blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, host)
+    scheduler = Scheduler(sched_config, blocks, sampler.release)
     graphs = None
     variants = backend.graph_variants(max_len)
     if dev.type == "cuda" and not enforce_eager and variants:

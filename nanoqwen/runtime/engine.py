@@ -76,6 +76,9 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "swap",
+        swap_space: float = 4.0,
         random_shape: str | None = None,
         progress: bool = True,
     ) -> None:
@@ -91,6 +94,9 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
+            swap_space=swap_space,
             random_shape=random_shape,
             progress=progress,
         )
@@ -270,6 +276,23 @@ class LLM:
         )
 
     # ---- public API -----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counters since the engine started: prefix-cache queries and hits (tokens of
+        admitted sequences, and of those the ones taken from the cache, host tier included),
+        preemptions (swaps among them) and blocks copied to and from the host pool."""
+        blocks = self.scheduler.blocks
+        cache = blocks.stats
+        return {
+            "prefix_cache_queries": cache.queries,
+            "prefix_cache_hits": cache.hits,
+            "prefix_cache_hit_rate": cache.hit_rate,
+            "prefix_cache_host_hits": cache.host_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_swaps": self.scheduler.num_swaps,
+            "blocks_swapped_out": blocks.host.blocks_out if blocks.host else 0,
+            "blocks_swapped_in": blocks.host.blocks_in if blocks.host else 0,
+        }
+
     def generate(
         self,
         prompts: Prompt | SequenceOf[Prompt],

@@ -15,6 +15,10 @@ class KVCache:
     v: list[torch.Tensor]
     num_blocks: int  # usable by sequences; one more, the scratch block, sits past them
     block_size: int
+    # All layers in one tensor each, [layers, blocks + 1, block_size, kv_heads, head_dim]:
+    # k and v are its per-layer views. Swapping moves a block of every layer at once.
+    k_pool: torch.Tensor | None = None
+    v_pool: torch.Tensor | None = None
 
     @property
     def scratch_block(self) -> int:
@@ -40,4 +44,6 @@ class KVCache:
         # One allocation for all layers keeps the pool contiguous and the count exact.
         k_pool = torch.zeros(shape, dtype=dtype, device=device)
         v_pool = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(list(k_pool.unbind(0)), list(v_pool.unbind(0)), num_blocks, block_size)
+        return cls(
+            list(k_pool.unbind(0)), list(v_pool.unbind(0)), num_blocks, block_size, k_pool, v_pool
+        )

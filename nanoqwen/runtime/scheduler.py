@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,11 +10,24 @@ from dataclasses import dataclass
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.sequence import Sequence, SequenceStatus
 
+PREEMPTION_MODES = ("swap", "recompute")
+
 
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # swap: a preempted sequence's blocks go to the host pool and come back before it
+    # resumes (recompute when the host pool is missing or full); recompute: they are dropped
+    # and its tokens prefilled again (with prefix caching, only those no longer cached).
+    preemption_mode: str = "swap"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r} is unknown: allowed "
+                + ", ".join(PREEMPTION_MODES)
+            )
 
 
 @dataclass
@@ -48,17 +62,37 @@ class Scheduler:
         self.on_release = on_release or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions by swapping, of num_preemptions
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> Batch | None:
+        # Blocks filled by the last step become reusable by the sequences admitted now.
+        if self.waiting and self.waiting[0].block_table:
+            self.blocks.register_computed(self.waiting[0])
+        for seq in self.running:
+            self.blocks.register_computed(seq)
+        self._swap_in()
         return self._schedule_prefill() or self._schedule_decode()
+
+    def _swap_in(self) -> None:
+        """Swapped-out sequences come back, oldest first, as soon as they fit."""
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.blocks.can_swap_in(seq):
+                break
+            self.swapped.pop(0)
+            self.blocks.swap_in(seq)
+            seq.status = SequenceStatus.RUNNING
+            # In arrival order, so the newest running sequence is still the next victim.
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.config.max_num_batched_tokens
@@ -70,11 +104,12 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
-            # A prompt gets all its blocks up front, so a chunked prefill never stalls halfway.
-            if not seq.block_table:
-                if not self.blocks.can_grow(seq, len(seq)):
-                    break
-                self.blocks.grow(seq, len(seq))
+            if self.swapped and not seq.block_table:
+                break  # swapped-out sequences resume before new ones start
+            # A prompt gets all its blocks up front, so a chunked prefill never stalls halfway;
+            # a cached prefix counts as computed already.
+            if not seq.block_table and not self.blocks.admit(seq):
+                break
             n = min(seq.num_uncomputed_tokens, budget)
             seqs.append(seq)
             counts.append(n)
@@ -103,6 +138,16 @@ class Scheduler:
         return Batch(scheduled, False, [1] * len(scheduled)) if scheduled else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq):
+            # It keeps its sampling slot (counts, output position) and resumes in decode.
+            # Running plus swapped sequences never exceed max_num_seqs, the slots there are:
+            # nothing new is admitted while any is swapped out.
+            self.blocks.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.seq_id)
+            self.num_swaps += 1
+            return
         # Recompute later: drop its cache and put it first in line.
         self.blocks.free(seq)
         self.on_release(seq)
@@ -111,7 +156,6 @@ class Scheduler:
         # Behind a half-prefilled head: that one already holds its blocks and must finish.
         head_holds_blocks = bool(self.waiting and self.waiting[0].block_table)
         self.waiting.insert(1 if head_holds_blocks else 0, seq)
-        self.num_preemptions += 1
 
     def retire(self, seq: Sequence) -> None:
         """Stop scheduling seq (its last token is in flight and ends it); its blocks stay
@@ -129,3 +173,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)

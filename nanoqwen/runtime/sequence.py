@@ -15,6 +15,7 @@ _ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its blocks copied to the host pool
     FINISHED = "finished"
 
 
@@ -30,6 +31,11 @@ class Sequence:
         # Tokens whose K/V are in the cache; reset to 0 on preemption.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Prefix-cache keys of its full blocks (they depend on the tokens only, so they
+        # survive preemption), and how many leading blocks of block_table are registered.
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.host_block_table: list[int] = []  # its blocks while swapped out
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
         # Tokens applied but not yet handed out by LLM.stream(); None when not streamed.

@@ -17,8 +17,10 @@ from nanoqwen.runtime.sequence import Sequence, SequenceStatus
 NEXT_TOKEN = 7
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=256, max_num_batched_tokens=8192):
-    blocks = BlockManager(num_blocks, block_size)
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=256, max_num_batched_tokens=8192, caching=False
+):
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), blocks)
 
 
@@ -216,17 +218,30 @@ def test_aborting_a_partially_prefilled_prompt_frees_its_blocks():
     assert batch.seqs == [b] and batch.num_new_tokens == [3]
 
 
+def test_a_cached_prefix_is_not_prefilled_again():
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=6, caching=True)
+    a = add(sched, 10)
+    assert [step(sched).num_new_tokens for _ in range(2)] == [[6], [4]]
+    b = add(sched, 11)  # the first 8 tokens equal a's two full blocks
+    batch = step(sched)
+    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [3]
+    assert b.block_table[:2] == a.block_table[:2] and b.num_computed_tokens == 11
+    assert sched.blocks.stats.hits == 8 and sched.blocks.stats.queries == 21
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workloads_finish_without_crash_or_leak(seed):
+def test_random_workloads_finish_without_crash_or_leak(seed, caching):
     """Random prompts, limits and pool sizes: every batch obeys the limits, every scheduled
-    token has a slot, blocks are never shared or lost, and everything finishes."""
+    token has a slot, a block is shared only through the prefix cache (its refcount counts
+    its users), none is lost, and everything finishes."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     max_len = rng.randint(8, 40)
     num_blocks = -(-max_len // block_size) + rng.randint(0, 6)
     max_num_seqs = rng.randint(1, 6)
     budget = rng.randint(1, 24)
-    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget)
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, caching)
     seqs = [add(sched, rng.randint(1, max_len - 1), rng.randint(1, 30)) for _ in range(20)]
     steps = 0
     while sched.has_unfinished() and steps < 100_000:
@@ -242,11 +257,17 @@ def test_random_workloads_finish_without_crash_or_leak(seed):
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
         owned = [b for s in seqs for b in s.block_table]
-        assert len(owned) == len(set(owned))
-        assert len(owned) + sched.blocks.num_free_blocks == num_blocks
+        if not caching:
+            assert len(owned) == len(set(owned))
+        refs = sched.blocks.pool.ref_count
+        assert all(refs[b] == owned.count(b) for b in range(num_blocks))
+        assert len(set(owned)) + sched.blocks.num_free_blocks == num_blocks
         advance(sched, batch, max_len=max_len)
     assert all(s.is_finished for s in seqs), f"stuck after {steps} steps"
     assert sched.blocks.num_free_blocks == num_blocks
+    assert set(sched.blocks.pool.ref_count) == {0}
+    if caching:
+        assert sched.blocks.stats.hits > 0
     for s in seqs:
         assert s.num_output_tokens == min(s.params.max_tokens, max_len - s.num_prompt_tokens)
 
