@@ -148,7 +148,7 @@ class BlockManager:
         """seq's longest cached chain of full blocks, as (device block, -1) or, for a block
         kept in the host tier only, (-1, host block). The last token is never covered, so at
         least one token is computed and gives logits."""
-        if not self.enable_prefix_caching:
+        if not self._may_reuse(seq):
             return []
         hits: list[tuple[int, int]] = []
         for i in range((len(seq) - 1) // self.block_size):
@@ -163,6 +163,13 @@ class BlockManager:
             hits.append((-1, host_block))
         return hits
 
+    def _may_reuse(self, seq: Sequence) -> bool:
+        """Prompt logprobs still to compute need every prompt position's logits: no hits
+        (as in vLLM)."""
+        wants_prompt_logprobs = seq.params.prompt_logprobs is not None
+        pending = seq.prompt_logprobs_launched < seq.num_prompt_tokens
+        return self.enable_prefix_caching and not (wants_prompt_logprobs and pending)
+
     def _drop_pending(self, key: int, seq: Sequence) -> None:
         entry = self._pending.get(key)
         if entry is not None and entry[0] == seq.seq_id:
@@ -171,7 +178,7 @@ class BlockManager:
     def _computed_elsewhere_soon(self, seq: Sequence, num_hits: int) -> bool:
         """Whether seq's first uncached block is being computed by an admitted sequence: then
         seq had better wait a step and reuse it than compute the same prefix again."""
-        if not self.enable_prefix_caching or num_hits >= (len(seq) - 1) // self.block_size:
+        if not self._may_reuse(seq) or num_hits >= (len(seq) - 1) // self.block_size:
             return False
         key, tokens = self._block_key(seq, num_hits)
         entry = self._pending.get(key)

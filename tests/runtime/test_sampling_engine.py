@@ -161,3 +161,20 @@ def test_streamed_logprobs_match_generate(llm):
 def test_no_logprobs_unless_asked(llm):
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0]
     assert out.logprobs is None and out.prompt_logprobs is None
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(tiny_model):
+    """A cached prompt still gets every prompt position's entry."""
+    llm = LLM(str(tiny_model[0]), num_kv_blocks=64, block_size=8, progress=False)
+    prompt = list(range(100, 140))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # now cached
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    out = llm.generate([prompt], params)[0]
+    assert len(out.prompt_logprobs) == len(prompt)
+    ref = torch.log_softmax(llm.runner.prompt_logits(prompt), dim=-1)
+    got = [e.logprob for e in out.prompt_logprobs[1:]]
+    assert got == pytest.approx([ref[p - 1, prompt[p]].item() for p in range(1, 40)], abs=1e-5)
+    # Without prompt logprobs the same prompt does hit the cache.
+    before = llm.stats()["prefix_cache_hits"]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    assert llm.stats()["prefix_cache_hits"] > before
