@@ -81,11 +81,13 @@ def chat_template(args: argparse.Namespace) -> str | None:
 
 
 def load_llm(args: argparse.Namespace, template: str | None = None) -> LLM:
+    """The engine the flags describe (`serve` and its benchmark add --random-shape)."""
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    random_shape = getattr(args, "random_shape", None)
     llm = LLM(
-        args.model,
+        None if random_shape else args.model,
         device=device,
         dtype=args.dtype,
         block_size=args.block_size,
@@ -99,6 +101,7 @@ def load_llm(args: argparse.Namespace, template: str | None = None) -> LLM:
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        random_shape=random_shape,
         progress=not args.quiet,
     )
     if template is not None:

@@ -63,21 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Engine flags beyond the shared ones (also used by the serving benchmark's --offline)."""
-    # Engine limits the shared engine flags lack today. The serve parser resolves conflicts,
-    # so once the shared flags gain one of these names, the definition here replaces it.
-    e = p.add_argument_group("engine limits")
-    e.add_argument(
+    """Beyond the engine flags shared with `generate` (also used by the serving benchmark's
+    --offline)."""
+    p.add_argument_group("engine").add_argument(
         "--random-shape",
         choices=SHAPES,
         help="random weights of this Qwen2.5 shape instead of a checkpoint (for benchmarks; "
         "no tokenizer: prompts must be token ids)",
-    )
-    e.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="running batch size")
-    e.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, metavar="N", help="tokens per step"
-    )
-    e.add_argument("--max-model-len", type=int, metavar="N", help="context length limit")
-    e.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, metavar="F", help="GPU memory share"
     )

@@ -226,7 +226,7 @@ def _span(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanoqwen.cli import _engine_flags
+    from nanoqwen.cli_parser import _engine_flags
 
     p = argparse.ArgumentParser(
         prog="python -m nanoqwen.serve.bench",

@@ -41,8 +41,8 @@ def completion_prompts(req: CompletionRequest, llm: LLM) -> list[list[int]]:
         raise APIError(400, message, "prompt")
     try:
         return [_nonempty(llm.encode(p)) for p in batch]
-    except ValueError as e:
-        raise APIError(400, f"prompt: {e}", "prompt") from None
+    except ValueError as e:  # InvalidInputError: already "prompt=... what is allowed"
+        raise APIError(400, str(e), "prompt") from None
 
 
 def chat_prompt(req: ChatCompletionRequest, llm: LLM) -> list[int]:

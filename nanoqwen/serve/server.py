@@ -7,7 +7,6 @@ import logging
 import socket
 import sys
 
-import torch
 import uvicorn
 
 from nanoqwen.runtime.engine import LLM
@@ -24,24 +23,9 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def load_engine(args: argparse.Namespace) -> LLM:
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return LLM(
-        None if args.random_shape else args.model,
-        device=device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        random_shape=args.random_shape,
-        progress=not args.quiet,
-    )
+    from nanoqwen.cli import chat_template, load_llm
+
+    return load_llm(args, None if args.random_shape else chat_template(args))
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -69,7 +69,12 @@ BAD_REQUESTS = {
         "top_logprobs=21 is out of range",
     ),
     "top_logprobs without logprobs": (CHAT, chat(top_logprobs=2), 400, "needs logprobs: true"),
-    "empty stop string": (COMPLETIONS, completion(stop=[""]), 400, "stop=[''] is invalid"),
+    "empty stop string": (
+        COMPLETIONS,
+        completion(stop=[""]),
+        400,
+        "stop=[''] holds an empty string",
+    ),
     "stop token id out of vocab": (
         COMPLETIONS,
         completion(stop_token_ids=[10**6]),
@@ -120,7 +125,7 @@ BAD_REQUESTS = {
         COMPLETIONS,
         completion(prompt=[1, 99999]),
         400,
-        "token id 99999 is out of range",
+        "prompt=[1, 99999] holds the token id 99999: allowed",
     ),
     "prompt over the context": (
         COMPLETIONS,
