@@ -157,7 +157,7 @@ class SamplingState:
         self.fparams.index_copy_(0, slots_d, self._to_device(fparams))
         self.iparams.index_copy_(0, slots_d, self._to_device(iparams))
         self.out_pos.index_copy_(0, slots_d, self._to_device(positions))
-        penalised = [s for s, seq in zip(slots, seqs) if self._settings[int(s)].penalties]
+        penalised = [s for s in slots if self._settings[int(s)].penalties]
         if penalised:
             rows = self._to_device(np.array(penalised, dtype=np.int64))
             self.prompt_mask.index_fill_(0, rows, False)
@@ -209,10 +209,6 @@ class SamplingState:
         if slot is not None:
             self._count(self._settings.pop(slot), -1)
             self._free.append(slot)
-
-    @property
-    def num_held(self) -> int:
-        return len(self._slot_of)
 
     # ---- what a step changes ---------------------------------------------------------------
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
