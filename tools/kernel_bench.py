@@ -14,29 +14,13 @@ import argparse
 import itertools
 
 import torch
+from gpu_timing import graph_us
 
 import nanoqwen.kernels.decode_attention as da
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.model.shapes import shape_config
 
 PAGE = 256
-
-
-def graph_us(fn, reps: int = 20, iters: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
 def attention(shape: str, batch_sizes, contexts, sweep: bool) -> None:

@@ -27,6 +27,7 @@ import json
 import random
 import sys
 
+import gpu_timing
 import torch
 
 import nanoqwen.kernels.prefill_attention as pa
@@ -35,6 +36,8 @@ from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.model.shapes import shape_config
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+graph_us = functools.partial(gpu_timing.graph_us, reps=10, iters=20)
 
 
 def flash_attn_available() -> bool:
@@ -57,24 +60,6 @@ def flash_attn_hidden():
             del sys.modules["flash_attn"]
         else:
             sys.modules["flash_attn"] = saved
-
-
-def graph_us(fn, reps: int = 10, iters: int = 20) -> float:
-    """GPU µs per call of fn, replayed from a CUDA graph (no launch overhead)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
 def attention_flop(heads: int, head_dim: int, seqs: int, cached: int, new: int) -> float:
