@@ -189,6 +189,21 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+def shuffled_paged_cache(lengths, page, kv_heads, head_dim, dtype, gen):
+    """Block tables over a shuffled pool for sequences of these lengths, and random K/V caches
+    of the pool ([blocks, page, kv_heads, head_dim], one spare block)."""
+    blocks = [-(-n // page) for n in lengths]
+    perm = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    for i, b in enumerate(blocks):
+        tables[i, :b] = torch.tensor(perm[:b])
+        perm = perm[b:]
+    shape = (sum(blocks) + 1, page, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    return tables, k_cache, v_cache
+
+
 # ---- attention setups of the GPU tests (tests/gpu) -------------------------------------------
 # (backend, block size, whether flash-attn imports): the triton backend also runs on a GPU
 # without flash-attn (its own kernels only), at any block size.

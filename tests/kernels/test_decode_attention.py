@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from conftest import shuffled_paged_cache
 
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.base import AttentionMetadata
@@ -28,15 +29,7 @@ def _decode_step(lengths, heads, kv_heads, head_dim, page, dtype, seed=0):
     """A decode step for sequences whose contexts (new token included) have these lengths,
     over shuffled blocks; returns everything both backends need."""
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // page) for n in lengths]
-    perm = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
-    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-    for i, b in enumerate(blocks):
-        tables[i, :b] = torch.tensor(perm[:b])
-        perm = perm[b:]
-    shape = (sum(blocks) + 1, page, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables, k_cache, v_cache = shuffled_paged_cache(lengths, page, kv_heads, head_dim, dtype, gen)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(len(lengths), width, generator=gen).to(dtype)
     pos = torch.tensor([n - 1 for n in lengths])

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from conftest import shuffled_paged_cache
 
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.base import AttentionMetadata
@@ -35,15 +36,7 @@ def _prefill_step(runs, heads, kv_heads, head_dim, page, dtype, seed=0):
     the caches and the metadata."""
     gen = torch.Generator().manual_seed(seed)
     lengths = [c + n for c, n in runs]
-    blocks = [-(-n // page) for n in lengths]
-    perm = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
-    tables = torch.zeros(len(runs), max(blocks), dtype=torch.int32)
-    for i, b in enumerate(blocks):
-        tables[i, :b] = torch.tensor(perm[:b])
-        perm = perm[b:]
-    shape = (sum(blocks) + 1, page, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables, k_cache, v_cache = shuffled_paged_cache(lengths, page, kv_heads, head_dim, dtype, gen)
     positions = [p for c, n in runs for p in range(c, c + n)]
     seq_of = [i for i, (_, n) in enumerate(runs) for _ in range(n)]
     slots = [int(tables[i, p // page]) * page + p % page for i, p in zip(seq_of, positions)]
