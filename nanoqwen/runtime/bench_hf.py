@@ -60,7 +60,9 @@ def hf_model_from(llm: LLM):
     if cfg.tie_word_embeddings:
         hf.tie_weights()
     # Non-persistent buffers (RoPE inv_freq) are still on meta: rebuild them for real.
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg, device=device)
+    # (Built under a device context: transformers' versions differ on a device argument.)
+    with torch.device(device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg)
     return hf.to(device=device, dtype=dtype).eval()
 
 

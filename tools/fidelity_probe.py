@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""How far nanoqwen's and HF's bf16 logits each lie from the float32 model (HF in float32, the
+same weights), per attention setup: the yardstick for the bf16 fidelity test's thresholds.
+
+    python3 tools/fidelity_probe.py --shape 1.5B     # on a GPU, flash-attn wheel installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+
+import torch
+
+from nanoqwen import LLM
+from nanoqwen.runtime.bench_hf import hf_model_from
+
+NEW = 48
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gap_stats(test: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
+    """(largest |logprob gap| at the reference's argmax, argmax flips, flips where the
+    reference margin exceeds 0.1)."""
+    lt, lr = test.log_softmax(-1), ref.log_softmax(-1)
+    tok = ref.argmax(-1, keepdim=True)
+    gap = (lt.gather(1, tok) - lr.gather(1, tok)).abs().max().item()
+    top2 = ref.topk(2).values
+    margin = top2[:, 0] - top2[:, 1]
+    flips = test.argmax(-1) != tok.squeeze(1)
+    return gap, int(flips.sum()), int((flips & (margin > 0.1)).sum())
+
+
+@torch.no_grad()
+def probe(shape: str, block_size: int, flash: bool) -> None:
+    if not flash:
+        sys.modules["flash_attn"] = None
+    llm = LLM(
+        random_shape=shape,
+        device=DEVICE,
+        dtype="bfloat16",
+        block_size=block_size,
+        num_kv_blocks=64 * 256 // block_size,
+        max_num_seqs=8,
+        progress=False,
+    )
+    hf = hf_model_from(llm)
+    hf32 = copy.deepcopy(hf).float()
+    rng = random.Random(1)
+    rows = {"ours": [], "hf bf16 prefill": [], "hf bf16 decode": []}
+    for _ in range(4):
+        prompt = [rng.randrange(10000) for _ in range(rng.randint(8, 200))]
+        ids = torch.tensor([prompt], device=DEVICE)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        seq = out.sequences[:, :-1]
+        ref = hf32(seq).logits[0, len(prompt) - 1 :].float()
+        ours = llm.runner.prompt_logits(seq[0].tolist(), last=NEW)
+        rows["ours"].append(gap_stats(ours, ref))
+        rows["hf bf16 prefill"].append(gap_stats(hf(seq).logits[0, len(prompt) - 1 :].float(), ref))
+        rows["hf bf16 decode"].append(gap_stats(torch.cat(out.logits).float(), ref))
+    name = f"{shape} block{block_size} {'flash-attn' if flash else 'no-flash-attn'}"
+    for who, stats in rows.items():
+        print(
+            f"{name:32s} {who:16s} max gap vs fp32 {max(s[0] for s in stats):.4f}  "
+            f"flips {sum(s[1] for s in stats)}/{4 * NEW}  clear flips {sum(s[2] for s in stats)}"
+        )
+    del llm, hf, hf32
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    sys.modules.pop("flash_attn", None)
+
+
+def _capture(modules, store: dict, tag: str) -> list:
+    """Forward hooks that keep each module's first output tensor (float32) under (tag, i)."""
+
+    def hook(i):
+        def fn(_mod, _inp, out):
+            t = out[0] if isinstance(out, tuple) else out
+            if (
+                tag.endswith("layer")
+                and isinstance(out, tuple)
+                and out[1] is not None
+                and t.dim() == 2
+            ):
+                t = out[0].float() + out[1].float()  # ours: (layer output, residual) -> the stream
+            store[(tag, i)] = t.detach().float().reshape(-1, t.shape[-1])
+
+        return fn
+
+    return [m.register_forward_hook(hook(i)) for i, m in enumerate(modules)]
+
+
+@torch.no_grad()
+def layers(shape: str, block_size: int, flash: bool) -> None:
+    """Relative error against float32 HF, per layer and sub-block, for ours and HF bf16."""
+    if not flash:
+        sys.modules["flash_attn"] = None
+    llm = LLM(
+        random_shape=shape,
+        device=DEVICE,
+        dtype="bfloat16",
+        block_size=block_size,
+        num_kv_blocks=64 * 256 // block_size,
+        max_num_seqs=8,
+        progress=False,
+    )
+    hf = hf_model_from(llm)
+    hf32 = copy.deepcopy(hf).float()
+    prompt = [random.Random(3).randrange(10000) for _ in range(240)]
+    runs = {}
+    for who, model, blocks in (
+        ("ours", None, llm.runner.model.layers),
+        ("hf", hf, hf.model.layers),
+        ("fp32", hf32, hf32.model.layers),
+    ):
+        store = {}
+        hooks = []
+        hooks += _capture([b.self_attn for b in blocks], store, "attn")
+        hooks += _capture([b.mlp for b in blocks], store, "mlp")
+        hooks += _capture(list(blocks), store, "layer" if who != "ours" else "ours-layer")
+        if model is None:
+            llm.runner.prompt_logits(prompt, last=1)
+        else:
+            model(torch.tensor([prompt], device=DEVICE))
+        for h in hooks:
+            h.remove()
+        runs[who] = {(k[0].replace("ours-", ""), k[1]): v for k, v in store.items()}
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    print(f"{shape} block{block_size} flash={flash}: relative error vs float32 HF")
+    print("layer | attn ours | attn hf | mlp ours | mlp hf | stream ours | stream hf")
+    for i in range(len(hf.model.layers)):
+        ref = runs["fp32"]
+        row = [i]
+        for tag in ("attn", "mlp", "layer"):
+            row += [
+                rel(runs["ours"][(tag, i)], ref[(tag, i)]),
+                rel(runs["hf"][(tag, i)], ref[(tag, i)]),
+            ]
+        print(" | ".join(f"{x:.5f}" if isinstance(x, float) else str(x) for x in row))
+    del llm, hf, hf32
+    sys.modules.pop("flash_attn", None)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="1.5B")
+    ap.add_argument("--layers", action="store_true", help="per-layer errors instead")
+    args = ap.parse_args()
+    run = layers if args.layers else probe
+    run(args.shape, 256, True)
+    run(args.shape, 16, False)
