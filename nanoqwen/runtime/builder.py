@@ -183,7 +183,9 @@ def build_engine(
         graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch)
     runner = ModelRunner(net, kv, blocks, sampler, graphs)
     if graphs is not None:
-        graphs.capture(runner, max_len, variants, progress=progress)
+        graphs.capture(
+            runner, max_len, variants, progress=progress, cascade_from=backend.cascade_from
+        )
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
 
 

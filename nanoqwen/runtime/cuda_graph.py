@@ -7,6 +7,7 @@ import torch
 from tqdm import tqdm
 
 from nanoqwen.runtime.attention.base import AttentionMetadata
+from nanoqwen.runtime.attention.cascade import shared_prefix_blocks
 from nanoqwen.runtime.kv_cache import KVCache
 
 
@@ -21,17 +22,22 @@ class _HostMirror:
 
     int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
     previous step's output that holds it, and each row's sampler slot. int32 part:
-    context_lens, cache_seqlens, tables.
+    context_lens, cache_seqlens, tables, then the cascade's suffix_lens, prefix_len and
+    suffix_tables (attention/cascade.py).
     """
 
     def __init__(self, n: int, width: int) -> None:
         self.t64 = torch.zeros(5 * n, dtype=torch.int64, pin_memory=True)
-        self.t32 = torch.zeros(2 * n + n * width, dtype=torch.int32, pin_memory=True)
+        self.t32 = torch.zeros(3 * n + 1 + 2 * n * width, dtype=torch.int32, pin_memory=True)
         h64, h32 = self.t64.numpy(), self.t32.numpy()
         self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
         self.sources, self.sampler_slots = h64[3 * n : 4 * n], h64[4 * n :]
         self.ctx, self.cached = h32[:n], h32[n : 2 * n]
-        self.tables = h32[2 * n :].reshape(n, width)
+        tables_end = 2 * n + n * width
+        self.tables = h32[2 * n : tables_end].reshape(n, width)
+        self.suffix_lens = h32[tables_end : tables_end + n]
+        self.prefix_len = h32[tables_end + n : tables_end + n + 1]
+        self.suffix_tables = h32[tables_end + n + 1 :].reshape(n, width)
 
 
 class CUDAGraphRunner:
@@ -48,13 +54,15 @@ class CUDAGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.kv = kv
         self.sampler_scratch = sampler_scratch  # the sampler slot padding rows use
-        # Keyed by (batch size, variant, filtering): variant i serves contexts up to
-        # variants[i][0]; filtering graphs include the sampler's top-k/top-p/min-p stage.
+        # Keyed by (batch size, variant, filtering, cascade): variant i serves contexts up to
+        # variants[i][0]; filtering graphs include the sampler's top-k/top-p/min-p stage;
+        # cascade graphs attend a prefix the whole batch shares once (attention/cascade.py).
         # Each holds (graph, logits, tokens).
         self.graphs: dict[
-            tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+            tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
-        self.meta: dict[tuple[int, int], AttentionMetadata] = {}
+        self.meta: dict[tuple[int, int, bool, bool], AttentionMetadata] = {}
+        self.cascade_from: int | None = None
 
     def _allocate(self, device: torch.device, max_model_len: int, variants) -> None:
         n = self.max_bs = self.sizes[-1]
@@ -80,43 +88,60 @@ class CUDAGraphRunner:
         m.ctx[start:end] = 1
         m.cached[start:end] = 0
         m.tables[start:end] = scratch
+        m.suffix_tables[start:end] = scratch
+        m.suffix_lens[start:end] = 1
         m.sampler_slots[start:end] = self.sampler_scratch
 
-    def _static_meta(self, bs: int, variant: int) -> AttentionMetadata:
-        n, d64, d32 = self.max_bs, self.dev64, self.dev32
+    def _static_meta(self, bs: int, variant: int, cascade: bool) -> AttentionMetadata:
+        n, d64, d32, w = self.max_bs, self.dev64, self.dev32, self.width
         max_len, num_splits = self.variants[variant]
         width = -(-max_len // self.kv.block_size)
-        return AttentionMetadata(
+        tables_end = 2 * n + n * w
+        meta = AttentionMetadata(
             is_prefill=False,
             positions=d64[n : n + bs],
             slot_mapping=d64[2 * n : 2 * n + bs],
             context_lens=d32[:bs],
-            block_tables=d32[2 * n :].view(n, self.width)[:bs, :width],
+            block_tables=d32[2 * n : tables_end].view(n, w)[:bs, :width],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             max_seqlen_q=1,
             max_seqlen_k=max_len,
             cache_seqlens=d32[n : n + bs],
             num_splits=num_splits,
         )
+        if cascade:
+            meta.suffix_lens = d32[tables_end : tables_end + bs]
+            meta.prefix_len = d32[tables_end + n : tables_end + n + 1]
+            meta.suffix_tables = d32[tables_end + n + 1 :].view(n, w)[:bs, :width]
+        return meta
 
     @torch.inference_mode()
     def capture(
-        self, runner, max_model_len: int, variants: list[tuple[int, int]], progress: bool = True
+        self,
+        runner,
+        max_model_len: int,
+        variants: list[tuple[int, int]],
+        progress: bool = True,
+        cascade_from: int | None = None,
     ) -> None:
-        """variants: the attention backend's graph_variants(max_model_len)."""
+        """variants: the attention backend's graph_variants(max_model_len); cascade_from:
+        its cascade_from (None: no cascade graphs)."""
         model = runner.model
         self._allocate(runner.device, max_model_len, variants)
+        self.cascade_from = cascade_from
         pool = None
         # Largest first: smaller graphs then fit inside the memory pool the largest reserved.
         keys = [
-            (bs, i, filtering)
+            (bs, i, filtering, cascade)
             for bs in sorted(self.sizes, reverse=True)
             for i in range(len(variants))
             for filtering in (False, True)
+            for cascade in (False, True)
+            if not cascade or (cascade_from is not None and bs >= cascade_from)
         ]
         for key in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, leave=False):
-            bs, variant, filtering = key
-            meta = self._static_meta(bs, variant)
+            bs, variant, filtering, cascade = key
+            meta = self._static_meta(bs, variant, cascade)
             ids, slots = self.ids[:bs], self.sampler_slots[:bs]
             # Warm-up: autotuning, lazy init, Triton compiles (padding rows sample in the
             # sampler's scratch slot).
@@ -137,11 +162,13 @@ class CUDAGraphRunner:
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
-    def key_for(self, num_seqs: int, max_context: int, filtering: bool = False):
+    def key_for(
+        self, num_seqs: int, max_context: int, filtering: bool = False, cascade: bool = False
+    ):
         """The graph serving this batch: (padded batch size, first variant long enough,
-        filtering)."""
+        filtering, cascade)."""
         variant = next(i for i, (limit, _) in enumerate(self.variants) if max_context <= limit)
-        return self.padded_size(num_seqs), variant, filtering
+        return self.padded_size(num_seqs), variant, filtering, cascade
 
     @torch.inference_mode()
     def prepare(self, runner, seqs, filtering: bool = False) -> tuple[int, int, bool]:
@@ -150,7 +177,7 @@ class CUDAGraphRunner:
         Only host arithmetic and async device work: nothing here waits for the GPU."""
         n = len(seqs)
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
-        bs, variant, _ = key = self.key_for(n, int(lens.max()), filtering)
+        bs, variant, _, _ = key = self.key_for(n, int(lens.max()), filtering)
         block_size = self.kv.block_size
         ids, sources, pending = runner.token_sources(seqs)
         # This mirror was last copied from two steps ago, and the engine has read that
@@ -169,6 +196,13 @@ class CUDAGraphRunner:
             m.tables[i, : len(s.block_table)] = s.block_table
         last_block = m.tables[np.arange(n), (lens - 1) // block_size]
         m.slots[:n] = last_block * block_size + (lens - 1) % block_size
+        if self.cascade_from is not None and n >= self.cascade_from:
+            shared = shared_prefix_blocks(m.tables[:n], lens, block_size)
+            if shared:
+                key = (bs, variant, filtering, True)
+                m.prefix_len[0] = shared * block_size
+                m.suffix_lens[:n] = lens - shared * block_size
+                m.suffix_tables[:n, : self.width - shared] = m.tables[:n, shared:]
         self._fill_padding(m, n, bs)
         self.dev64.copy_(m.t64, non_blocking=True)
         self.dev32.copy_(m.t32, non_blocking=True)

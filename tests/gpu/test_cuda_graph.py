@@ -152,3 +152,38 @@ def test_auto_runs_triton_with_graphs_without_flash_attn(gpu_model, block_size, 
     assert llm.runner.graphs is not None
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 16
+
+
+def test_cascade_decode_matches_plain_decode(gpu_model):
+    """40 sequences after one 600-token prefix (two shared blocks): the step takes the
+    cascade graph, which replays as its eager run and picks the plain decode's tokens."""
+    pytest.importorskip("flash_attn")
+    llm = _engine(gpu_model, ("triton", 256, True), max_model_len=1024)
+    graphs = llm.runner.graphs
+    assert graphs.cascade_from == 32
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prefix = [(5 * j) % 997 for j in range(600)]
+    llm._add(prefix + [1], params, detokenize=False)
+    llm.step()  # the prefix's blocks are cached from here on
+    for i in range(39):
+        llm._add(prefix + [(11 * i + j) % 997 for j in range(3 + i)], params, detokenize=False)
+    while llm.scheduler.waiting:
+        llm.step()
+    b = llm.scheduler.schedule()
+    assert not b.is_prefill and len(b.seqs) == 40
+    assert {s.block_table[0] for s in b.seqs} == {b.seqs[0].block_table[0]}
+    key = graphs.key_for(40, max(len(s) for s in b.seqs), llm.runner.sampler.filtering, True)
+    graph_logits = llm.runner.compute_logits(b).clone()
+    assert graphs.meta[key].prefix_len is not None
+    assert int(graphs.meta[key].prefix_len[0]) == 512
+    bs = key[0]
+    model = llm.runner.model
+    with torch.inference_mode():
+        eager = model.compute_logits(model(graphs.ids[:bs], graphs.meta[key]))[:40]
+    assert torch.equal(graph_logits, eager)
+    llm.runner.graphs = None
+    plain = llm.runner.compute_logits(b)
+    torch.testing.assert_close(graph_logits, plain, atol=0.05, rtol=0.02)
+    top2 = plain.topk(2).values
+    clear = top2[:, 0] - top2[:, 1] > 0.05
+    assert torch.equal(graph_logits.argmax(-1)[clear], plain.argmax(-1)[clear])

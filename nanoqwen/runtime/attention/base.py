@@ -31,6 +31,11 @@ class AttentionMetadata:
     cache_seqlens: torch.Tensor | None = None
     # Decode only: KV splits per sequence and KV head; 0 lets the backend choose.
     num_splits: int = 0
+    # Decode only, cascade (attention/cascade.py): the first prefix_len[0] keys of every
+    # sequence are block_tables[0]'s; suffix_tables / suffix_lens hold each one's keys after.
+    prefix_len: torch.Tensor | None = None  # [1] int32
+    suffix_tables: torch.Tensor | None = None  # [seqs, max_blocks] int32
+    suffix_lens: torch.Tensor | None = None  # [seqs] int32
 
 
 class AttentionBackend(Protocol):
@@ -55,6 +60,12 @@ class AttentionBackend(Protocol):
     def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
         """The decode graphs to capture per batch size, as (longest context served, KV split
         count for AttentionMetadata.num_splits), shortest first."""
+        ...
+
+    @property
+    def cascade_from(self) -> int | None:
+        """The smallest decode batch that takes cascade metadata (prefix_len set), or None
+        where the backend has no cascade decode."""
         ...
 
 

@@ -14,6 +14,7 @@ from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 from nanoqwen.kernels.rope import rope_and_store
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
+from nanoqwen.runtime.attention.cascade import CASCADE_FROM, cascade_decode
 
 # Decode graphs for contexts up to here use a narrow block table and one KV split.
 # flash-attn sizes its split count from the table width, so a graph captured for the full
@@ -44,10 +45,18 @@ class FlashAttention:
             return [(max_model_len, 1)]
         return [(SHORT_CONTEXT, 1), (max_model_len, 0)]
 
+    cascade_from = CASCADE_FROM
+
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = split_qkv(qkv, k_cache)
         if meta.is_prefill:
             return self.prefill(q, k, k_cache, v_cache, meta)
+        if meta.prefix_len is not None:
+            rope_and_store(
+                q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
+                meta.slot_mapping, k_cache, v_cache,
+            )  # fmt: skip
+            return cascade_decode(q, k_cache, v_cache, meta, self.scale)
         return self.decode(q, k, v, k_cache, v_cache, meta)
 
     def prefill(self, q, k, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

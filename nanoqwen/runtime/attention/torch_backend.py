@@ -91,6 +91,8 @@ class TorchAttention:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, self.scale)
 
+    cascade_from = None
+
     def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
         # Decode gathers every block-table column of every sequence; a graph captured for
         # the full model length would make that gigabytes per layer, so it stays eager.

@@ -45,11 +45,17 @@ class TritonAttention:
         # flash-attn serves only batches it gives one split anyway: one graph per batch size.
         return [(max_model_len, 0)]
 
+    @property
+    def cascade_from(self) -> int | None:
+        return None if self.flash is None else self.flash.cascade_from
+
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_prefill:
             if self.flash is not None and PREFILL_WITH_FLASH_ATTN:
                 return self.flash.forward(qkv, k_cache, v_cache, meta)
             return self.prefill(qkv, k_cache, v_cache, meta)
+        if meta.prefix_len is not None:
+            return self.flash.forward(qkv, k_cache, v_cache, meta)
         if self.flash is not None and qkv.shape[0] * k_cache.shape[2] >= FLASH_DECODE_FROM:
             return self.flash.forward(qkv, k_cache, v_cache, meta)
         return decode_attention(
