@@ -100,9 +100,8 @@ class Qwen2ForCausalLM(nn.Module):
         x, residual = hidden
         normed, _ = self.norm(x, residual)
         if normed.is_cuda and normed.dtype != torch.float32:
-            # float32 logits straight from the GEMM's float32 sums. Rounding them to bf16
-            # first, as HF does, moves a logit near 8 by up to 0.03 and swaps close tokens:
-            # it was most of the distance between our bf16 logits and the float32 model's
-            # (tools/fidelity_probe.py). Also spares the cast of a [rows, vocab] tensor.
+            # float32 logits straight from the GEMM's float32 sums: no bf16 rounding of the
+            # logits (HF's, which moves a logit near 8 by up to 0.03) and no separate cast
+            # kernel over a [rows, vocab] tensor.
             return torch.mm(normed, self.lm_head.t(), out_dtype=torch.float32)
         return torch.nn.functional.linear(normed, self.lm_head).float()

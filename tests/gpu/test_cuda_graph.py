@@ -183,7 +183,10 @@ def test_cascade_decode_matches_plain_decode(gpu_model):
     assert torch.equal(graph_logits, eager)
     llm.runner.graphs = None
     plain = llm.runner.compute_logits(b)
-    torch.testing.assert_close(graph_logits, plain, atol=0.05, rtol=0.02)
+    # The plain step here runs the Triton decode kernel: another summation order, so the
+    # same tokens where the choice is clear (tests/gpu/test_cascade_gpu.py holds both
+    # kernels to a float32 reference).
     top2 = plain.topk(2).values
     clear = top2[:, 0] - top2[:, 1] > 0.05
+    assert int(clear.sum()) >= 30
     assert torch.equal(graph_logits.argmax(-1)[clear], plain.argmax(-1)[clear])
