@@ -25,7 +25,7 @@ from typing import Protocol
 from nanoqwen.cli_parser import CLIError, UsageError
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
-from nanoqwen.serve.batch_sender import BatchSender
+from nanoqwen.serve.batch_sender import BatchSender, receive
 from nanoqwen.serve.engine_core import engine_main
 from nanoqwen.serve.messages import (
     AbortRequest,
@@ -212,7 +212,7 @@ class EngineClient:
     def _read(self) -> None:
         while True:
             try:
-                batch = self._outputs.recv()
+                batch = receive(self._outputs)
             except (EOFError, OSError):
                 batch = None
             try:

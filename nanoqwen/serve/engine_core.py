@@ -20,7 +20,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from nanoqwen.runtime.engine import LLM
-from nanoqwen.serve.batch_sender import BatchSender
+from nanoqwen.serve.batch_sender import BatchSender, receive
 from nanoqwen.serve.messages import (
     AbortRequest,
     AddRequest,
@@ -146,7 +146,7 @@ class EngineCore:
                     out = StepOutputs()
                     inputs.poll(None)  # nothing to run: sleep until the HTTP side speaks
                 while inputs.poll(0):
-                    if not self.apply(inputs.recv(), out):
+                    if not self.apply(receive(inputs), out):
                         return
                 if self._live:
                     self.step(out)
