@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import traceback
 from multiprocessing.connection import Connection
@@ -166,7 +167,15 @@ def engine_main(
     # ends this process by closing the pipe, so this one must not die of it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(format="%(levelname)s:     %(message)s")
+    import torch
+
     from nanoqwen.cli import debug, error_line, load_llm
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        # A core for the HTTP process, busy while clients stream: torch's CPU threads wait
+        # for each other at every op, so one of them descheduled stalls them all (a model on
+        # the CPU runs several times slower when they are as many as the cores).
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
 
     try:
         llm = load_llm(args)
