@@ -14,6 +14,7 @@ to write."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -137,15 +138,14 @@ class EngineCore:
         last_stats = None
         try:
             while not sender.broken:
-                out = StepOutputs()
                 if not self._live:
                     self.idle()
-                    out.stats = self.stats()
-                    if out.stats != last_stats or out.failed:
-                        sender.put(out)
-                        last_stats = out.stats
-                    out = StepOutputs()
+                    stats = self.stats()
+                    if stats != last_stats:  # the last requests' blocks are free now
+                        sender.put(StepOutputs(stats=stats))
+                        last_stats = stats
                     inputs.poll(None)  # nothing to run: sleep until the HTTP side speaks
+                out = StepOutputs()
                 while inputs.poll(0):
                     if not self.apply(receive(inputs), out):
                         return
@@ -184,9 +184,10 @@ def engine_main(
         if debug():
             traceback.print_exc()
         code, message = error_line(e)
-        outputs.send(EngineStartupError(message, code))
+        with contextlib.suppress(OSError):  # unless the HTTP process is gone already
+            outputs.send(EngineStartupError(message, code))
         return
-    ready = EngineReady(llm.max_model_len, llm.config.vocab_size, llm.scheduler.blocks.num_blocks)
+    ready = EngineReady(llm.max_model_len, llm.config.vocab_size)
     try:
         outputs.send(ready)
     except OSError:  # the HTTP process is gone already

@@ -56,7 +56,6 @@ class StepOutputs:
 class EngineReady:
     max_model_len: int
     vocab_size: int
-    num_blocks: int
 
 
 @dataclass

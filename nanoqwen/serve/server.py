@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 
@@ -58,12 +59,19 @@ def start_engine(args: argparse.Namespace) -> tuple[EngineClient, ModelInfo]:
     """The tokenizer here, then the engine process; returns once the model is loaded.
     A load failure raises the error `nanoqwen generate` would give for the same flags."""
     tokenizer = load_tokenizer(args)
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)  # unwinds to the clean-up below, as Ctrl-C does
+
     engine = EngineClient.launch(args, args.stream_interval)
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         ready = engine.wait_ready()
-    except BaseException:  # a load error, or Ctrl-C while loading
+    except BaseException:  # a load error, Ctrl-C or SIGTERM while loading
         engine.kill()
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return engine, ModelInfo(tokenizer, ready.max_model_len, ready.vocab_size)
 
 
