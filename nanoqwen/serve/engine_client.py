@@ -225,6 +225,7 @@ class EngineClient:
 
     def dispatch(self, batch: list[StepOutputs]) -> None:
         now = time.perf_counter()
+        num_tokens = 0
         for out in batch:
             for request_id, text, token_ids, finished, reason, logprobs in out.rows:
                 r = self._requests.get(request_id)
@@ -234,6 +235,7 @@ class EngineClient:
                     del self._requests[request_id]
                     reason = reason or "length"
                 part = ChoiceOutput(text, token_ids, logprobs, reason if finished else None)
+                num_tokens += len(token_ids)
                 self._record(r, part, now)
                 r.sink.push(r.index, part)
             for request_id, why in out.failed:
@@ -242,6 +244,8 @@ class EngineClient:
                     r.sink.push(r.index, RuntimeError(why))
             if out.stats is not None:
                 self._stats = out.stats
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(num_tokens)  # once, not per request
         if self.metrics is not None and self._stats is not None:
             s = self._stats
             self.metrics.set_engine_state(
@@ -256,7 +260,6 @@ class EngineClient:
         m = self.metrics
         if m is None:
             return
-        m.generation_tokens.inc(num_new)
         if num_new and r.num_output_tokens == num_new:
             m.ttft.observe(now - r.arrival_time)
         if part.finish_reason is not None:
