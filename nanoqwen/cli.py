@@ -361,15 +361,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug():
             raise
-        # Bad input (a flag, value, prompt or file: InvalidInputError, argparse's complaints)
-        # exits 2; a failure while running (memory, the device, a template's own error) 1.
-        code = e.code if isinstance(e, CLIError) else 2 if isinstance(e, InvalidInputError) else 1
+        code, message = error_line(e)
         hint = ""
         if isinstance(e, ArgumentError):
             command = argv[0] if argv[:1] and argv[0] in COMMANDS else None
             hint = f" (see `{PROG}{' ' + command if command else ''} --help`)"
-        message = _one_line(e)
-        if isinstance(e, InvalidInputError):
-            message = flag_spelling(message)
         print(f"{PROG}: error: {message}{hint}", file=sys.stderr)
         return code
+
+
+def error_line(e: Exception) -> tuple[int, str]:
+    """The exit status and one-line message for a failure (also the serve engine process's)."""
+    # Bad input (a flag, value, prompt or file: InvalidInputError, argparse's complaints)
+    # exits 2; a failure while running (memory, the device, a template's own error) 1.
+    code = e.code if isinstance(e, CLIError) else 2 if isinstance(e, InvalidInputError) else 1
+    message = _one_line(e)
+    if isinstance(e, InvalidInputError):
+        message = flag_spelling(message)
+    return code, message

@@ -1,7 +1,8 @@
-"""The FastAPI app: OpenAI-compatible routes over one EngineLoop, plus health and metrics."""
+"""The FastAPI app: OpenAI-compatible routes over the engine process, plus health and metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -10,14 +11,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoqwen import __version__
-from nanoqwen.runtime.engine import LLM
 from nanoqwen.serve import params as P
 from nanoqwen.serve import responses as R
-from nanoqwen.serve.engine_loop import EngineLoop
+from nanoqwen.serve.engine_client import EngineClient
 from nanoqwen.serve.errors import APIError, install_error_handlers
 from nanoqwen.serve.generation import ClientDisconnected, Generation
 from nanoqwen.serve.guards import APIKeyGuard, BodySizeLimit
 from nanoqwen.serve.metrics import ServingMetrics
+from nanoqwen.serve.model_info import ModelInfo
 from nanoqwen.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,19 +34,20 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 1024  # more sequences waiting than this: new requests get a 503
     max_body_bytes: int = 4 << 20
-    stream_interval: int = 1  # tokens per streamed delivery (see engine_loop.py)
 
 
-def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
+def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> FastAPI:
+    """The routes over a started engine; the app's lifespan connects the engine's outputs to
+    the event loop and shuts the engine down at the end."""
     metrics = ServingMetrics(config.model_name)
-    engine = EngineLoop(llm, metrics, config.stream_interval)
+    engine.metrics = metrics
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        engine.start(asyncio.get_running_loop())
         yield
-        engine.stop()
+        engine.shutdown()
 
     app = FastAPI(title="nanoqwen", version=__version__, lifespan=lifespan)
     app.state.engine = engine
@@ -56,7 +58,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     if config.api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=config.api_key)
 
-    tok = llm.tokenizer
+    tok = info.tokenizer
 
     def token_text(token_id: int) -> str:
         if tok is None:
@@ -73,6 +75,8 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
             )
 
     def check_capacity(gen: Generation) -> None:
+        if not engine.alive:
+            raise APIError(500, f"the engine failed: {engine.exit_message}")
         # An idle queue takes any request, so one with many choices is not refused for ever.
         waiting = engine.num_waiting
         if waiting and waiting + gen.num_choices > config.max_waiting:
@@ -102,9 +106,9 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
-        prompts = P.completion_prompts(req, llm)
+        prompts = P.completion_prompts(req, info)
         params = [
-            P.sampling_params(req, len(ids), llm, req.max_tokens, req.logprobs) for ids in prompts
+            P.sampling_params(req, len(ids), info, req.max_tokens, req.logprobs) for ids in prompts
         ]
         gen = Generation(engine, prompts, params)
         return await respond(request, gen, req, R.completion_stream, R.completion_response)
@@ -112,21 +116,22 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req)
-        prompt = P.chat_prompt(req, llm)
+        prompt = P.chat_prompt(req, info)
         logprobs = P.chat_logprobs(req)
-        params = P.sampling_params(req, len(prompt), llm, P.chat_max_tokens(req), logprobs)
+        params = P.sampling_params(req, len(prompt), info, P.chat_max_tokens(req), logprobs)
         gen = Generation(engine, [prompt], [params])
         return await respond(request, gen, req, R.chat_stream, R.chat_response)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=config.model_name, created=started, max_model_len=llm.max_model_len)
+        card = ModelCard(id=config.model_name, created=started, max_model_len=info.max_model_len)
         return ModelList(data=[card])
 
     @app.get("/health")
     async def health():
         if not engine.alive:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+            why = engine.exit_message or "the engine process is not running"
+            return JSONResponse({"status": why}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")

@@ -48,15 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="stream tokens N at a time (the first and last at once): fewer, larger chunks "
-        "leave more CPU to the engine when hundreds of clients stream",
-    )
-    g.add_argument(
-        "--gil-switch-interval-ms",
-        type=float,
-        default=0.2,
-        metavar="MS",
-        help="Python's thread switch interval: the longest the engine thread waits for the GIL "
-        "while the HTTP thread is busy (Python's default is 5)",
+        "for the HTTP process to write when hundreds of clients stream",
     )
     g.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_engine_arguments(p)

@@ -184,10 +184,10 @@ def summarize(
 
 def run_offline(args: argparse.Namespace, work: Workload) -> dict:
     """The same requests through LLM.generate in this process: the ceiling to compare with."""
+    from nanoqwen.cli import load_llm
     from nanoqwen.runtime.sampling_params import SamplingParams
-    from nanoqwen.serve.server import load_engine
 
-    llm = load_engine(args)
+    llm = load_llm(args)
     params = [
         SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
         for n in work.output_lens

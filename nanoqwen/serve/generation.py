@@ -1,43 +1,18 @@
-"""One API request's choices as they run in the engine loop, seen from its HTTP handler."""
+"""One API request's choices as they run in the engine process, seen from its HTTP handler."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from nanoqwen.runtime.engine import StreamChunk
-from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
-from nanoqwen.serve.engine_loop import EngineLoop, EngineRequest
+from nanoqwen.serve.engine_client import ChoiceOutput, EngineClient, EngineDeadError, EngineRequest
 from nanoqwen.serve.errors import APIError
 
 
 class ClientDisconnected(Exception):
     pass
-
-
-@dataclass
-class ChoiceOutput:
-    """What one choice made: all of it, or since the last batch when streaming."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-
-    @classmethod
-    def of(cls, chunk: StreamChunk) -> ChoiceOutput:
-        reason = chunk.finish_reason if chunk.finished else None
-        return cls(chunk.text, chunk.token_ids, chunk.logprobs, reason)
-
-    def merge(self, part: ChoiceOutput) -> None:
-        self.text += part.text
-        self.token_ids = self.token_ids + part.token_ids
-        if part.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + part.logprobs
-        self.finish_reason = part.finish_reason or self.finish_reason
 
 
 class Generation:
@@ -46,18 +21,18 @@ class Generation:
     deliveries' worth at once when the handler fell behind), or collect() for all of it;
     abort() ends whatever is unfinished.
 
-    The engine loop's thread hands output in through push(), run on the event loop."""
+    The EngineClient hands output in through push(), on the event loop."""
 
     def __init__(
-        self, engine: EngineLoop, prompts: list[list[int]], params: list[list[SamplingParams]]
+        self, engine: EngineClient, prompts: list[list[int]], params: list[list[SamplingParams]]
     ) -> None:
         self.engine = engine
         self._loop = asyncio.get_running_loop()
-        self._items: list[tuple[int, StreamChunk | Exception]] = []
+        self._items: list[tuple[int, ChoiceOutput | Exception]] = []
         self._waiter: asyncio.Future | None = None
         self.prompt_lens = [len(p) for p in prompts]
         self.requests = [
-            EngineRequest(ids, sp, i * len(choices) + j, self, self._loop)
+            EngineRequest(ids, sp, i * len(choices) + j, self)
             for i, (ids, choices) in enumerate(zip(prompts, params))
             for j, sp in enumerate(choices)
         ]
@@ -68,14 +43,18 @@ class Generation:
         return len(self.requests)
 
     def start(self) -> None:
-        self.engine.submit(self.requests)
+        try:
+            self.engine.submit(self.requests)
+        except EngineDeadError as e:
+            self.unfinished.clear()
+            raise APIError(500, f"the engine failed: {e}") from e
 
     def abort(self) -> None:
         if self.unfinished:
             self.engine.abort([r for r in self.requests if r.index in self.unfinished])
             self.unfinished.clear()
 
-    def push(self, index: int, payload: StreamChunk | Exception) -> None:
+    def push(self, index: int, payload: ChoiceOutput | Exception) -> None:
         self._items.append((index, payload))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -95,12 +74,11 @@ class Generation:
             if isinstance(payload, Exception):
                 self.abort()
                 raise APIError(500, f"the engine failed: {payload}") from payload
-            part = ChoiceOutput.of(payload)
             if index in batch:
-                batch[index].merge(part)
+                batch[index].merge(payload)
             else:
-                batch[index] = part
-            if payload.finished:
+                batch[index] = payload
+            if payload.finish_reason is not None:
                 self.unfinished.discard(index)
         return batch if len(batch) == 1 else dict(sorted(batch.items()))
 

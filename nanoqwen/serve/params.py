@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from jinja2.exceptions import TemplateError
 
-from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.logprobs import MAX_LOGPROBS
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.errors import APIError, bad_request
+from nanoqwen.serve.model_info import ModelInfo
 from nanoqwen.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 MAX_N = 128
@@ -22,7 +22,7 @@ def _unsupported(name: str, value, default_ok: bool) -> None:
         raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
 
 
-def completion_prompts(req: CompletionRequest, llm: LLM) -> list[list[int]]:
+def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int]]:
     """The prompt field as a list of token id lists: a string, token ids, or a list of either."""
     _unsupported("echo", req.echo, not req.echo)
     _unsupported("suffix", req.suffix, req.suffix is None)
@@ -36,23 +36,23 @@ def completion_prompts(req: CompletionRequest, llm: LLM) -> list[list[int]]:
     if not batch:
         message = "prompt is empty: give a string, token ids, or a list of them"
         raise APIError(400, message, "prompt")
-    if isinstance(batch[0], str) and llm.tokenizer is None:
+    if isinstance(batch[0], str) and info.tokenizer is None:
         message = "this server has no tokenizer (random weights): send prompts as token ids"
         raise APIError(400, message, "prompt")
     try:
-        return [_nonempty(llm.encode(p)) for p in batch]
+        return [_nonempty(info.encode(p)) for p in batch]
     except ValueError as e:  # InvalidInputError: already "prompt=... what is allowed"
         raise APIError(400, str(e), "prompt") from None
 
 
-def chat_prompt(req: ChatCompletionRequest, llm: LLM) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
     _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
     _unsupported("tools", req.tools, not req.tools)
     fmt = (req.response_format or {}).get("type", "text")
     _unsupported("response_format", req.response_format, fmt == "text")
     if not req.messages:
         raise APIError(400, "messages is empty: at least one message is needed", "messages")
-    tok = llm.tokenizer
+    tok = info.tokenizer
     if tok is None or tok.chat_template is None:
         why = "no tokenizer (random weights)" if tok is None else "no chat template"
         raise APIError(400, f"this model has {why}: use /v1/completions", "messages")
@@ -76,7 +76,7 @@ def _nonempty(ids: list[int]) -> list[int]:
 def sampling_params(
     req: SamplingFields,
     prompt_len: int,
-    llm: LLM,
+    info: ModelInfo,
     max_tokens: int | None,
     logprobs: int | None,
 ) -> list[SamplingParams]:
@@ -86,7 +86,7 @@ def sampling_params(
     max_tokens None: /v1/completions' 16, or for chat what the context has room for."""
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n={req.n} is out of range: allowed 1..{MAX_N}", "n")
-    limit = llm.max_model_len
+    limit = info.max_model_len
     if prompt_len >= limit:
         raise APIError(
             400,
@@ -105,7 +105,7 @@ def sampling_params(
             f"{prompt_len + max_tokens}, over the model's context length of {limit} tokens",
             "max_tokens",
         )
-    vocab = llm.config.vocab_size
+    vocab = info.vocab_size
     bad_ids = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
     if bad_ids:
         raise APIError(

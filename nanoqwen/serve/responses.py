@@ -8,8 +8,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from nanoqwen.runtime.logprobs import TokenLogprobs
+from nanoqwen.serve.engine_client import ChoiceOutput
 from nanoqwen.serve.errors import APIError, error_body
-from nanoqwen.serve.generation import ChoiceOutput, Generation
+from nanoqwen.serve.generation import Generation
 from nanoqwen.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -120,10 +121,10 @@ async def completion_stream(
     encode = ChunkEncoder(CompletionChunk(**base, choices=[]), include_usage)
     offsets = [0] * gen.num_choices
     completion_tokens = 0
-    # Started here, not in the handler: a client gone before the stream begins then costs
-    # nothing (a generator that never ran has no `finally` to abort it).
-    gen.start()
     try:
+        # Started here, not in the handler: a client gone before the stream begins then costs
+        # nothing (a generator that never ran has no `finally` to abort it).
+        gen.start()
         while gen.unfinished:
             events = []
             for i, part in (await gen.next_batch()).items():
@@ -196,8 +197,8 @@ async def chat_stream(
         for i in range(gen.num_choices)
     ]
     completion_tokens = 0
-    gen.start()
     try:
+        gen.start()
         yield "".join(encode.model(ChatCompletionChunk(**base, choices=[c])) for c in opening)
         while gen.unfinished:
             events = []

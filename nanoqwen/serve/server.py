@@ -1,17 +1,23 @@
-"""`nanoqwen serve`: load the engine, build the app, run uvicorn on a socket bound here."""
+"""`nanoqwen serve`: bind the socket, start the engine process, run uvicorn on the socket.
+
+Two processes: this one (HTTP, validation, tokenization, streaming) and the engine process
+(engine_core.py), so that the engine's steps never wait for this one's Python work."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 
 import uvicorn
 
-from nanoqwen.runtime.engine import LLM
 from nanoqwen.serve.app import ServerConfig, build_app
-from nanoqwen.weights.hub import DEFAULT_MODEL_NAME
+from nanoqwen.serve.engine_client import EngineClient
+from nanoqwen.serve.model_info import ModelInfo
+from nanoqwen.weights.hub import DEFAULT_MODEL_NAME, resolve_model
+from nanoqwen.weights.tokenizer import Tokenizer
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -22,10 +28,17 @@ def served_model_name(args: argparse.Namespace) -> str:
     return args.model or DEFAULT_MODEL_NAME
 
 
-def load_engine(args: argparse.Namespace) -> LLM:
-    from nanoqwen.cli import chat_template, load_llm
+def load_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
+    """This process's own tokenizer (None with random weights), chat template included."""
+    from nanoqwen.cli import chat_template
 
-    return load_llm(args, None if args.random_shape else chat_template(args))
+    template = chat_template(args)  # checked before anything loads
+    if args.random_shape:
+        return None
+    tokenizer = Tokenizer(resolve_model(args.model))
+    if template is not None:
+        tokenizer.set_chat_template(template, "--chat-template")
+    return tokenizer
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -42,33 +55,48 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def start_engine(args: argparse.Namespace) -> tuple[EngineClient, ModelInfo]:
+    """The tokenizer here, then the engine process; returns once the model is loaded.
+    A load failure raises the error `nanoqwen generate` would give for the same flags."""
+    tokenizer = load_tokenizer(args)
+
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)  # unwinds to the clean-up below, as Ctrl-C does
+
+    engine = EngineClient.launch(args, args.stream_interval)
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        ready = engine.wait_ready()
+    except BaseException:  # a load error, Ctrl-C or SIGTERM while loading
+        engine.kill()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return engine, ModelInfo(tokenizer, ready.max_model_len, ready.vocab_size)
+
+
 def run_server(args: argparse.Namespace) -> int:
     checks = [
         ("--max-waiting", args.max_waiting, args.max_waiting >= 0, ">= 0"),
         ("--max-request-bytes", args.max_request_bytes, args.max_request_bytes >= 1, ">= 1"),
         ("--stream-interval", args.stream_interval, args.stream_interval >= 1, ">= 1"),
-        ("--gil-switch-interval-ms", args.gil_switch_interval_ms,
-         args.gil_switch_interval_ms > 0, "> 0"),
-    ]  # fmt: skip
+    ]
     for flag, value, ok, allowed in checks:
         if not ok:
             raise ValueError(f"{flag} {value} is out of range: allowed {allowed}")
-    # The engine thread gives the GIL up at every torch call and waits to get it back; while
-    # the event loop's thread is busy with hundreds of streams, that wait lasts up to the
-    # switch interval, 5 ms by default, per call. A short interval bounds it.
-    sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
     sock = bind(args.host, args.port)  # first, so a taken port fails before the model loads
-    llm = load_engine(args)
-    name = served_model_name(args)
-    config = ServerConfig(
-        name, args.api_key, args.max_waiting, args.max_request_bytes, args.stream_interval
-    )
-    app = build_app(llm, config)
-    host, port = sock.getsockname()[:2]
-    # Always printed, --quiet or not: with --port 0 it is how a caller learns the port.
-    print(f"[nanoqwen] serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
-    level = "warning" if args.quiet else args.log_level
-    logging.getLogger("nanoqwen.serve").setLevel(logging.INFO)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
+    engine, info = start_engine(args)
+    try:
+        name = served_model_name(args)
+        config = ServerConfig(name, args.api_key, args.max_waiting, args.max_request_bytes)
+        app = build_app(engine, info, config)
+        host, port = sock.getsockname()[:2]
+        # Always printed, --quiet or not: with --port 0 it is how a caller learns the port.
+        print(f"[nanoqwen] serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
+        level = "warning" if args.quiet else args.log_level
+        logging.getLogger("nanoqwen.serve").setLevel(logging.INFO)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()  # the app's lifespan did it already, unless uvicorn failed first
     return 0

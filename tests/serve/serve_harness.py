@@ -67,6 +67,15 @@ class Server:
             self.proc.wait()
         self._log.close()
 
+    def engine_pid(self) -> int:
+        """The engine process: the server's child started by multiprocessing's spawn."""
+        (pid,) = [
+            pid
+            for pid in child_pids(self.proc.pid)
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        return pid
+
     def metrics(self) -> dict[str, float]:
         """/metrics samples by name, `name{finished_reason=...}` for the labelled counter."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -93,3 +102,30 @@ class Server:
             if time.monotonic() > deadline:
                 raise AssertionError(f"the server is not idle after {timeout} s: {m}")
             time.sleep(0.05)
+
+
+def child_pids(parent: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[1]) == parent:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def process_gone(pid: int, timeout: float) -> bool:
+    """Whether pid exits (or is a zombie: exited, not yet reaped) within timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False

@@ -50,6 +50,14 @@ def test_bad_flags_end_with_one_line(args, message):
     assert line.startswith("nanoqwen: error: ") and message in line, line
 
 
+def test_engine_load_error_is_one_line(tiny_model):
+    """An error while the engine process loads the model reads as `nanoqwen generate`'s."""
+    r = serve("--model", str(tiny_model[0]), "--device", "cpu", "--max-model-len", "99999", "-q")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("nanoqwen: error: --max-model-len 99999 is too long: "), line
+
+
 def test_port_in_use(tiny_model):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

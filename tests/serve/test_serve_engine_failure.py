@@ -1,16 +1,22 @@
 """An engine step that raises (a bug, device out of memory) fails the requests it ran with a
-500, whole or mid-stream, and the server goes on serving: the app in-process over httpx."""
+500, whole or mid-stream, and the server goes on serving: the app in-process over httpx, its
+engine loop (EngineCore.serve, the engine process's loop) in a thread over real pipes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from multiprocessing import Pipe
 
 import httpx
 import pytest
 
 from nanoqwen import LLM
 from nanoqwen.serve.app import ServerConfig, build_app
+from nanoqwen.serve.engine_client import EngineClient
+from nanoqwen.serve.engine_core import EngineCore
+from nanoqwen.serve.model_info import ModelInfo
 
 BODY = {"prompt": "Hello", "max_tokens": 30, "ignore_eos": True, "temperature": 0}
 
@@ -18,10 +24,16 @@ BODY = {"prompt": "Hello", "max_tokens": 30, "ignore_eos": True, "temperature": 
 @pytest.fixture
 def app_and_llm(tiny_model):
     llm = LLM(str(tiny_model[0]), block_size=16, num_kv_blocks=64, progress=False)
-    app = build_app(llm, ServerConfig("tiny"))
-    app.state.engine.start()  # httpx's ASGI transport runs no lifespan
-    yield app, llm
-    app.state.engine.stop()
+    in_recv, in_send = Pipe(duplex=False)
+    out_recv, out_send = Pipe(duplex=False)
+    loop = threading.Thread(target=EngineCore(llm).serve, args=(in_recv, out_send), daemon=True)
+    loop.start()
+    engine = EngineClient(in_send, out_recv)
+    info = ModelInfo(llm.tokenizer, llm.max_model_len, llm.config.vocab_size)
+    yield build_app(engine, info, ServerConfig("tiny")), llm
+    engine.shutdown()
+    loop.join(10)
+    assert not loop.is_alive()
 
 
 def test_failed_step_fails_its_requests_and_the_server_goes_on(app_and_llm):
@@ -38,6 +50,7 @@ def test_failed_step_fails_its_requests_and_the_server_goes_on(app_and_llm):
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)
+        app.state.engine.start(asyncio.get_running_loop())  # httpx's transport runs no lifespan
         async with httpx.AsyncClient(transport=transport, base_url="http://nanoqwen") as c:
             fail_next.append(True)
             whole = await c.post("/v1/completions", json=BODY)

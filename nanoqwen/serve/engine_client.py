@@ -1,0 +1,284 @@
+"""The HTTP process's side of the engine process: starts it, sends it requests and aborts,
+and hands what each step made to the requests' handlers.
+
+Handlers call submit() and abort() on the event loop; both only queue messages for a
+BatchSender thread. A reader thread waits on the engine's pipe and passes each batch of
+StepOutputs to the event loop (one call_soon_threadsafe per read), where dispatch() pushes
+every request's new tokens to its Generation and updates the metrics. The HTTP process never
+touches the model or the device."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Protocol
+
+from nanoqwen.cli_parser import CLIError, UsageError
+from nanoqwen.runtime.logprobs import TokenLogprobs
+from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.serve.batch_sender import BatchSender, receive
+from nanoqwen.serve.engine_core import engine_main
+from nanoqwen.serve.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineReady,
+    EngineStartupError,
+    EngineStats,
+    Shutdown,
+    StepOutputs,
+)
+from nanoqwen.serve.metrics import ServingMetrics
+
+log = logging.getLogger("nanoqwen.serve")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class ChoiceOutput:
+    """What one choice made: all of it, or since the last batch when streaming."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # set once the choice is finished
+
+    def merge(self, part: ChoiceOutput) -> None:
+        self.text += part.text
+        self.token_ids = self.token_ids + part.token_ids
+        if part.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + part.logprobs
+        self.finish_reason = part.finish_reason or self.finish_reason
+
+
+class Sink(Protocol):
+    def push(self, index: int, payload) -> None: ...
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One sequence run for a handler: choice `index` of its response. sink.push(index, part)
+    runs on the event loop with each new ChoiceOutput, or an exception if the engine failed."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    index: int
+    sink: Sink
+    request_id: int = -1
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    num_output_tokens: int = 0
+
+
+class EngineClient:
+    def __init__(
+        self,
+        inputs: Connection,
+        outputs: Connection,
+        process: BaseProcess | None = None,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
+        self.process = process
+        self.metrics = metrics
+        self._outputs = outputs
+        self._sender = BatchSender(inputs, "nanoqwen-engine-input")
+        self._requests: dict[int, EngineRequest] = {}
+        self._ids = itertools.count()
+        self._num_submitted = 0
+        self._stats: EngineStats | None = None
+        self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._shut_down = False
+        self.exit_message: str | None = None  # why the engine is gone, once it is
+
+    # ---- the engine process's life ------------------------------------------------------------
+    @classmethod
+    def launch(cls, args: argparse.Namespace, stream_interval: int) -> EngineClient:
+        """Starts the engine process (spawn: a fresh interpreter, safe for CUDA)."""
+        ctx = multiprocessing.get_context("spawn")
+        in_recv, in_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=engine_main,
+            args=(args, stream_interval, in_recv, out_send),
+            name="nanoqwen-engine",
+        )
+        process.start()
+        # Only the engine holds these ends now, so its exit closes the pipe for the reader.
+        in_recv.close()
+        out_send.close()
+        return cls(in_send, out_recv, process)
+
+    def wait_ready(self) -> EngineReady:
+        """Blocks until the model is loaded; a load failure raises the CLI's error for it."""
+        try:
+            first = self._outputs.recv()
+        except EOFError:
+            self.process.join(5)
+            code = self.process.exitcode
+            raise CLIError(f"the engine process exited while loading (exit code {code})") from None
+        if isinstance(first, EngineStartupError):
+            self.process.join(10)
+            raise (UsageError if first.exit_code == 2 else CLIError)(first.message)
+        assert isinstance(first, EngineReady), first
+        return first
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts handing outputs to handlers on `loop` (call it from the loop)."""
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read, name="nanoqwen-engine-output")
+        self._reader.daemon = True
+        self._reader.start()
+
+    def kill(self) -> None:
+        """Ends the engine process at once (it failed to load, or loading was interrupted)."""
+        self._closing = True
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+        self.shutdown()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Asks the engine process to stop and waits for it; forces it after `timeout`.
+        Calling it again does nothing."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._closing = True
+        self._sender.put(Shutdown())
+        self._sender.close(timeout)
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                log.warning("the engine process did not stop in %.0f s: killing it", timeout)
+                self.process.kill()
+                self.process.join()
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._outputs.close()
+
+    @property
+    def alive(self) -> bool:
+        if self.exit_message is not None:
+            return False
+        return self.process is None or self.process.is_alive()
+
+    # ---- called by handlers on the event loop -----------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running: in the scheduler's queue or not yet taken in."""
+        if self._stats is None:
+            return self._num_submitted
+        return self._stats.num_waiting + self._num_submitted - self._stats.num_added
+
+    def submit(self, requests: list[EngineRequest]) -> None:
+        if not self.alive:
+            raise EngineDeadError(self.exit_message or "the engine process is not running")
+        items = []
+        for r in requests:
+            r.request_id = next(self._ids)
+            self._requests[r.request_id] = r
+            items.append(AddRequest(r.request_id, r.prompt_ids, r.params))
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+                self.metrics.prompt_len.observe(len(r.prompt_ids))
+        self._num_submitted += len(items)
+        self._sender.put_all(items)
+
+    def abort(self, requests: list[EngineRequest]) -> None:
+        """Ends the requests that are not finished; their KV blocks are free after the
+        engine's current step. Their sinks get nothing more."""
+        items = []
+        for r in requests:
+            if self._requests.pop(r.request_id, None) is not None:
+                items.append(AbortRequest(r.request_id))
+                if self.metrics is not None:
+                    self.metrics.finished("abort")
+        if items:
+            self._sender.put_all(items)
+
+    # ---- outputs --------------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                batch = receive(self._outputs)
+            except (EOFError, OSError):
+                batch = None
+            try:
+                if batch is None:
+                    self._loop.call_soon_threadsafe(self._engine_gone)
+                    return
+                self._loop.call_soon_threadsafe(self.dispatch, batch)
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                return
+
+    def dispatch(self, batch: list[StepOutputs]) -> None:
+        now = time.perf_counter()
+        num_tokens = 0
+        for out in batch:
+            for request_id, text, token_ids, finished, reason, logprobs in out.rows:
+                r = self._requests.get(request_id)
+                if r is None:
+                    continue  # aborted by its handler
+                if finished:
+                    del self._requests[request_id]
+                    reason = reason or "length"
+                part = ChoiceOutput(text, token_ids, logprobs, reason if finished else None)
+                num_tokens += len(token_ids)
+                self._record(r, part, now)
+                r.sink.push(r.index, part)
+            for request_id, why in out.failed:
+                r = self._requests.pop(request_id, None)
+                if r is not None:
+                    r.sink.push(r.index, RuntimeError(why))
+            if out.stats is not None:
+                self._stats = out.stats
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(num_tokens)  # once, not per request
+        if self.metrics is not None and self._stats is not None:
+            s = self._stats
+            self.metrics.set_engine_state(
+                s.num_running, s.num_waiting, s.num_free_blocks, s.num_blocks, s.num_preemptions
+            )
+
+    def _record(self, r: EngineRequest, part: ChoiceOutput, now: float) -> None:
+        num_new = len(part.token_ids)
+        if r.first_token_time is None and num_new:
+            r.first_token_time = now
+        r.num_output_tokens += num_new
+        m = self.metrics
+        if m is None:
+            return
+        if num_new and r.num_output_tokens == num_new:
+            m.ttft.observe(now - r.arrival_time)
+        if part.finish_reason is not None:
+            m.e2e.observe(now - r.arrival_time)
+            m.output_len.observe(r.num_output_tokens)
+            m.finished(part.finish_reason)
+            if r.num_output_tokens > 1 and r.first_token_time is not None:
+                m.tpot.observe((now - r.first_token_time) / (r.num_output_tokens - 1))
+
+    def _engine_gone(self) -> None:
+        if self._closing:
+            return
+        code = None
+        if self.process is not None:
+            self.process.join(1)
+            code = self.process.exitcode
+        self.exit_message = f"the engine process exited (exit code {code})"
+        log.error("%s: failing %d running requests", self.exit_message, len(self._requests))
+        requests, self._requests = list(self._requests.values()), {}
+        for r in requests:
+            with contextlib.suppress(Exception):
+                r.sink.push(r.index, EngineDeadError(self.exit_message))

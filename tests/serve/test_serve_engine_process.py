@@ -1,0 +1,168 @@
+"""The engine in its own process, as a user sees it: its death fails the requests in flight
+and /health says so; stopping or killing the server leaves no engine process behind; a
+client that stops reading holds up nobody else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import h11
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from nanoqwen import LLM, SamplingParams
+
+from .conftest import TINY_ENGINE
+from .serve_harness import Server, process_gone
+
+LONG = {"prompt": "def fib(n):", "max_tokens": 2000, "ignore_eos": True}
+
+
+def wait_for(server: Server, condition, what: str, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if condition(m):
+            return m
+        time.sleep(0.02)
+    raise AssertionError(f"{what} did not happen in {timeout} s: {server.metrics()}")
+
+
+def test_engine_process_death_fails_requests_in_flight_and_health(tiny_model, tmp_path):
+    server = Server(["--model", str(tiny_model[0]), *TINY_ENGINE], tmp_path / "server.log")
+    url = f"{server.url}/v1/completions"
+    try:
+        whole: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: whole.append(httpx.post(url, json=LONG)))
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            waiter.start()
+            wait_for(server, lambda m: m["nanoqwen:num_requests_running"] == 2, "two running")
+            os.kill(server.engine_pid(), signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        waiter.join(30)
+        why = "the engine process exited (exit code -9)"
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["message"] == f"the engine failed: {why}"
+        assert whole[0].status_code == 500
+        assert whole[0].json()["error"]["message"] == f"the engine failed: {why}"
+        health = httpx.get(f"{server.url}/health")
+        assert (health.status_code, health.json()) == (503, {"status": why})
+        for stream in (False, True):  # new requests fail at once, with the same error
+            after = httpx.post(url, json={"prompt": "Hello", "max_tokens": 3, "stream": stream})
+            assert after.status_code == 500
+            assert after.json()["error"]["message"] == f"the engine failed: {why}"
+    finally:
+        server.close()
+    assert server.proc.returncode in (0, -signal.SIGTERM)
+    assert "Traceback" not in server.log()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_stopping_or_killing_the_server_ends_the_engine_process(tiny_model, tmp_path, how):
+    server = Server(["--model", str(tiny_model[0]), *TINY_ENGINE], tmp_path / "server.log")
+    engine = server.engine_pid()
+    url = f"{server.url}/v1/completions"
+    with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
+        assert next(r.iter_lines()).startswith("data: {")  # the engine is busy with it
+        if how == "SIGTERM":
+            server.close()
+            assert server.proc.returncode in (0, -signal.SIGTERM)
+        else:  # no clean-up at all: the engine sees the pipe close
+            server.proc.kill()
+            server.close()
+    assert process_gone(engine, timeout=20), f"the engine process {engine} outlived the server"
+
+
+# ---- a client that stops reading ---------------------------------------------------------------
+def unsent_bytes(server_port: int, client_port: int) -> int:
+    """The server socket's send queue towards client_port (/proc/net/tcp's tx_queue)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1].split(":")[1], fields[2].split(":")[1]
+        if (int(local, 16), int(remote, 16)) == (server_port, client_port):
+            return int(fields[4].split(":")[0], 16)
+    raise AssertionError(f"no connection {server_port} -> {client_port}")
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """The whole body of the HTTP response on sock (h11 undoes the chunked encoding)."""
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target="/", headers=[("Host", "x")]))  # state only
+    conn.send(h11.EndOfMessage())
+    body = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(sock.recv(65536))
+        elif isinstance(event, h11.Response):
+            assert event.status_code == 200
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return body
+
+
+def test_stalled_client_does_not_hold_up_the_engine_or_other_streams(tiny_server, tiny_model):
+    model = str(tiny_model[0])
+    llm = LLM(model, block_size=16, num_kv_blocks=256, progress=False)
+    others = [f"Hello world {i}" for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    want_others = llm.generate(others, greedy)
+    want_stalled = llm.generate("def fib(n):", SamplingParams(temperature=0, max_tokens=300))[0]
+    before = tiny_server.wait_idle()
+
+    # 4 x 300 tokens streamed with their ids: ~250 kB of events, far more than the kernel's
+    # and uvicorn's buffers hold for a client that reads nothing.
+    body = json.dumps({"model": model, "prompt": "def fib(n):", "max_tokens": 300, "n": 4,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "return_token_ids": True}).encode()  # fmt: skip
+    host, port = tiny_server.url.removeprefix("http://").split(":")
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+    stalled.connect((host, int(port)))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    stalled.sendall(head.encode() + body)
+    try:
+
+        async def one(client: AsyncOpenAI, i: int) -> str:
+            stream = await client.completions.create(
+                model=model, prompt=others[i], temperature=0, max_tokens=24, stream=True
+            )
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        async def everyone() -> list[str]:
+            async with AsyncOpenAI(
+                base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0
+            ) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+        assert asyncio.run(everyone()) == [w.text for w in want_others]
+        # The engine made all of the stalled request too, without waiting for its reader.
+        after = tiny_server.wait_idle()
+        counter = "nanoqwen:generation_tokens_total"
+        made = after[counter] - before[counter]
+        assert made == 4 * 300 + sum(len(w.token_ids) for w in want_others)
+        assert unsent_bytes(int(port), stalled.getsockname()[1]) > 0  # it is stalled indeed
+        events = read_response(stalled).decode().split("\n\n")
+    finally:
+        stalled.close()
+    assert events[-2:] == ["data: [DONE]", ""]
+    tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    for event in events[:-2]:
+        choice = json.loads(event.removeprefix("data: "))["choices"][0]
+        tokens[choice["index"]] += choice["token_ids"]
+    assert tokens == {i: want_stalled.token_ids for i in range(4)}
+    assert "Traceback" not in tiny_server.log()
