@@ -45,10 +45,10 @@ def _dequant_tile(qw_ptr, s_ptr, o_ptr, n, n_mask, k, k_mask, KW, G,
     q = ((words >> shift) & MASK) | 0x4B000000
     w = q.to(tl.float32, bitcast=True) - ZERO
     g_off = n64[None, :] * G + (k // GROUP)[:, None]
-    w *= tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_OFFSET:
-        w += tl.load(o_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
-    return w
+        return tl.fma(w, scale, tl.load(o_ptr + g_off, mask=mask, other=0.0).to(tl.float32))
+    return w * scale
 
 
 @triton.jit
