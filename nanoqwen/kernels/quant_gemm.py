@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoqwen.kernels.quant_gemv import _dequant_values, kernel_group
+
 SM_COUNT_FALLBACK = 132  # the H200's, for the CPU interpreter
 
 
@@ -34,16 +36,17 @@ def _dequant_tile(qw_ptr, s_ptr, o_ptr, n, n_mask, k, k_mask, KW, G,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr):  # fmt: skip
     """The float32 weights w[n, k] for column vectors k [BK] and row vectors n [BN]: [BK, BN].
 
-    A packed word is loaded once per value it holds; the repeats hit L1."""
+    Column k is value (k % panel) // PANEL of word k // panel * PANEL + k % PANEL, where a
+    panel holds PANEL words (kernels/quant_matmul.py). A word is loaded once per value it
+    holds; the repeats hit L1."""
     VALS: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    ZERO: tl.constexpr = 8388608.0 + (128.0 if BITS == 8 else 0.0)
+    P: tl.constexpr = 16  # PANEL
     n64 = n.to(tl.int64)
     mask = k_mask[:, None] & n_mask[None, :]
-    words = tl.load(qw_ptr + n64[None, :] * KW + (k // VALS)[:, None], mask=mask, other=0)
-    shift = ((k % VALS) * BITS)[:, None]
-    q = ((words >> shift) & MASK) | 0x4B000000
-    w = q.to(tl.float32, bitcast=True) - ZERO
+    word = k // (P * VALS) * P + k % P
+    shift = (k % (P * VALS) // P * BITS)[:, None]
+    words = tl.load(qw_ptr + n64[None, :] * KW + word[:, None], mask=mask, other=0)
+    w = _dequant_values(words, shift, BITS)
     g_off = n64[None, :] * G + (k // GROUP)[:, None]
     scale = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_OFFSET:
@@ -160,7 +163,7 @@ def launch_gemm(
     _qgemm_kernel[grid](
         x, w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
         w.scales if bias is None else bias, out, m, n, k, w.qweight.shape[1], w.scales.shape[1],
-        x.stride(0), chunk, BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None,
+        x.stride(0), chunk, BITS=w.bits, GROUP=kernel_group(w), HAS_OFFSET=w.offsets is not None,
         HAS_BIAS=bias is not None, PARTIAL=splits > 1, IEEE=x.dtype == torch.float32,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -182,7 +185,7 @@ def dequantize(w, dtype: torch.dtype) -> torch.Tensor:
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w.qweight, w.scales, w.scales if w.offsets is None else w.offsets, out,
         n, k, w.qweight.shape[1], w.scales.shape[1],
-        BITS=w.bits, GROUP=w.group_size, HAS_OFFSET=w.offsets is not None, BN=bn, BK=bk,
+        BITS=w.bits, GROUP=kernel_group(w), HAS_OFFSET=w.offsets is not None, BN=bn, BK=bk,
         num_warps=4,
     )  # fmt: skip
     return out

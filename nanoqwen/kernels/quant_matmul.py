@@ -2,9 +2,11 @@
 
 The canonical weight is w[n, k] = q[n, k] * scale[n, k // g] + offset[n, k // g] (offset
 optional), with q in 0..15 (bits=4) or -128..127 (bits=8). `pack_for_triton` turns it into
-the layout the kernels read: the values of each row packed along K into int32 words (eight
-int4 or four int8 biased by +128, value j in bits j*bits..), and the group scales and offsets
-as [N, K // g] matrices in float16 where that is exact, else float32. `quant_linear` picks the
+the layout the kernels read: each row's values packed into int32 words (eight int4, or four
+int8 biased by +128, value j in bits j*bits..) by panels of PANEL words, where value j of
+word i holds column j * PANEL + i of the panel (so the GEMV loads x for value j of every word
+as one contiguous vector), and the group scales and offsets as [N, K // g] matrices in float16
+where that is exact, else float32. `quant_linear` picks the
 kernel from the number of rows alone (so a CUDA graph can capture it): one row, the GEMV of
 kernels/quant_gemv.py; up to DEQUANT_MIN_M rows, the tensor-core GEMM of
 kernels/quant_gemm.py; more (prefill), dequantize to x's dtype and let cuBLAS multiply.
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.kernels.quant_gemm import GemmConfig, dequantize, launch_gemm
-from nanoqwen.kernels.quant_gemv import GemvConfig, launch_gemv
+from nanoqwen.kernels.quant_gemv import PANEL, GemvConfig, launch_gemv
 
 DEQUANT_MIN_M = 512  # from here a dense dequantized matrix and cuBLAS beat the Triton GEMM
 
@@ -27,7 +29,7 @@ DEQUANT_MIN_M = 512  # from here a dense dequantized matrix and cuBLAS beat the 
 class PackedWeight:
     """The device tensors of one quantized [out_features, in_features] weight."""
 
-    qweight: torch.Tensor  # int32 [N, K * bits // 32]
+    qweight: torch.Tensor  # int32 [N, K * bits // 32 rounded up to whole panels]
     scales: torch.Tensor  # float16 or float32 [N, K // group_size]
     offsets: torch.Tensor | None  # like scales, or None (symmetric)
     bits: int
@@ -53,11 +55,16 @@ def _check_groups(name: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
 
 
 def _pack_values(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N, K] values -> int32 words [N, ceil(K / panel) * PANEL], zero-padded on the right."""
     vals = 32 // bits
     n, k = q.shape
+    panel = PANEL * vals  # columns per panel
     u = q.to(torch.int64) + (128 if bits == 8 else 0)  # int8 is stored biased, as 0..255
+    u = F.pad(u, (0, -k % panel), value=128 if bits == 8 else 0)
+    # Column p * panel + j * PANEL + i is value j of word i of panel p.
+    u = u.view(n, -1, vals, PANEL).transpose(2, 3)
     shifts = torch.arange(vals, device=q.device, dtype=torch.int64) * bits
-    words = (u.view(n, k // vals, vals) << shifts).sum(-1)  # disjoint bits: sum == OR
+    words = (u << shifts).sum(-1).view(n, -1)  # disjoint bits: sum == OR
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as two's complement
     return words.to(torch.int32).contiguous()
 
@@ -94,9 +101,6 @@ def pack_for_triton(
         raise ValueError(
             f"group_size must be a power of two >= 16 or K={k} (per channel), got {group_size}"
         )
-    vals = 32 // bits
-    if k % vals:
-        raise ValueError(f"K={k} must be a multiple of {vals} for bits={bits}")
     if bits == 4 and int(q.max()) > 15:
         raise ValueError(f"q holds {int(q.max())}, outside 0..15 for bits=4")
     shape = (n, k // group_size)

@@ -78,8 +78,8 @@ def test_offset_and_bias_each_alone(offset, bias, m):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "config",
-    [GemvConfig(rows=1, words=8), GemvConfig(rows=16, words=32), GemmConfig(16, 16, 32, 4)],
-    ids=["gemv-1x8", "gemv-16x32", "gemm-split4"],
+    [GemvConfig(rows=1, panels=1), GemvConfig(rows=16, panels=4), GemmConfig(16, 16, 32, 4)],
+    ids=["gemv-1x1", "gemv-16x4", "gemm-split4"],
 )
 def test_every_launch_shape_gives_the_same_product(bits, config):
     """The tile sizes the benchmark sweeps, and K split four ways (partial sums + reduce)."""
@@ -152,7 +152,6 @@ def _bad_inputs():
         ((q4[0], s, o, 16, 4), ValueError, "q must be 2-D"),
         ((q4, s[:, :2], o[:, :2], 24, 4), ValueError, "group_size must divide K=64"),
         ((q4[:, :48], s[:, :2], o[:, :2], 24, 4), ValueError, "power of two >= 16 or K=48"),
-        ((q4[:, :36], s[:, :1], None, 36, 4), ValueError, "K=36 must be a multiple of 8"),
         ((q4, s.double(), o, 16, 4), TypeError, "scale must be float32"),
         ((q4, s, o.half(), 16, 4), TypeError, "offset must be float32"),
         ((q4, s[:, :2], o, 16, 4), ValueError, r"scale must have shape \[8, 4\]"),
