@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.kernels.quant_gemv import _dequant_values, kernel_group
-
-SM_COUNT_FALLBACK = 132  # the H200's, for the CPU interpreter
+from nanoqwen.kernels.quant_gemv import _dequant_values, kernel_group, sm_count
 
 
 @dataclass(frozen=True)
@@ -120,12 +118,6 @@ def _dequant_kernel(qw_ptr, s_ptr, o_ptr, w_ptr, N, K, KW, G,
     offs = n.to(tl.int64)[:, None] * K + k[None, :]
     w = tl.trans(w).to(w_ptr.dtype.element_ty)  # stored along K, as rows are laid out
     tl.store(w_ptr + offs, w, mask=n_mask[:, None] & k_mask[None, :])
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return SM_COUNT_FALLBACK
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemm_config(m: int, n: int, k: int, sms: int) -> GemmConfig:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from nanoqwen.kernels.silu_mul import _silu_mul
 
+SM_COUNT_FALLBACK = 132  # the H200's, for the CPU interpreter
 PANEL = 16  # int32 words per panel: a group (>= 16 values) spans whole value slots of one
 
 
@@ -116,18 +117,25 @@ def _qgemv_kernel(
     tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
 
 
-def gemv_config(n: int, k: int, bits: int) -> GemvConfig:
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return SM_COUNT_FALLBACK
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemv_config(n: int, k: int, bits: int, sms: int) -> GemvConfig:
     """Rows and panels per program step from the shape alone (launch parameters never depend
-    on data, so the kernel can be captured in CUDA graphs)."""
+    on data, so the kernel can be captured in CUDA graphs).
+
+    The loop is not software-pipelined, so what keeps HBM busy is the bytes each step has in
+    flight: ~8 KB a program (16 words a thread), as the bf16 GEMV's 7B steps, with at least
+    two programs an SM."""
     row_panels = triton.cdiv(k * bits // 32, PANEL)
-    panels = 4
-    while panels > 1 and row_panels % panels:
-        panels //= 2  # a step that divides the row wastes no masked loads
-    rows = 32 // panels  # 2 KB of packed weights per program step
-    while rows > 1 and triton.cdiv(n, rows) < 512:
-        rows //= 2  # enough programs to keep every SM streaming
-    # 16 bytes a thread where the step has them (a small step gets fewer warps).
-    warps = min(4, max(1, rows * panels * PANEL // 128))
+    panels = min(triton.next_power_of_2(row_panels), 16)
+    rows = max(1, 2048 // (panels * PANEL))
+    while rows > 1 and triton.cdiv(n, rows) < 2 * sms:
+        rows //= 2
+    warps = min(4, max(1, rows * panels * PANEL // 256))
     return GemvConfig(rows, panels, warps)
 
 
@@ -144,7 +152,7 @@ def launch_gemv(
 ) -> torch.Tensor:
     """x [1, K] times the packed weight: [1, N], or [1, N // 2] with silu_mul."""
     n = w.out_features // 2 if silu_mul else w.out_features
-    cfg = config or gemv_config(w.out_features, w.in_features, w.bits)
+    cfg = config or gemv_config(w.out_features, w.in_features, w.bits, sm_count(x.device))
     group = kernel_group(w)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _qgemv_kernel[(triton.cdiv(n, cfg.rows),)](
