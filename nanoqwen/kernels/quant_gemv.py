@@ -31,7 +31,7 @@ class GemvConfig:
     rows: int  # output rows per program
     panels: int  # panels of each row per loop step (a power of two)
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3  # loop steps in flight, counting the one computing
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _dequant_values(words, shift, BITS: tl.constexpr):
 def _row_dot(
     x_ptr, qw_ptr, s_ptr, o_ptr, rows, r_mask, K, KW, G,
     BITS: tl.constexpr, GROUP: tl.constexpr, SLOTS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    BN: tl.constexpr, BP: tl.constexpr,
+    BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """float32 dot products of x with the dequantized weight rows `rows`: [BN].
 
@@ -60,7 +60,10 @@ def _row_dot(
     pb = tl.arange(0, BP)
     lane = tl.arange(0, P)
     acc = tl.zeros([BN, BP, P], tl.float32)
-    for p0 in range(0, KW // P, BP):
+    # Software-pipelined: every load of the next STAGES - 1 steps is in flight (cp.async into
+    # shared memory) while a step computes, and reading it back from shared memory serves
+    # whatever register layout each operand needs.
+    for p0 in tl.range(0, KW // P, BP, num_stages=STAGES):
         panel = p0 + pb
         p_mask = panel < KW // P
         mask = r_mask[:, None, None] & p_mask[None, :, None]
@@ -95,6 +98,7 @@ def _qgemv_kernel(
     x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, KW, G,
     BITS: tl.constexpr, GROUP: tl.constexpr, SLOTS: tl.constexpr, HAS_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x)."""
@@ -102,7 +106,7 @@ def _qgemv_kernel(
     r_mask = rows < N
     y = _row_dot(
         x_ptr, qw_ptr, s_ptr, o_ptr, rows, r_mask, K, KW, G,
-        BITS, GROUP, SLOTS, HAS_OFFSET, BN, BP,
+        BITS, GROUP, SLOTS, HAS_OFFSET, BN, BP, STAGES,
     )  # fmt: skip
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
@@ -110,7 +114,7 @@ def _qgemv_kernel(
     if SILU_MUL:
         up = _row_dot(
             x_ptr, qw_ptr, s_ptr, o_ptr, rows + N, r_mask, K, KW, G,
-            BITS, GROUP, SLOTS, HAS_OFFSET, BN, BP,
+            BITS, GROUP, SLOTS, HAS_OFFSET, BN, BP, STAGES,
         )  # fmt: skip
         # Both projections round to the model dtype first, as the unfused path's matmul does.
         y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
@@ -160,6 +164,6 @@ def launch_gemv(
         w.scales if bias is None else bias, y, n, w.in_features, w.qweight.shape[1],
         w.scales.shape[1], BITS=w.bits, GROUP=group, SLOTS=min(group // PANEL, 32 // w.bits),
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        BN=cfg.rows, BP=cfg.panels, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
     return y
