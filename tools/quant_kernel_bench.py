@@ -17,7 +17,7 @@ Sections, printed as they finish:
            (fused SiLU·up GEMV): the best estimate of the decode-speed ratio
   gemv     the q4g32o and q8g32 GEMV over rows x panels x warps, per shape: every time, the
            best, and the default's rank
-  gemm     the q4g32o tensor-core GEMM at M 4, 16 and 64 over block_n x block_k x split_k
+  gemm     the q4g32o tensor-core GEMM at M 4, 16 and 64 over block_n x split_k x stages
   prefill  M 512 and 2048: the Triton GEMM against dequantize + cuBLAS (DEQUANT_MIN_M)
 
 Usage: python3 tools/quant_kernel_bench.py [--shapes 0.5B,7B]
@@ -240,10 +240,10 @@ def gemm_sweep(model: str, shape: Shape, fmt: str) -> None:
     sms = sm_count(DEV)
     for m in (4, 16, 64):
         x = shape.x(m)
-        default = gemm_config(m, shape.n, shape.k, sms)
+        default = gemm_config(m, shape.n, shape.k, ws[0].bits, sms)
         times = {default: timed(over(launch_gemm, x, ws, bias=None, config=default))}
-        for bn, bk, split in itertools.product((32, 64, 128), (64, 128), (1, 4)):
-            cfg = GemmConfig(default.block_m, bn, bk, split, default.num_warps)
+        for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 4)):
+            cfg = GemmConfig(default.block_m, bn, split, default.num_warps, stages)
             if out_of_time():
                 break
             if cfg not in times:
@@ -273,8 +273,8 @@ def report_sweep(kind, model, shape, fmt, m, times, default, nbytes) -> None:
 
 def _short(cfg) -> str:
     if isinstance(cfg, GemvConfig):
-        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}"
-    return f"m{cfg.block_m}n{cfg.block_n}k{cfg.block_k}s{cfg.split_k}w{cfg.num_warps}"
+        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
+    return f"m{cfg.block_m}n{cfg.block_n}s{cfg.split_k}w{cfg.num_warps}st{cfg.num_stages}"
 
 
 def prefill(model: str, shape: Shape) -> None:
@@ -283,7 +283,7 @@ def prefill(model: str, shape: Shape) -> None:
         row = {"bf16 F.linear": timed(over(F.linear, x, shape.bf16[:2]))}
         for fmt in ("q4g32o", "q8g32"):
             ws = shape.quant[fmt][:2]
-            cfg = gemm_config(m, shape.n, shape.k, sm_count(DEV))
+            cfg = gemm_config(m, shape.n, shape.k, ws[0].bits, sm_count(DEV))
             row[f"{fmt} triton"] = timed(over(launch_gemm, x, ws, bias=None, config=cfg))
             row[f"{fmt} dequant+cuBLAS"] = timed(over(dequant_linear, x, ws))
         print(f"prefill {shape.label()} M={m}: "

@@ -1,8 +1,9 @@
 """Weight-only quantized matrix-vector product for batch-1 decode.
 
 At one token a projection is a pure weight stream, so the kernel reads each packed int32 word
-once (a program holds `rows` output rows and walks K `panels` panels at a time) and spends as
-few instructions per weight as it can, since at int4 the H200 delivers ~10 G weights per ms:
+once (a program holds `rows` output rows and walks K `panels` panels at a time, the next
+steps' loads in flight through cp.async) and spends as few instructions per weight as it can,
+since at int4 the H200 delivers ~10 G weights per ms:
 - the packed layout (kernels/quant_matmul.py) puts value j of a panel's 16 words on 16
   consecutive columns, so x for value j of every word is one contiguous vector load;
 - a value becomes a float by OR-ing it into the mantissa of 2^23 and subtracting 2^23 (exact,
@@ -131,8 +132,8 @@ def gemv_config(n: int, k: int, bits: int, sms: int) -> GemvConfig:
     """Rows and panels per program step from the shape alone (launch parameters never depend
     on data, so the kernel can be captured in CUDA graphs).
 
-    The loop is not software-pipelined, so what keeps HBM busy is the bytes each step has in
-    flight: ~8 KB a program (16 words a thread), as the bf16 GEMV's 7B steps, with at least
+    What keeps HBM busy is the bytes in flight: steps of ~8 KB a program (16 words a
+    thread, as the bf16 GEMV's 7B steps), num_stages - 1 of them loading ahead, and at least
     two programs an SM."""
     row_panels = triton.cdiv(k * bits // 32, PANEL)
     panels = min(triton.next_power_of_2(row_panels), 16)

@@ -78,7 +78,7 @@ def test_offset_and_bias_each_alone(offset, bias, m):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "config",
-    [GemvConfig(rows=2, panels=1), GemvConfig(rows=16, panels=4), GemmConfig(16, 16, 32, 4)],
+    [GemvConfig(rows=2, panels=1), GemvConfig(rows=16, panels=4), GemmConfig(16, 16, split_k=4)],
     ids=["gemv-2x1", "gemv-16x4", "gemm-split4"],
 )
 def test_every_launch_shape_gives_the_same_product(bits, config):
