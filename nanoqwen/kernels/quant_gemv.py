@@ -137,10 +137,13 @@ def gemv_config(n: int, k: int, bits: int, sms: int) -> GemvConfig:
     two programs an SM."""
     row_panels = triton.cdiv(k * bits // 32, PANEL)
     panels = min(triton.next_power_of_2(row_panels), 16)
-    rows = max(1, 2048 // (panels * PANEL))
+    # Each x slot load needs >= 2 values (4 bytes) a thread to be pipelined (cp.async moves
+    # 4 bytes or more): at most one warp per 4 panels.
+    warps = min(4, max(1, panels // 4))
+    rows = max(1, 512 * warps // (panels * PANEL))  # 16 words a thread
     while rows > 1 and triton.cdiv(n, rows) < 2 * sms:
         rows //= 2
-    warps = min(4, max(1, rows * panels * PANEL // 256))
+    warps = min(warps, max(1, rows * panels * PANEL // 256))  # >= 8 words a thread
     return GemvConfig(rows, panels, warps)
 
 
