@@ -60,38 +60,41 @@ def _row_dot(
     rows64 = rows.to(tl.int64)
     pb = tl.arange(0, BP)
     lane = tl.arange(0, P)
-    acc = tl.zeros([BN, BP, P], tl.float32)
+    # Tiles are [panels, rows, lanes]: with lanes the contiguous axis, Triton spreads a
+    # warp's threads over lanes, then panels, so a thread holds several rows of the same
+    # columns and converts (and sums) each x value once for all of them.
+    acc = tl.zeros([BP, BN, P], tl.float32)
     # Software-pipelined: every load of the next STAGES - 1 steps is in flight (cp.async into
     # shared memory) while a step computes, and reading it back from shared memory serves
     # whatever register layout each operand needs.
     for p0 in tl.range(0, KW // P, BP, num_stages=STAGES):
         panel = p0 + pb
         p_mask = panel < KW // P
-        mask = r_mask[:, None, None] & p_mask[None, :, None]
+        mask = p_mask[:, None, None] & r_mask[None, :, None]
         words = tl.load(
-            qw_ptr + rows64[:, None, None] * KW + (panel[:, None] * P + lane[None, :])[None],
+            qw_ptr + rows64[None, :, None] * KW + (panel[:, None] * P + lane[None, :])[:, None, :],
             mask=mask, other=0,
         )  # fmt: skip
-        part = tl.zeros([BN, BP, P], tl.float32)
+        part = tl.zeros([BP, BN, P], tl.float32)
         x_sum = tl.zeros([BP, P], tl.float32)
         for j in tl.static_range(VALS):
             col = panel[:, None] * (P * VALS) + j * P + lane[None, :]
             xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
-            part += _dequant_values(words, j * BITS, BITS) * xj[None, :, :]
+            part += _dequant_values(words, j * BITS, BITS) * xj[:, None, :]
             if HAS_OFFSET:
                 x_sum += xj
             if j % SLOTS == SLOTS - 1:  # the last slot of a group: apply its scale, offset
                 grp = (panel * (P * VALS) + (j + 1 - SLOTS) * P) // GROUP
-                g_mask = r_mask[:, None] & (p_mask & (grp < G))[None, :]
-                g_off = rows64[:, None] * G + grp[None, :]
+                g_mask = (p_mask & (grp < G))[:, None] & r_mask[None, :]
+                g_off = rows64[None, :] * G + grp[:, None]
                 scale = tl.load(s_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)
                 acc += part * scale[:, :, None]
-                part = tl.zeros([BN, BP, P], tl.float32)
+                part = tl.zeros([BP, BN, P], tl.float32)
                 if HAS_OFFSET:
                     offset = tl.load(o_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)
-                    acc += offset[:, :, None] * x_sum[None, :, :]
+                    acc += offset[:, :, None] * x_sum[:, None, :]
                     x_sum = tl.zeros([BP, P], tl.float32)
-    return tl.sum(tl.sum(acc, 2), 1)
+    return tl.sum(tl.sum(acc, 2), 0)
 
 
 @triton.jit
