@@ -24,6 +24,7 @@ import triton.language as tl
 from nanoqwen.kernels.silu_mul import _silu_mul
 
 SM_COUNT_FALLBACK = 132  # the H200's, for the CPU interpreter
+MAGIC_2_23 = 0x4B000000  # float32 bits of 2^23, passed as an argument (see _slot_values)
 PANEL = 16  # int32 words per panel: a group (>= 16 values) spans whole value slots of one
 
 
@@ -46,8 +47,22 @@ def _dequant_values(words, shift, BITS: tl.constexpr):
 
 
 @triton.jit
+def _slot_values(words, high, magic, j: tl.constexpr, BITS: tl.constexpr):
+    """Value slot j of packed words as float32, times 2^(BITS * (j % HALF)) where HALF slots
+    fill 16 bits, less the storage bias. The slot is masked in place (`high` = words >> 16
+    serves the upper half) into the mantissa of 2^23 and 2^23 subtracted: one LOP3 and one
+    FADD a value, since `magic` (the bits of 2^23) is a runtime value, not a second
+    immediate."""
+    HALF: tl.constexpr = 16 // BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << (j % HALF * BITS)
+    ZERO: tl.constexpr = 8388608.0 + (128.0 * (1 << (j % HALF * BITS)) if BITS == 8 else 0.0)
+    q = ((words if j < HALF else high) & MASK) | magic
+    return q.to(tl.float32, bitcast=True) - ZERO
+
+
+@triton.jit
 def _row_dot(
-    x_ptr, qw_ptr, s_ptr, o_ptr, rows, r_mask, K, KW, G,
+    x_ptr, qw_ptr, s_ptr, o_ptr, rows, r_mask, K, KW, G, magic,
     BITS: tl.constexpr, GROUP: tl.constexpr, SLOTS: tl.constexpr, HAS_OFFSET: tl.constexpr,
     BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -75,12 +90,14 @@ def _row_dot(
             qw_ptr + rows64[None, :, None] * KW + (panel[:, None] * P + lane[None, :])[:, None, :],
             mask=mask, other=0,
         )  # fmt: skip
+        high = words >> 16
         part = tl.zeros([BP, BN, P], tl.float32)
         x_sum = tl.zeros([BP, P], tl.float32)
         for j in tl.static_range(VALS):
             col = panel[:, None] * (P * VALS) + j * P + lane[None, :]
             xj = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)
-            part += _dequant_values(words, j * BITS, BITS) * xj[:, None, :]
+            x_scaled = xj * (1.0 / (1 << (j % (16 // BITS) * BITS)))  # exact: a power of 2
+            part += _slot_values(words, high, magic, j, BITS) * x_scaled[:, None, :]
             if HAS_OFFSET:
                 x_sum += xj
             if j % SLOTS == SLOTS - 1:  # the last slot of a group: apply its scale, offset
@@ -99,7 +116,7 @@ def _row_dot(
 
 @triton.jit
 def _qgemv_kernel(
-    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, KW, G,
+    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, KW, G, MAGIC,
     BITS: tl.constexpr, GROUP: tl.constexpr, SLOTS: tl.constexpr, HAS_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
     STAGES: tl.constexpr,
@@ -109,7 +126,7 @@ def _qgemv_kernel(
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r_mask = rows < N
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, rows, r_mask, K, KW, G,
+        x_ptr, qw_ptr, s_ptr, o_ptr, rows, r_mask, K, KW, G, MAGIC,
         BITS, GROUP, SLOTS, HAS_OFFSET, BN, BP, STAGES,
     )  # fmt: skip
     dtype: tl.constexpr = y_ptr.dtype.element_ty
@@ -117,7 +134,7 @@ def _qgemv_kernel(
         y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     if SILU_MUL:
         up = _row_dot(
-            x_ptr, qw_ptr, s_ptr, o_ptr, rows + N, r_mask, K, KW, G,
+            x_ptr, qw_ptr, s_ptr, o_ptr, rows + N, r_mask, K, KW, G, MAGIC,
             BITS, GROUP, SLOTS, HAS_OFFSET, BN, BP, STAGES,
         )  # fmt: skip
         # Both projections round to the model dtype first, as the unfused path's matmul does.
@@ -169,8 +186,9 @@ def launch_gemv(
     _qgemv_kernel[(triton.cdiv(n, cfg.rows),)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
         w.scales if bias is None else bias, y, n, w.in_features, w.qweight.shape[1],
-        w.scales.shape[1], BITS=w.bits, GROUP=group, SLOTS=min(group // PANEL, 32 // w.bits),
-        HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        w.scales.shape[1], MAGIC_2_23, BITS=w.bits, GROUP=group,
+        SLOTS=min(group // PANEL, 32 // w.bits), HAS_OFFSET=w.offsets is not None,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )  # fmt: skip
     return y
