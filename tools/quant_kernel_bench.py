@@ -22,7 +22,7 @@ Sections, printed as they finish:
            outside the sweep budget
 
 Usage: python3 tools/quant_kernel_bench.py [--shapes 0.5B,7B]
-           [--sections table,stack,gemv,gemm,prefill] [--sweep-budget-s 150] [--json PATH]
+           [--sections table,stack,gemv,gemm,prefill] [--sweep-budget-s 90] [--json PATH]
 
 Table and stack always run; the sweeps then stop after --sweep-budget-s seconds (each still
 times its default launch parameters).
@@ -299,7 +299,7 @@ def main() -> None:
     p.add_argument("--shapes", default="0.5B,7B")
     p.add_argument("--sections", default="table,stack,gemv,gemm,prefill")
     p.add_argument(
-        "--sweep-budget-s", type=float, default=150.0,
+        "--sweep-budget-s", type=float, default=90.0,
         help="seconds for the sweeps, counted once table and stack are done",
     )  # fmt: skip
     p.add_argument("--json", help="also write every figure here")

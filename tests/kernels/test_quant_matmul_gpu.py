@@ -81,7 +81,9 @@ def test_fused_gate_up_equals_silu_times_up(shape):
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     gate, up = quant_linear(x, packed).chunk(2, dim=-1)
     expected = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
-    torch.testing.assert_close(quant_linear_silu_mul(x, packed), expected, rtol=0, atol=0)
+    # The same fp32 sums round to bf16 first in both; SiLU's float32 formula may differ in
+    # the last bit, so a bf16 step apart at most.
+    torch.testing.assert_close(quant_linear_silu_mul(x, packed), expected, rtol=1.6e-2, atol=1e-5)
 
 
 @pytest.mark.parametrize("m", [1, 8, 64])
