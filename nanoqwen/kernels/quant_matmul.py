@@ -14,7 +14,7 @@ kernels/quant_gemm.py; more (prefill), dequantize to x's dtype and let cuBLAS mu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,11 @@ class PackedWeight:
     group_size: int
     out_features: int
     in_features: int
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        """The same weight on device (pack on the CPU at load, then move)."""
+        move = {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
+        return replace(self, **{k: None if t is None else t.to(device) for k, t in move.items()})
 
     @property
     def nbytes(self) -> int:

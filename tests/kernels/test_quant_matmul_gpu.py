@@ -72,6 +72,20 @@ def test_real_shapes_equal_the_dequantized_product(shape, bits, group, offset):
         check(quant_linear(x, packed, bias), x, w, bias, weight_rounded=m > 1)
 
 
+def test_packed_on_the_cpu_and_moved_equals_packed_on_the_gpu():
+    from nanoqwen.kernels.quant_matmul import pack_for_triton, quant_linear
+
+    n, k = SHAPES["0.5B-qkv"]
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = torch.rand(n, k // 32) * 0.004 + 0.002
+    offset = -7.5 * scale
+    moved = pack_for_triton(q, scale, offset, 32, 4).to("cuda")
+    on_gpu = pack_for_triton(q.cuda(), scale.cuda(), offset.cuda(), 32, 4)
+    assert moved.qweight.device.type == "cuda" and torch.equal(moved.qweight, on_gpu.qweight)
+    x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(quant_linear(x, moved), quant_linear(x, on_gpu))
+
+
 @pytest.mark.parametrize("shape", ["0.5B-gate_up", "7B-gate_up"])
 def test_fused_gate_up_equals_silu_times_up(shape):
     from nanoqwen.kernels.quant_matmul import quant_linear, quant_linear_silu_mul
