@@ -19,11 +19,17 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from nanoqwen.serve import args as serve_args
+from nanoqwen.serve.bench_client import (
+    RequestResult,
+    default_client_processes,
+    one_request,
+    send_requests,
+)
 
 
 @dataclass
@@ -57,61 +63,12 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
 
 
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str = ""
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-
-
-async def _one_request(client, url: str, body: dict, api_key: str | None) -> RequestResult:
-    result = RequestResult()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = event["error"]["message"]
-                    return result
-                choices = event["choices"]
-                tokens = len(choices[0].get("token_ids") or []) if choices else 0
-                if tokens:
-                    now = time.perf_counter()
-                    if result.output_tokens == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.output_tokens += tokens
-    except Exception as e:  # a dropped connection counts as a failed request
-        result.error = f"{type(e).__name__}: {e}"
-        return result
-    result.e2e = time.perf_counter() - start
-    result.ok = result.output_tokens == body["max_tokens"]
-    if not result.ok:
-        result.error = f"{result.output_tokens} tokens, {body['max_tokens']} asked for"
-    return result
-
-
 async def run_online(args: argparse.Namespace, work: Workload) -> dict:
     import httpx
 
     base = args.base_url.rstrip("/")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    url = f"{base}/v1/completions"
+    async with httpx.AsyncClient(timeout=None) as client:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = (
             args.model_name
@@ -129,18 +86,12 @@ async def run_online(args: argparse.Namespace, work: Workload) -> dict:
             }
             for prompt, n in zip(work.prompts, work.output_lens)
         ]
-        await _one_request(client, f"{base}/v1/completions", {**bodies[0], "max_tokens": 4}, None)
-        gate = asyncio.Semaphore(args.max_concurrency or len(bodies))
-        times = arrival_times(len(bodies), args.request_rate, args.seed)
-
-        async def send(i: int) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
-            async with gate:
-                return await _one_request(client, f"{base}/v1/completions", bodies[i], args.api_key)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(send(i) for i in range(len(bodies))))
-        duration = time.perf_counter() - start
+        await one_request(client, url, {**bodies[0], "max_tokens": 4}, args.api_key)
+    times = arrival_times(len(bodies), args.request_rate, args.seed)
+    results, duration = await asyncio.to_thread(
+        send_requests, url, args.api_key, bodies, times, args.client_processes,
+        args.max_concurrency,
+    )  # fmt: skip
     return summarize(results, duration, work, args)
 
 
@@ -247,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests/s, Poisson arrivals; inf (default): a burst, all at once",
     )
     g.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    g.add_argument(
+        "--client-processes",
+        type=int,
+        default=default_client_processes(),
+        help="processes sending the requests, so that parsing the streams does not limit the "
+        "figures (default: a quarter of the cores, 1 to 4)",
+    )
     g.add_argument("--prompt-len", type=_span, default=(100, 1024), help="LOW:HIGH tokens")
     g.add_argument("--output-len", type=_span, default=(100, 1024), help="LOW:HIGH tokens")
     g.add_argument("--max-token-id", type=int, default=10000, help="prompt ids in 0..this")

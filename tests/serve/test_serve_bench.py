@@ -32,9 +32,10 @@ def check_latencies(result: dict, names: tuple[str, ...]) -> None:
 
 def test_burst_and_poisson_against_the_server(tiny_server, tmp_path):
     work = make_workload(12, (5, 12), (3, 9), 300, seed=4)
-    for rate in ("inf", "40"):
+    # The burst from two client processes (each takes every other request).
+    for rate, clients in (("inf", "2"), ("40", "1")):
         result = bench(tmp_path, "--base-url", tiny_server.url, "--num-requests", "12",
-                       "--request-rate", rate)  # fmt: skip
+                       "--request-rate", rate, "--client-processes", clients)  # fmt: skip
         assert (result["completed"], result["failed"]) == (12, 0)
         assert result["output_tokens"] == sum(work.output_lens)
         assert result["prompt_tokens"] == sum(map(len, work.prompts))
