@@ -21,12 +21,14 @@ class _HostMirror:
 
     int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
     previous step's output that holds it, and each row's sampler slot. int32 part:
-    context_lens, cache_seqlens, tables.
+    context_lens, cache_seqlens, tables. Both parts live in one buffer (t), so a step's
+    inputs are one copy, and with tensor parallelism one broadcast.
     """
 
     def __init__(self, n: int, width: int) -> None:
-        self.t64 = torch.zeros(5 * n, dtype=torch.int64, pin_memory=True)
-        self.t32 = torch.zeros(2 * n + n * width, dtype=torch.int32, pin_memory=True)
+        self.t = torch.zeros(5 * n + -(-(2 * n + n * width) // 2), dtype=torch.int64)
+        self.t = self.t.pin_memory()
+        self.t64, self.t32 = self.t[: 5 * n], self.t[5 * n :].view(torch.int32)
         h64, h32 = self.t64.numpy(), self.t32.numpy()
         self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
         self.sources, self.sampler_slots = h64[3 * n : 4 * n], h64[4 * n :]
@@ -64,8 +66,8 @@ class CUDAGraphRunner:
         for m in self.mirrors:
             self._fill_padding(m, 0, n)
         self.turn = 0
-        self.dev64 = self.mirrors[0].t64.to(device)
-        self.dev32 = self.mirrors[0].t32.to(device)
+        self.dev = self.mirrors[0].t.to(device)  # what the graphs read; its layout is t's
+        self.dev64, self.dev32 = self.dev[: 5 * n], self.dev[5 * n :].view(torch.int32)
         self.ids = self.dev64[:n]
         self.sampler_slots = self.dev64[4 * n :]
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -119,13 +121,19 @@ class CUDAGraphRunner:
             meta = self._static_meta(bs, variant)
             ids, slots = self.ids[:bs], self.sampler_slots[:bs]
             # Warm-up: autotuning, lazy init, Triton compiles (padding rows sample in the
-            # sampler's scratch slot).
-            runner.sampler(model.compute_logits(model(ids, meta)), slots, filtering)
+            # sampler's scratch slot). Other tensor-parallel ranks have no sampler.
+            logits = model.compute_logits(model(ids, meta))
+            if runner.sampler is not None:
+                runner.sampler(logits, slots, filtering)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: the NCCL watchdog thread may query events while this captures.
+            mode = "global" if model.tp is None else "thread_local"
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 logits = model.compute_logits(model(ids, meta))
-                tokens = runner.sampler(logits, slots, filtering)
+                tokens = None
+                if runner.sampler is not None:
+                    tokens = runner.sampler(logits, slots, filtering)
             pool = graph.pool()
             self.graphs[key] = (graph, logits, tokens)
             self.meta[key] = meta
@@ -170,8 +178,7 @@ class CUDAGraphRunner:
         last_block = m.tables[np.arange(n), (lens - 1) // block_size]
         m.slots[:n] = last_block * block_size + (lens - 1) % block_size
         self._fill_padding(m, n, bs)
-        self.dev64.copy_(m.t64, non_blocking=True)
-        self.dev32.copy_(m.t32, non_blocking=True)
+        self.dev.copy_(m.t, non_blocking=True)
         if pending:
             ids, rows = self.dev64[:n], self.dev64[3 * self.max_bs :][:n]
             ids.copy_(runner.fill_placeholders(ids, rows))
@@ -180,6 +187,10 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def run(self, runner, seqs, filtering: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the step; returns the (padded) logits and sampled tokens."""
-        graph, logits, tokens = self.graphs[self.prepare(runner, seqs, filtering)]
+        return self.replay(self.prepare(runner, seqs, filtering))
+
+    def replay(self, key) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replays the graph of key over what the static buffers hold now."""
+        graph, logits, tokens = self.graphs[key]
         graph.replay()
         return logits, tokens
