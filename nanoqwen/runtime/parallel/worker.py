@@ -14,6 +14,8 @@ from nanoqwen.runtime.parallel.group import ParallelContext, join_group, leave_g
 from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, unpack
 from nanoqwen.runtime.parallel.processes import exit_with_parent
 
+SYNC_DEBUG_ENV = "NANOQWEN_WORKER_SYNC_DEBUG"
+
 
 class WorkerRunner:
     """What a non-zero rank runs: no sampler, inputs from rank 0's messages."""
@@ -65,7 +67,15 @@ def run_worker(ctx: ParallelContext, engine_kwargs: dict) -> None:
     from nanoqwen.runtime.builder import build_engine
 
     worker = build_engine(**engine_kwargs, parallel=ctx)
-    worker.serve()
+    # The GPU tests' no-host-sync check, on this rank's steps (rank 0 checks its own).
+    debug = ctx.device.type == "cuda" and os.environ.get(SYNC_DEBUG_ENV) == "error"
+    if debug:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        worker.serve()
+    finally:
+        if debug:
+            torch.cuda.set_sync_debug_mode("default")
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
 
