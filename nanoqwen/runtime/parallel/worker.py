@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import torch
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.parallel.group import ParallelContext, join_group, leave_group
@@ -93,5 +95,8 @@ def worker_main(rank: int, size: int, init_method: str, engine_kwargs: dict) -> 
     ctx = join_group(rank, size, device, init_method)
     try:
         run_worker(ctx, engine_kwargs)
+    except InvalidInputError as e:  # rank 0 refuses the same arguments with the same error
+        print(f"[nanoqwen] tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         leave_group()
