@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import write_tiny_model
 
 from nanoqwen import LLM, SamplingParams
-from tests.conftest import write_tiny_model
 
 # Engines small enough that the preemption test runs out of KV blocks (8 blocks of 8 tokens).
 ENGINE = dict(block_size=8, num_kv_blocks=8, max_num_seqs=4, swap_space=0.01, progress=False)

@@ -7,6 +7,7 @@ import multiprocessing
 
 import pytest
 import torch
+from conftest import write_tiny_model
 
 from nanoqwen import LLM
 from nanoqwen.errors import InvalidInputError
@@ -14,7 +15,6 @@ from nanoqwen.model.parallel import TensorParallel
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.weights import loader
 from nanoqwen.weights.config import ModelConfig
-from tests.conftest import write_tiny_model
 
 
 def load_rank(path, rank: int, size: int) -> Qwen2ForCausalLM:

@@ -1,19 +1,92 @@
-"""How a user starts and interrupts a tensor-parallel engine: torchrun, and Ctrl-C."""
+"""The processes of a tensor-parallel engine: started by LLM or by torchrun, stopped by
+close(), Ctrl-C or the death of any rank, never left behind and never hanging."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
-from nanoqwen import LLM, SamplingParams
-from tests.parallel.test_tp_failure import running
+import pytest
 
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.parallel.group import TensorParallelError
+
+BOUND_S = 30  # generous for a loaded CI machine; it takes well under a second
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie waiting for its parent to read it is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error(tiny_model):
+    llm = LLM(str(tiny_model[0]), tensor_parallel_size=2, block_size=16, progress=False)
+    pids = llm.runner.workers.pids
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    stream = llm.stream([[1, 2, 3]], params)
+    next(stream)
+    os.kill(pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) was killed by signal 9"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < BOUND_S
+    assert not any(running(p) for p in pids)
+    assert multiprocessing.active_children() == []
+    # The engine stays refused, with the same reason, rather than hanging on a later call.
+    with pytest.raises(TensorParallelError, match="killed by signal 9"):
+        llm.generate([[4, 5]], params)
+    llm.close()
+
+
+def test_ranks_exit_when_rank_zero_is_killed(tiny_model, tmp_path):
+    """rank 0 (the user's process) dies without any chance to clean up: the others notice
+    and exit instead of waiting forever for its next step."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, signal
+        from nanoqwen import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(tiny_model[0])!r}, tensor_parallel_size=2, progress=False)
+            print(*llm.runner.workers.pids, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1
+    deadline = time.monotonic() + BOUND_S
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(p) for p in pids)
+
+
+def test_close_stops_the_ranks(tiny_model):
+    llm = LLM(str(tiny_model[0]), tensor_parallel_size=2, progress=False)
+    procs = llm.runner.workers.procs
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].token_ids
+    llm.close()
+    assert [p.exitcode for p in procs] == [0]
+    with pytest.raises(TensorParallelError, match="closed"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=3))
+
+
 GREEDY = "SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)"
 
 
