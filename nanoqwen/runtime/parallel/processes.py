@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
@@ -39,8 +40,19 @@ class WorkerProcesses:
 
     def dead(self, timeout: float = 0.0) -> str | None:
         """Which rank has exited, waiting up to timeout for one to; None while all run."""
+        sentinels = [p.sentinel for p in self.procs]
+        end = time.monotonic() + timeout
         if timeout > 0:
-            wait([p.sentinel for p in self.procs], timeout)
+            wait(sentinels, timeout)
+        while True:
+            reason = self._exited()
+            # A process's sentinel closes as it starts to exit, a moment before it can be
+            # reaped (a large process takes a while to tear down): wait for that moment.
+            if reason is not None or time.monotonic() >= end or not wait(sentinels, 0):
+                return reason
+            time.sleep(0.005)
+
+    def _exited(self) -> str | None:
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 how = (
@@ -58,7 +70,10 @@ class WorkerProcesses:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Waits for the workers to leave (after a shutdown message), then ends stragglers."""
-        wait([p.sentinel for p in self.procs], timeout)
+        end = time.monotonic() + timeout
+        for p in self.procs:
+            # join with a timeout > 0 reaps a process whose exit has begun (see dead()).
+            p.join(max(1e-3, end - time.monotonic()))
         for p in self.procs:
             if p.exitcode is None:
                 p.terminate()
