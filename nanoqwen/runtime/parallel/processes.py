@@ -102,7 +102,10 @@ def exit_with_parent() -> None:
 def sigint_deferred():
     """Ctrl-C during the block takes effect at its end, so a step is never half sent: the
     other ranks would wait for the rest of it."""
-    if threading.current_thread() is not threading.main_thread():
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is None  # a handler set outside Python: keep it
+    ):
         yield
         return
     caught: list[int] = []
