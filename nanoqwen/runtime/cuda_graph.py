@@ -33,7 +33,7 @@ class _HostMirror:
         self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
         self.sources, self.sampler_slots = h64[3 * n : 4 * n], h64[4 * n :]
         self.ctx, self.cached = h32[:n], h32[n : 2 * n]
-        self.tables = h32[2 * n :].reshape(n, width)
+        self.tables = h32[2 * n : 2 * n + n * width].reshape(n, width)
 
 
 class CUDAGraphRunner:
@@ -93,7 +93,7 @@ class CUDAGraphRunner:
             positions=d64[n : n + bs],
             slot_mapping=d64[2 * n : 2 * n + bs],
             context_lens=d32[:bs],
-            block_tables=d32[2 * n :].view(n, self.width)[:bs, :width],
+            block_tables=d32[2 * n : 2 * n + n * self.width].view(n, self.width)[:bs, :width],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             max_seqlen_q=1,
             max_seqlen_k=max_len,
