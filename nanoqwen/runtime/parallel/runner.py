@@ -97,7 +97,9 @@ class ParallelModelRunner(ModelRunner):
                 return run(*args)
             except Exception as e:
                 reason = self.workers.dead(timeout=5.0) if self.workers else None
-                self._fail(reason or f"a collective failed ({type(e).__name__}: {e})")
+                # No rank died: this rank's own step failed (a collective, or out of memory),
+                # and the others are left inside it.
+                self._fail(reason or f"a step failed on rank 0 ({type(e).__name__}: {e})")
                 raise TensorParallelError(self.failure) from e
 
     def execute(self, batch):
