@@ -118,6 +118,7 @@ def build_engine(
     sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
     worker = parallel is not None and parallel.tp.rank > 0
     dev = parallel.device if parallel is not None else resolve_device(device)
+    path = None
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
     else:
@@ -136,7 +137,7 @@ def build_engine(
             dev = parallel.device
     try:
         return _assemble(
-            cfg, tokenizer, torch_dtype, dev, parallel, workers, engine_kwargs, sched_config
+            cfg, path, tokenizer, torch_dtype, dev, parallel, workers, engine_kwargs, sched_config
         )
     except BaseException:
         if workers is not None:
@@ -145,7 +146,7 @@ def build_engine(
         raise
 
 
-def _assemble(cfg, tokenizer, torch_dtype, dev, parallel, workers, kw, sched_config):
+def _assemble(cfg, path, tokenizer, torch_dtype, dev, parallel, workers, kw, sched_config):
     """The model, KV pool, scheduler and runner of build_engine()'s checked arguments."""
     block_size, max_num_seqs, progress = kw["block_size"], kw["max_num_seqs"], kw["progress"]
     num_kv_blocks, max_model_len = kw["num_kv_blocks"], kw["max_model_len"]
@@ -162,10 +163,10 @@ def _assemble(cfg, tokenizer, torch_dtype, dev, parallel, workers, kw, sched_con
         block_size,
     )
     net.set_attention_backend(backend)
-    if kw["random_shape"] is not None:
+    if path is None:
         fill_random(net, seed=parallel.tp.rank if parallel else 0)
     else:
-        load_weights(net, resolve_model(kw["model"]), progress=progress)
+        load_weights(net, path, progress=progress)
     if progress:
         log(f"attention backend: {backend.name} ({dev}, {str(torch_dtype).removeprefix('torch.')})")
 
