@@ -2,8 +2,9 @@
 # Tensor parallelism on a two-GPU machine (device kind nvidia-h200-x2), in one device call:
 # the GPU tests at tp=2, batch-1 decode of 7B at tp=1 and tp=2 (the bar: >= 1.6x), the
 # all-reduce cost per step, and 32B at tp=2.
-# Usage (device tool, carry .whl as for tools/gpu_check.sh):
-#   bash tools/gpu_tp.sh [tests|batch1|allreduce|big|all]
+# Usage (device tool, carry .whl as for tools/gpu_check.sh); one part per call keeps each
+# under the 10-minute command limit:
+#   bash tools/gpu_tp.sh tests | allreduce | batch1 | big     (all: every part in one call)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
