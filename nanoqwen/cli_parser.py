@@ -77,6 +77,13 @@ def _engine_flags() -> argparse.ArgumentParser:
     )
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes: N GPUs (NCCL), or CPU processes (gloo)",
+    )
+    g.add_argument(
         "--block-size", type=int, default=256, metavar="N", help="KV cache block size (tokens)"
     )
     g.add_argument(
@@ -308,5 +315,5 @@ _FLAG_PARAMS = (
     "num_kv_blocks", "frequency_penalty", "ignore_eos", "logprobs", "max_tokens", "min_p",
     "min_tokens",
     "presence_penalty", "repetition_penalty", "seed", "stop_token_ids", "stop", "temperature",
-    "top_k", "top_p",
+    "top_k", "top_p", "tensor_parallel_size",
 )  # fmt: skip

@@ -346,4 +346,4 @@ def test_top_level_help_and_version():
 def test_bench_help_delegates_to_the_bench_module():
     r = cli("bench", "--help")
     assert r.returncode == 0, r.stderr
-    assert "--shape {0.5B,1.5B,3B,7B,14B}" in r.stdout and "(default: 0.5B)" in r.stdout
+    assert "--shape {0.5B,1.5B,3B,7B,14B,32B,72B}" in r.stdout and "(default: 0.5B)" in r.stdout

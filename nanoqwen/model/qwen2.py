@@ -6,16 +6,30 @@ import torch
 from torch import nn
 
 from nanoqwen.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from nanoqwen.model.parallel import (
+    RowParallelLinear,
+    TensorParallel,
+    embed_vocab_parallel,
+    gather_vocab,
+    shard_config,
+)
 from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
 from nanoqwen.weights.config import ModelConfig
 
 
+def _out_proj(cfg: ModelConfig, in_features: int, tp: TensorParallel | None, dtype, device):
+    """o_proj / down_proj: row-parallel (one all-reduce) when the model is split."""
+    if tp is None:
+        return Linear(in_features, cfg.hidden_size, False, dtype, device)
+    return RowParallelLinear(in_features, cfg.hidden_size, tp, dtype, device)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
         self.q_size = cfg.q_size
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, True, dtype, device)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
+        self.o_proj = _out_proj(cfg, cfg.q_size, tp, dtype, device)
         # Bound by the ModelRunner once the KV pool exists.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -27,13 +41,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(h, cfg.intermediate_size, dtype, device)
+        down = _out_proj(cfg, cfg.intermediate_size, tp, dtype, device) if tp else None
+        self.mlp = MLP(h, cfg.intermediate_size, dtype, device, down)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -45,15 +60,28 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """With tp (size > 1) this rank's part of the model: config is then its shard's shapes
+        (its heads, MLP columns and vocabulary rows), full_config the whole model's."""
         super().__init__()
+        self.full_config = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None:
+            cfg = shard_config(cfg, self.tp)
         self.config = cfg
+        tp = self.tp
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.tie_word_embeddings:
@@ -90,7 +118,11 @@ class Qwen2ForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (last layer output, residual stream) of every token, before the final add
         and norm, so that logits can be computed for only the rows that need them."""
-        x, residual = self.embed_tokens[input_ids], None
+        if self.tp is None:
+            x = self.embed_tokens[input_ids]
+        else:
+            x = embed_vocab_parallel(self.embed_tokens, input_ids, self.tp)
+        residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, meta)
         return x, residual
@@ -99,9 +131,12 @@ class Qwen2ForCausalLM(nn.Module):
         """hidden: forward()'s pair, already cut to the rows that need logits."""
         x, residual = hidden
         normed, _ = self.norm(x, residual)
-        if normed.is_cuda and normed.dtype != torch.float32:
+        if self.tp is None and normed.is_cuda and normed.dtype != torch.float32:
             # float32 logits straight from the GEMM's float32 sums: no bf16 rounding of the
             # logits (HF's, which moves a logit near 8 by up to 0.03) and no separate cast
             # kernel over a [rows, vocab] tensor.
             return torch.mm(normed, self.lm_head.t(), out_dtype=torch.float32)
-        return torch.nn.functional.linear(normed, self.lm_head).float()
+        logits = torch.nn.functional.linear(normed, self.lm_head)
+        if self.tp is not None:
+            logits = gather_vocab(logits, self.full_config.vocab_size, self.tp)
+        return logits.float()

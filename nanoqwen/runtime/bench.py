@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="as for generate")  # fmt: skip
     p.add_argument("--swap-space", type=float, default=4.0, help="host KV pool, GiB; 0 = none")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step")
     p.add_argument(
@@ -128,6 +130,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(
             f"--hf-num-requests {args.hf_num_requests} is out of range: allowed >= 1"
         )
+    if args.compare and args.tensor_parallel_size > 1:
+        raise InvalidInputError("--compare hf needs --tensor-parallel-size 1")
     if args.hf_num_requests is not None and args.compare is None:
         raise InvalidInputError("--hf-num-requests is unused without --compare hf")
     util = args.gpu_memory_utilization
@@ -290,6 +294,7 @@ def run(args) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     backend = llm.runner.model.layers[0].self_attn.backend.name
     setup = {
@@ -303,6 +308,7 @@ def run(args) -> int:
         "prefix_caching": not args.no_prefix_caching,
         "preemption_mode": args.preemption_mode,
         "swap_space_gib": args.swap_space,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "weight_gb": weight_bytes(llm) / 1e9,
     }
     print(json.dumps(setup), file=sys.stderr)

@@ -6,8 +6,10 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from nanoqwen.errors import InvalidInputError
+from nanoqwen.model.parallel import check_tensor_parallel
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
 from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
@@ -15,9 +17,10 @@ from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.model_runner import ModelRunner
+from nanoqwen.runtime.parallel.group import ParallelContext, leave_group
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
-from nanoqwen.validation import boolean, check_engine_args, choice, invalid, number
+from nanoqwen.validation import boolean, check_engine_args, choice, integer, invalid, number
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.hub import resolve_model
 from nanoqwen.weights.loader import checkpoint_dtype, load_weights
@@ -84,7 +87,12 @@ def build_engine(
     swap_space: float,
     random_shape: str | None,
     progress: bool,
+    tensor_parallel_size: int = 1,
+    parallel: ParallelContext | None = None,
 ) -> EngineParts:
+    """With tensor_parallel_size N > 1 this also starts the other N - 1 ranks; on those
+    (parallel given, rank > 0) it returns their WorkerRunner instead."""
+    engine_kwargs = {k: v for k, v in locals().items() if k != "parallel"}
     check_engine_args(
         model=model,
         device=device,
@@ -106,20 +114,47 @@ def build_engine(
     boolean("enable_prefix_caching", enable_prefix_caching)
     choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
     number("swap_space", swap_space, lambda v: v >= 0, "a number of GiB >= 0")
+    integer("tensor_parallel_size", tensor_parallel_size, lambda v: v >= 1, "an integer >= 1")
     sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
-    dev = resolve_device(device)
+    worker = parallel is not None and parallel.tp.rank > 0
+    dev = parallel.device if parallel is not None else resolve_device(device)
+    path = None
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
     else:
         path = resolve_model(model)
         cfg = ModelConfig.from_file(path / "config.json")
-        tokenizer = Tokenizer(path)
+        tokenizer = None if worker else Tokenizer(path)
         stored = checkpoint_dtype(path)
     torch_dtype = resolve_dtype(dtype, dev, stored)
-    net = Qwen2ForCausalLM(cfg, torch_dtype, dev)
+    workers = None
+    if tensor_parallel_size > 1:
+        check_tensor_parallel(cfg, tensor_parallel_size)  # before any process starts
+        if parallel is None:
+            from nanoqwen.runtime.parallel.launch import start_group
+
+            parallel, workers = start_group(engine_kwargs, tensor_parallel_size)
+            dev = parallel.device
+    try:
+        return _assemble(
+            cfg, path, tokenizer, torch_dtype, dev, parallel, workers, engine_kwargs, sched_config
+        )
+    except BaseException:
+        if workers is not None:
+            workers.stop(timeout=0)
+            leave_group()
+        raise
+
+
+def _assemble(cfg, path, tokenizer, torch_dtype, dev, parallel, workers, kw, sched_config):
+    """The model, KV pool, scheduler and runner of build_engine()'s checked arguments."""
+    block_size, max_num_seqs, progress = kw["block_size"], kw["max_num_seqs"], kw["progress"]
+    num_kv_blocks, max_model_len = kw["num_kv_blocks"], kw["max_model_len"]
+    worker = parallel is not None and parallel.tp.rank > 0
+    net = Qwen2ForCausalLM(cfg, torch_dtype, dev, parallel.tp if parallel else None)
     # Before the weights load, so an impossible backend choice fails at once.
     backend = create_backend(
-        attention_backend,
+        kw["attention_backend"],
         net.rotary,
         cfg.head_dim**-0.5,
         dev,
@@ -128,8 +163,8 @@ def build_engine(
         block_size,
     )
     net.set_attention_backend(backend)
-    if random_shape is not None:
-        fill_random(net)
+    if path is None:
+        fill_random(net, seed=parallel.tp.rank if parallel else 0)
     else:
         load_weights(net, path, progress=progress)
     if progress:
@@ -139,15 +174,20 @@ def build_engine(
         net.use_fused_kernels(True)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     # Before the KV pool is sized: the sampler's per-slot token tables take memory too.
-    sampler = Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
-    per_block = KVCache.bytes_per_block(cfg, block_size, torch_dtype)
+    sampler = None if worker else Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
+    per_block = KVCache.bytes_per_block(net.config, block_size, torch_dtype)
     if num_kv_blocks is None:
         if dev.type == "cpu":
             num_kv_blocks = max(1, CPU_KV_BUDGET_BYTES // per_block)
         else:
-            tokens = min(max_num_batched_tokens, max_model_len or cfg.max_position_embeddings)
+            tokens = min(kw["max_num_batched_tokens"], max_model_len or cfg.max_position_embeddings)
             peak = _profile_forward(net, tokens, min(max_num_seqs, tokens), block_size)
-            num_kv_blocks = _gpu_num_blocks(dev, per_block, peak, gpu_memory_utilization)
+            util = kw["gpu_memory_utilization"]
+            num_kv_blocks = _gpu_num_blocks(dev, per_block, peak, util)
+    if parallel is not None:  # every rank holds the same blocks: the fewest any can
+        agreed = torch.tensor([num_kv_blocks])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=parallel.control)
+        num_kv_blocks = int(agreed)
     limit = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
     if max_model_len is not None and max_model_len > limit:
         why = (
@@ -157,7 +197,7 @@ def build_engine(
         )
         raise invalid("max_model_len", max_model_len, "is too long", f"at most {limit}, {why}")
     max_len = max_model_len or limit
-    kv = KVCache.allocate(cfg, num_kv_blocks, block_size, torch_dtype, dev)
+    kv = KVCache.allocate(net.config, num_kv_blocks, block_size, torch_dtype, dev)
     if progress:
         log(
             f"KV cache: {num_kv_blocks} blocks of {block_size} tokens = "
@@ -165,23 +205,43 @@ def build_engine(
             f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
         )
     host = None
-    num_host_blocks = int(swap_space * 2**30) // per_block
+    num_host_blocks = int(kw["swap_space"] * 2**30) // per_block
     if num_host_blocks > 0:
-        host = HostKVCache(kv, num_host_blocks)
+        host_class = HostKVCache
+        if parallel is not None and not worker:
+            from nanoqwen.runtime.parallel.runner import RecordingHostKVCache as host_class
+        host = host_class(kv, num_host_blocks)
         if progress:
             log(
                 f"host KV pool: {num_host_blocks} blocks ({num_host_blocks * per_block / 2**30:.2f}"
-                f" GiB{', pinned' if dev.type == 'cuda' else ''}); preemption: {preemption_mode}"
+                f" GiB{', pinned' if dev.type == 'cuda' else ''}); "
+                f"preemption: {kw['preemption_mode']}"
             )
-    blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, host)
-    scheduler = Scheduler(sched_config, blocks, sampler.release)
     graphs = None
     variants = backend.graph_variants(max_len)
-    if dev.type == "cuda" and not enforce_eager and variants:
+    if dev.type == "cuda" and not kw["enforce_eager"] and variants:
         from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
 
-        graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch)
-    runner = ModelRunner(net, kv, blocks, sampler, graphs)
+        graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch if sampler else 0)
+    if worker:
+        from nanoqwen.runtime.parallel.worker import WorkerRunner
+
+        runner = WorkerRunner(net, kv, host, graphs, parallel)
+        if graphs is not None:
+            graphs.capture(
+                runner, max_len, variants, progress=False, cascade_from=backend.cascade_from
+            )
+        return runner
+    blocks = BlockManager(num_kv_blocks, block_size, kw["enable_prefix_caching"], host)
+    scheduler = Scheduler(sched_config, blocks, sampler.release)
+    if parallel is None:
+        runner = ModelRunner(net, kv, blocks, sampler, graphs)
+    else:
+        from nanoqwen.runtime.parallel.message import StepChannel
+        from nanoqwen.runtime.parallel.runner import ParallelModelRunner
+
+        channel = StepChannel(parallel)
+        runner = ParallelModelRunner(net, kv, blocks, sampler, graphs, channel, workers)
     if graphs is not None:
         graphs.capture(
             runner, max_len, variants, progress=progress, cascade_from=backend.cascade_from

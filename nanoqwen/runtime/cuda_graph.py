@@ -23,21 +23,27 @@ class _HostMirror:
     int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
     previous step's output that holds it, and each row's sampler slot. int32 part:
     context_lens, cache_seqlens, tables, then the cascade's suffix_lens, prefix_len and
-    suffix_tables (attention/cascade.py).
+    suffix_tables (attention/cascade.py). Both parts live in one buffer (t), so a step's
+    inputs are one copy, and with tensor parallelism one broadcast.
     """
 
     def __init__(self, n: int, width: int) -> None:
-        self.t64 = torch.zeros(5 * n, dtype=torch.int64, pin_memory=True)
-        self.t32 = torch.zeros(3 * n + 1 + 2 * n * width, dtype=torch.int32, pin_memory=True)
+        self.t = torch.zeros(5 * n + -(-int32_entries(n, width) // 2), dtype=torch.int64)
+        self.t = self.t.pin_memory()
+        self.t64, self.t32 = self.t[: 5 * n], self.t[5 * n :].view(torch.int32)
         h64, h32 = self.t64.numpy(), self.t32.numpy()
         self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
         self.sources, self.sampler_slots = h64[3 * n : 4 * n], h64[4 * n :]
         self.ctx, self.cached = h32[:n], h32[n : 2 * n]
-        tables_end = 2 * n + n * width
-        self.tables = h32[2 * n : tables_end].reshape(n, width)
-        self.suffix_lens = h32[tables_end : tables_end + n]
-        self.prefix_len = h32[tables_end + n : tables_end + n + 1]
-        self.suffix_tables = h32[tables_end + n + 1 :].reshape(n, width)
+        end = 2 * n + n * width
+        self.tables = h32[2 * n : end].reshape(n, width)
+        self.suffix_lens, self.prefix_len = h32[end : end + n], h32[end + n : end + n + 1]
+        self.suffix_tables = h32[end + n + 1 : end + n + 1 + n * width].reshape(n, width)
+
+
+def int32_entries(n: int, width: int) -> int:
+    """context_lens, cache_seqlens, tables, suffix_lens, prefix_len, suffix_tables."""
+    return 3 * n + 1 + 2 * n * width
 
 
 class CUDAGraphRunner:
@@ -72,8 +78,8 @@ class CUDAGraphRunner:
         for m in self.mirrors:
             self._fill_padding(m, 0, n)
         self.turn = 0
-        self.dev64 = self.mirrors[0].t64.to(device)
-        self.dev32 = self.mirrors[0].t32.to(device)
+        self.dev = self.mirrors[0].t.to(device)  # what the graphs read; its layout is t's
+        self.dev64, self.dev32 = self.dev[: 5 * n], self.dev[5 * n :].view(torch.int32)
         self.ids = self.dev64[:n]
         self.sampler_slots = self.dev64[4 * n :]
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -96,13 +102,13 @@ class CUDAGraphRunner:
         n, d64, d32, w = self.max_bs, self.dev64, self.dev32, self.width
         max_len, num_splits = self.variants[variant]
         width = -(-max_len // self.kv.block_size)
-        tables_end = 2 * n + n * w
+        end = 2 * n + n * w
         meta = AttentionMetadata(
             is_prefill=False,
             positions=d64[n : n + bs],
             slot_mapping=d64[2 * n : 2 * n + bs],
             context_lens=d32[:bs],
-            block_tables=d32[2 * n : tables_end].view(n, w)[:bs, :width],
+            block_tables=d32[2 * n : end].view(n, w)[:bs, :width],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             max_seqlen_q=1,
             max_seqlen_k=max_len,
@@ -110,9 +116,9 @@ class CUDAGraphRunner:
             num_splits=num_splits,
         )
         if cascade:
-            meta.suffix_lens = d32[tables_end : tables_end + bs]
-            meta.prefix_len = d32[tables_end + n : tables_end + n + 1]
-            meta.suffix_tables = d32[tables_end + n + 1 :].view(n, w)[:bs, :width]
+            meta.suffix_lens = d32[end : end + bs]
+            meta.prefix_len = d32[end + n : end + n + 1]
+            meta.suffix_tables = d32[end + n + 1 : end + n + 1 + n * w].view(n, w)[:bs, :width]
         return meta
 
     @torch.inference_mode()
@@ -144,13 +150,19 @@ class CUDAGraphRunner:
             meta = self._static_meta(bs, variant, cascade)
             ids, slots = self.ids[:bs], self.sampler_slots[:bs]
             # Warm-up: autotuning, lazy init, Triton compiles (padding rows sample in the
-            # sampler's scratch slot).
-            runner.sampler(model.compute_logits(model(ids, meta)), slots, filtering)
+            # sampler's scratch slot). Other tensor-parallel ranks have no sampler.
+            logits = model.compute_logits(model(ids, meta))
+            if runner.sampler is not None:
+                runner.sampler(logits, slots, filtering)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: the NCCL watchdog thread may query events while this captures.
+            mode = "global" if model.tp is None else "thread_local"
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 logits = model.compute_logits(model(ids, meta))
-                tokens = runner.sampler(logits, slots, filtering)
+                tokens = None
+                if runner.sampler is not None:
+                    tokens = runner.sampler(logits, slots, filtering)
             pool = graph.pool()
             self.graphs[key] = (graph, logits, tokens)
             self.meta[key] = meta
@@ -171,7 +183,7 @@ class CUDAGraphRunner:
         return self.padded_size(num_seqs), variant, filtering, cascade
 
     @torch.inference_mode()
-    def prepare(self, runner, seqs, filtering: bool = False) -> tuple[int, int, bool]:
+    def prepare(self, runner, seqs, filtering: bool = False) -> tuple[int, int, bool, bool]:
         """Writes the decode inputs of seqs into the static buffers; returns the key of the
         graph to replay.
         Only host arithmetic and async device work: nothing here waits for the GPU."""
@@ -204,8 +216,7 @@ class CUDAGraphRunner:
                 m.suffix_lens[:n] = lens - shared * block_size
                 m.suffix_tables[:n, : self.width - shared] = m.tables[:n, shared:]
         self._fill_padding(m, n, bs)
-        self.dev64.copy_(m.t64, non_blocking=True)
-        self.dev32.copy_(m.t32, non_blocking=True)
+        self.dev.copy_(m.t, non_blocking=True)
         if pending:
             ids, rows = self.dev64[:n], self.dev64[3 * self.max_bs :][:n]
             ids.copy_(runner.fill_placeholders(ids, rows))
@@ -214,6 +225,10 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def run(self, runner, seqs, filtering: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the step; returns the (padded) logits and sampled tokens."""
-        graph, logits, tokens = self.graphs[self.prepare(runner, seqs, filtering)]
+        return self.replay(self.prepare(runner, seqs, filtering))
+
+    def replay(self, key) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replays the graph of key over what the static buffers hold now."""
+        graph, logits, tokens = self.graphs[key]
         graph.replay()
         return logits, tokens

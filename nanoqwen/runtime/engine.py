@@ -81,7 +81,11 @@ class LLM:
         swap_space: float = 4.0,
         random_shape: str | None = None,
         progress: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        """tensor_parallel_size N > 1 splits the model over N processes (one GPU each, or
+        CPU processes with gloo) that this call starts; close() stops them. Under torchrun
+        (N ranks), rank 0 returns from here and the other ranks serve it until it closes."""
         parts: EngineParts = build_engine(
             model=model,
             device=device,
@@ -99,6 +103,7 @@ class LLM:
             swap_space=swap_space,
             random_shape=random_shape,
             progress=progress,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.parts = parts
         self.config = parts.config
@@ -276,6 +281,18 @@ class LLM:
         )
 
     # ---- public API -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (also done at exit); a no-op with one."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stats(self) -> dict[str, float]:
         """Counters since the engine started: prefix-cache queries and hits (tokens of
         admitted sequences, and of those the ones taken from the cache, host tier included),

@@ -8,6 +8,7 @@ device tensor that step N sampled into.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
+from nanoqwen.runtime.step_inputs import StepInputs
 
 PLACEHOLDER = -1
 PROMPT_LOGPROB_CHUNK = 512  # prompt rows turned into logits at a time
@@ -38,10 +40,15 @@ class LaunchedStep:
     prompt_logprobs: list[tuple[Sequence, int, tuple[torch.Tensor, ...]]] = field(
         default_factory=list
     )
+    # With tensor parallelism: raises if a rank died, checked while result() waits.
+    watch: Callable[[], None] | None = None
 
     def result(self) -> list[int]:
-        if self.done is not None:
+        if self.done is not None and self.watch is None:
             self.done.synchronize()
+        elif self.done is not None:
+            while not self.done.query():
+                self.watch()
         return self.host.tolist()
 
 
@@ -98,14 +105,13 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, batch: Batch, rows: int | None = None) -> torch.Tensor:
+    def _block_tables(self, batch: Batch, rows: int | None = None) -> list[list[int]]:
         width = max(len(s.block_table) for s in batch.seqs)
         pad = self.kv.scratch_block
         tables = [s.block_table + [pad] * (width - len(s.block_table)) for s in batch.seqs]
-        tables += [[pad] * width] * ((rows or len(tables)) - len(tables))
-        return self._tensor(tables, torch.int32)
+        return tables + [[pad] * width] * ((rows or len(tables)) - len(tables))
 
-    def prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prefill_inputs(self, batch: Batch) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -120,43 +126,74 @@ class ModelRunner:
             ctx.append(end)
             if batch.completes(i):
                 logit_rows.append(cu_q[-1] - 1)
-        meta = AttentionMetadata(
+        prompt_rows = [(r.start, r.stop) for _, _, r, _ in self._prompt_logprob_plan(batch)]
+        return StepInputs(
             is_prefill=True,
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
-            context_lens=self._tensor(ctx, torch.int32),
+            ids=ids,
+            positions=positions,
+            slots=slots,
+            context_lens=ctx,
             block_tables=self._block_tables(batch),
-            cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            cu_seqlens_q=cu_q,
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(ctx),
-            cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            cu_seqlens_k=cu_k,
+            logit_rows=logit_rows,
+            prompt_rows=prompt_rows,
         )
-        return self._tensor(ids, torch.int64), meta, self._tensor(logit_rows, torch.int64)
 
-    def prepare_decode(self, batch: Batch, rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    def decode_inputs(self, batch: Batch, rows: int) -> StepInputs:
         """rows >= len(batch.seqs): extra rows are padding that writes to the scratch block."""
         pad = rows - len(batch.seqs)
         scratch_slot = self.kv.scratch_block * self.kv.block_size
         ids, sources, pending = self.token_sources(batch.seqs)
-        ids += [0] * pad
-        positions = [len(s) - 1 for s in batch.seqs] + [0] * pad
-        slots = [self.blocks.slot(s, len(s) - 1) for s in batch.seqs] + [scratch_slot] * pad
         ctx = [len(s) for s in batch.seqs] + [1] * pad
-        meta = AttentionMetadata(
+        return StepInputs(
             is_prefill=False,
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
-            context_lens=self._tensor(ctx, torch.int32),
+            ids=ids + [0] * pad,
+            positions=[len(s) - 1 for s in batch.seqs] + [0] * pad,
+            slots=[self.blocks.slot(s, len(s) - 1) for s in batch.seqs] + [scratch_slot] * pad,
+            context_lens=ctx,
             block_tables=self._block_tables(batch, rows),
-            cu_seqlens_q=self._tensor(list(range(rows + 1)), torch.int32),
+            cu_seqlens_q=list(range(rows + 1)),
             max_seqlen_q=1,
             max_seqlen_k=max(ctx),
-            cache_seqlens=self._tensor([c - 1 for c in ctx], torch.int32),
+            sources=sources + [0] * pad if pending else None,
         )
-        ids_t = self._tensor(ids, torch.int64)
-        if pending:
-            ids_t = self.fill_placeholders(ids_t, self._tensor(sources + [0] * pad, torch.int64))
-        return ids_t, meta
+
+    def upload(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        """The step's device tensors: (ids, metadata, prefill logit rows)."""
+        meta = AttentionMetadata(
+            is_prefill=inputs.is_prefill,
+            positions=self._tensor(inputs.positions, torch.int64),
+            slot_mapping=self._tensor(inputs.slots, torch.int64),
+            context_lens=self._tensor(inputs.context_lens, torch.int32),
+            block_tables=self._tensor(inputs.block_tables, torch.int32),
+            cu_seqlens_q=self._tensor(inputs.cu_seqlens_q, torch.int32),
+            max_seqlen_q=inputs.max_seqlen_q,
+            max_seqlen_k=inputs.max_seqlen_k,
+        )
+        if inputs.is_prefill:
+            meta.cu_seqlens_k = self._tensor(inputs.cu_seqlens_k, torch.int32)
+        else:
+            meta.cache_seqlens = self._tensor([c - 1 for c in inputs.context_lens], torch.int32)
+        ids = self._tensor(inputs.ids, torch.int64)
+        if inputs.sources is not None:
+            ids = self.fill_placeholders(ids, self._tensor(inputs.sources, torch.int64))
+        rows = self._tensor(inputs.logit_rows, torch.int64) if inputs.is_prefill else None
+        return ids, meta, rows
+
+    def prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        return self.upload(self.prefill_inputs(batch))
+
+    def prepare_decode(self, batch: Batch, rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        ids, meta, _ = self.upload(self.decode_inputs(batch, rows))
+        return ids, meta
+
+    def _share_graph_inputs(self, key) -> None:
+        """With tensor parallelism: hands the graph's inputs to the other ranks."""
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool):
         slots = self._tensor(self.sampler.slots(seqs), torch.int64)
@@ -178,7 +215,9 @@ class ModelRunner:
             logits = self.model.compute_logits((x[rows], residual[rows]))
             tokens = self._sample(logits, seqs, filtering) if seqs else None
         elif self.graphs is not None and self.graphs.can_run(n):
-            logits, tokens = self.graphs.run(self, batch.seqs, filtering)
+            key = self.graphs.prepare(self, batch.seqs, filtering)
+            self._share_graph_inputs(key)
+            logits, tokens = self.graphs.replay(key)
             logits, tokens = logits[:n], tokens[:n]
         else:
             ids, meta = self.prepare_decode(batch, n)
@@ -191,10 +230,11 @@ class ModelRunner:
         sampler runs too)."""
         return self.execute(batch).logits
 
-    def _prompt_logprobs(self, batch: Batch, x: torch.Tensor, residual: torch.Tensor) -> list:
-        """For prompts that ask for them: the log-probability of each prompt token this
-        chunk predicts (the row of position p predicts token p + 1), with the top-N."""
-        found = []
+    def _prompt_logprob_plan(self, batch: Batch) -> list[tuple[Sequence, int, slice, list[int]]]:
+        """For prompts that ask for them: (sequence, first prompt position, rows of this step,
+        the prompt tokens those rows predict), in chunks of at most PROMPT_LOGPROB_CHUNK rows
+        (the row of position p predicts token p + 1)."""
+        plan = []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             top = seq.params.prompt_logprobs
@@ -203,16 +243,25 @@ class ModelRunner:
             last = min(start + n, seq.num_prompt_tokens - 1)
             if top is not None and first <= last:
                 targets = seq.token_ids[first : last + 1]
-                rows = slice(row + first - 1 - start, row + last - start)
+                begin = row + first - 1 - start
                 for lo in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
                     chunk = targets[lo : lo + PROMPT_LOGPROB_CHUNK]
-                    r = slice(rows.start + lo, rows.start + lo + len(chunk))
-                    logits = self.model.compute_logits((x[r], residual[r]))
-                    ids = self._tensor(chunk, torch.int64)
-                    tensors = self.sampler.logprobs(logits, ids, top)
-                    found.append((seq, first + lo, tuple(self._to_host(t) for t in tensors)))
-                seq.prompt_logprobs_launched = last + 1
+                    rows = slice(begin + lo, begin + lo + len(chunk))
+                    plan.append((seq, first + lo, rows, chunk))
             row += n
+        return plan
+
+    def _prompt_logprobs(self, batch: Batch, x: torch.Tensor, residual: torch.Tensor) -> list:
+        """The log-probability of each prompt token this chunk predicts, with the top-N."""
+        found = []
+        plan = self._prompt_logprob_plan(batch)
+        for seq, first, rows, chunk in plan:
+            logits = self.model.compute_logits((x[rows], residual[rows]))
+            ids = self._tensor(chunk, torch.int64)
+            tensors = self.sampler.logprobs(logits, ids, seq.params.prompt_logprobs)
+            found.append((seq, first, tuple(self._to_host(t) for t in tensors)))
+        for seq, first, _, chunk in plan:
+            seq.prompt_logprobs_launched = first + len(chunk)
         return found
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
@@ -228,9 +277,10 @@ class ModelRunner:
         seq = Sequence(token_ids, SamplingParams())
         self.blocks.grow(seq, len(seq))
         try:
-            ids, meta, _ = self.prepare_prefill(Batch([seq], True, [len(seq)]))
+            inputs = self.prefill_inputs(Batch([seq], True, [len(seq)]))
+            inputs.logit_rows = list(range(max(0, len(seq) - (last or len(seq))), len(seq)))
+            ids, meta, rows = self.upload(inputs)
             x, residual = self.model(ids, meta)
-            rows = slice(-last if last else 0, None)
             return self.model.compute_logits((x[rows], residual[rows]))
         finally:
             self.blocks.free(seq)

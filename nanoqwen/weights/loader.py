@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,28 +95,44 @@ def expected_tensor_names(cfg) -> set[str]:
     return names
 
 
+@dataclass(frozen=True)
+class _Split:
+    """Which part of a checkpoint tensor this rank loads: along dim, `length` entries from
+    `start`, of `full` in all (vocabulary rows past the end are the last rank's zero padding).
+    """
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
 class _Targets:
-    """Maps each checkpoint tensor to the (slice of the) parameter it fills."""
+    """Maps each checkpoint tensor to the (slice of the) parameter it fills, and, when the
+    model is one rank of a tensor-parallel group, to the part of the tensor that rank holds."""
 
     def __init__(self, model: Qwen2ForCausalLM) -> None:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.tied = model.config.tie_word_embeddings
-        cfg = model.config
+        cfg = model.config  # this rank's shapes
         self.shard_sizes = {
             "self_attn.qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
             "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
         }
+        tp = getattr(model, "tp", None)
+        self.rank, self.size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.vocab = model.full_config.vocab_size if tp is not None else cfg.vocab_size
 
-    def destination(self, hf_name: str) -> torch.Tensor | None:
-        """The tensor view that hf_name fills, or None for tensors we skip."""
+    def destination(self, hf_name: str) -> tuple[torch.Tensor, _Split | None] | None:
+        """The tensor view that hf_name fills and the part of hf_name that goes there (None:
+        all of it), or None for tensors we skip."""
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None
-        if hf_name == "lm_head.weight":
-            if self.tied:
+        if hf_name in ("lm_head.weight", "model.embed_tokens.weight"):
+            if hf_name == "lm_head.weight" and self.tied:
                 return None
-            return self.params["lm_head"]
-        if hf_name == "model.embed_tokens.weight":
-            return self.params["embed_tokens"]
+            param = self.params["lm_head" if hf_name == "lm_head.weight" else "embed_tokens"]
+            return param, self._split(0, param.shape[0], self.vocab)
         if not hf_name.startswith("model."):
             raise LoadError(f"unexpected tensor {hf_name} in checkpoint")
         name = hf_name[len("model.") :]
@@ -125,13 +142,44 @@ class _Targets:
                 param = self._param(fused, hf_name)
                 sizes = self.shard_sizes[ours]
                 start = sum(sizes[:shard])
-                return param.narrow(0, start, sizes[shard])
-        return self._param(name, hf_name)
+                split = self._split(0, sizes[shard], sizes[shard] * self.size)
+                return param.narrow(0, start, sizes[shard]), split
+        param = self._param(name, hf_name)
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            # Row-parallel: this rank multiplies its slice of the input features.
+            return param, self._split(1, param.shape[1], param.shape[1] * self.size)
+        return param, None
+
+    def _split(self, dim: int, length: int, full: int) -> _Split | None:
+        if self.size == 1:
+            return None
+        start = self.rank * length
+        return _Split(dim, start, max(0, min(length, full - start)), full)
 
     def _param(self, name: str, hf_name: str) -> torch.Tensor:
         if name not in self.params:
             raise LoadError(f"unexpected tensor {hf_name} in checkpoint")
         return self.params[name]
+
+
+def _read(f, hf_name: str, target: torch.Tensor, split: _Split | None) -> None:
+    """Copies hf_name (or only this rank's part of it: get_slice reads no more) into target."""
+    stored = f.get_slice(hf_name)
+    shape = tuple(stored.get_shape())
+    expected = tuple(target.shape)
+    if split is not None:
+        expected = expected[: split.dim] + (split.full,) + expected[split.dim + 1 :]
+    if shape != expected:
+        raise LoadError(f"tensor {hf_name} has shape {shape}, expected {expected}")
+    if split is None:
+        target.copy_(f.get_tensor(hf_name))
+        return
+    index = [slice(None)] * len(shape)
+    index[split.dim] = slice(split.start, split.start + split.length)
+    part = target.narrow(split.dim, 0, split.length)
+    part.copy_(stored[tuple(index)])
+    if split.length < target.shape[split.dim]:  # the last vocabulary shard's padding
+        target.narrow(split.dim, split.length, target.shape[split.dim] - split.length).zero_()
 
 
 def load_weights(model: Qwen2ForCausalLM, model_dir: Path, progress: bool = True) -> None:
@@ -152,21 +200,16 @@ def load_weights(model: Qwen2ForCausalLM, model_dir: Path, progress: bool = True
             with _open(path) as f:
                 for hf_name in f.keys():
                     bar.update()
-                    target = targets.destination(hf_name)
-                    if target is None:
+                    found = targets.destination(hf_name)
+                    if found is None:
                         continue
-                    stored = f.get_slice(hf_name)
-                    if stored.get_dtype() not in _FLOAT_DTYPES:
+                    dtype = f.get_slice(hf_name).get_dtype()
+                    if dtype not in _FLOAT_DTYPES:
                         raise LoadError(
-                            f"tensor {hf_name} in {path.name} has dtype {stored.get_dtype()}: "
+                            f"tensor {hf_name} in {path.name} has dtype {dtype}: "
                             f"allowed {', '.join(_FLOAT_DTYPES)}"
                         )
-                    shape = tuple(stored.get_shape())
-                    if shape != tuple(target.shape):
-                        raise LoadError(
-                            f"tensor {hf_name} has shape {shape}, expected {tuple(target.shape)}"
-                        )
-                    target.copy_(f.get_tensor(hf_name))
+                    _read(f, hf_name, *found)
                     missing.discard(hf_name)
     if missing:
         names = sorted(missing)

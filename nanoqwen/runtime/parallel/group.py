@@ -1,0 +1,105 @@
+"""Joining the tensor-parallel process group: NCCL between GPUs, gloo on the CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.model.parallel import TensorParallel
+
+# NVLink multicast stays off on the lent multi-GPU machines (their KINDS.md says why); every
+# rank starts with these, whatever launched it.
+NVLS_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# Collectives inside steps: a peer that stops answering for this long fails the step.
+STEP_TIMEOUT = timedelta(minutes=10)
+# The other ranks wait for rank 0's next step for as long as the engine sits idle.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the tensor-parallel group died or stopped answering; the engine is shut
+    down and cannot run further steps."""
+
+
+@dataclass
+class ParallelContext:
+    """One rank's view of the group: its place (tp), the gloo group that carries rank 0's
+    per-step headers (control), and the device it runs on."""
+
+    tp: TensorParallel
+    control: dist.ProcessGroup
+    device: torch.device
+
+
+def keep_multicast_off() -> None:
+    for key, value in NVLS_OFF.items():
+        os.environ.setdefault(key, value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def rank_device(device: str, local_rank: int, size: int) -> torch.device:
+    """cpu, or the local_rank-th GPU for device "cuda" (one GPU per rank)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda" or dev.index is not None:
+        raise InvalidInputError(
+            f"device={device!r} with tensor_parallel_size={size}: allowed cpu or cuda "
+            "(rank r runs on cuda:r)",
+            param="device",
+        )
+    if not torch.cuda.is_available() or torch.cuda.device_count() < size:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise InvalidInputError(
+            f"tensor_parallel_size={size} needs {size} GPUs, this machine has {found}: "
+            f"allowed at most {max(found, 1)}",
+            param="tensor_parallel_size",
+        )
+    return torch.device("cuda", local_rank)
+
+
+def join_group(rank: int, size: int, device: torch.device, init_method: str) -> ParallelContext:
+    """Joins the default process group (NCCL on CUDA, gloo on CPU) and the gloo control
+    group; init_method "env://" reads torchrun's MASTER_ADDR/MASTER_PORT."""
+    keep_multicast_off()
+    if dist.is_initialized():
+        raise TensorParallelError(
+            "a tensor-parallel engine is already running in this process: close() it first"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=STEP_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return ParallelContext(TensorParallel(rank, size, None), control, device)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

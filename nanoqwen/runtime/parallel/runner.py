@@ -1,0 +1,151 @@
+"""Rank 0's ModelRunner under tensor parallelism: every step's inputs go to the other ranks
+in one message before rank 0 runs its own part of the step."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from nanoqwen.runtime.host_pool import HostKVCache
+from nanoqwen.runtime.model_runner import LaunchedStep, ModelRunner
+from nanoqwen.runtime.parallel.group import TensorParallelError, leave_group
+from nanoqwen.runtime.parallel.message import (
+    Field,
+    Op,
+    StepChannel,
+    encode_copies,
+    header,
+    pack,
+    unpack,
+)
+from nanoqwen.runtime.parallel.processes import WorkerProcesses, sigint_deferred
+from nanoqwen.runtime.step_inputs import StepInputs
+
+
+class RecordingHostKVCache(HostKVCache):
+    """Rank 0's host KV pool: copies as usual, and remembers them so the other ranks repeat
+    them on their own KV shards before the next step."""
+
+    def __init__(self, device_cache, num_blocks: int) -> None:
+        super().__init__(device_cache, num_blocks)
+        self.pending: list[tuple[int, list[int], list[int]]] = []
+
+    def copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        super().copy_out(device_blocks, host_blocks)
+        self.pending.append((0, list(device_blocks), list(host_blocks)))
+
+    def copy_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        super().copy_in(host_blocks, device_blocks)
+        self.pending.append((1, list(host_blocks), list(device_blocks)))
+
+    def take(self) -> list[int]:
+        ints, self.pending = encode_copies(self.pending), []
+        return ints
+
+
+class ParallelModelRunner(ModelRunner):
+    def __init__(
+        self,
+        model,
+        kv_cache,
+        block_manager,
+        sampler,
+        graphs,
+        channel: StepChannel,
+        workers: WorkerProcesses | None,
+    ) -> None:
+        super().__init__(model, kv_cache, block_manager, sampler, graphs)
+        self.channel = channel
+        self.workers = workers  # None under torchrun, whose agent watches the ranks
+        self.host = block_manager.host
+        self.failure: str | None = None
+        atexit.register(self.close)
+
+    def _copies(self) -> list[int]:
+        return self.host.take() if isinstance(self.host, RecordingHostKVCache) else []
+
+    def upload(self, inputs: StepInputs):
+        h, payload = pack(inputs)
+        h[Field.PROMPT_ROWS] = len(inputs.prompt_rows)
+        extra = [v for r in inputs.prompt_rows for v in r] + self._copies()
+        self.channel.send(h, extra)
+        packed = torch.from_numpy(payload)
+        if self._pin:
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        ids, meta, rows, sources = unpack(h, packed)
+        if sources is not None:
+            # The others have no sampled tokens: they get the filled ids in the payload.
+            ids.copy_(self.fill_placeholders(ids, sources))
+        self.channel.share(packed)
+        return ids, meta, rows
+
+    def _share_graph_inputs(self, key) -> None:
+        bs, variant, filtering, cascade = key
+        h = header(
+            Op.GRAPH, graph_bs=bs, graph_variant=variant, graph_filtering=filtering,
+            graph_cascade=cascade,
+        )  # fmt: skip
+        self.channel.send(h, self._copies())
+        self.channel.share(self.graphs.dev)
+
+    # ---- failure and shutdown ---------------------------------------------------------------
+    def _guarded(self, run, *args):
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        with sigint_deferred():
+            try:
+                return run(*args)
+            except Exception as e:
+                reason = self.workers.dead(timeout=5.0) if self.workers else None
+                # No rank died: this rank's own step failed (a collective, or out of memory),
+                # and the others are left inside it.
+                self._fail(reason or f"a step failed on rank 0 ({type(e).__name__}: {e})")
+                raise TensorParallelError(self.failure) from e
+
+    def execute(self, batch):
+        return self._guarded(super().execute, batch)
+
+    def prompt_logits(self, token_ids, last=None):
+        return self._guarded(super().prompt_logits, token_ids, last)
+
+    def launch(self, batch) -> LaunchedStep:
+        step = super().launch(batch)
+        if step.done is not None and self.workers is not None:
+            step.watch = self._watch
+        return step
+
+    def _watch(self) -> None:
+        """Called while rank 0 waits for a step on the GPU: a dead rank would leave it
+        waiting forever (NCCL waits for a peer that never comes)."""
+        reason = self.workers.dead()
+        if reason is not None:
+            self._fail(reason)
+            raise TensorParallelError(self.failure)
+
+    def _fail(self, reason: str) -> None:
+        self.failure = f"{reason}; the tensor-parallel engine is shut down"
+        if self.workers is not None:
+            self.workers.stop(timeout=0)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and self.device.type == "cuda":
+            abort()  # destroying a group whose peer died can block; aborting cannot
+        else:
+            leave_group()
+        atexit.unregister(self.close)
+
+    def close(self) -> None:
+        """Stops the other ranks and leaves the group (idempotent)."""
+        if self.failure is not None:
+            return
+        self.failure = "the engine was closed"
+        atexit.unregister(self.close)
+        with contextlib.suppress(Exception):  # a rank already gone: stop() ends the rest
+            self.channel.send(header(Op.SHUTDOWN), [])
+        if self.workers is not None:
+            self.workers.stop()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        leave_group()

@@ -1,0 +1,105 @@
+"""Ranks 1..N-1: each holds its part of the model and KV cache and repeats, step by step,
+what rank 0 tells it to run. Rank 0 keeps the scheduler, block manager and sampler."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.host_pool import HostKVCache
+from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.parallel.group import ParallelContext, join_group, leave_group
+from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, unpack
+from nanoqwen.runtime.parallel.processes import exit_with_parent
+
+SYNC_DEBUG_ENV = "NANOQWEN_WORKER_SYNC_DEBUG"
+
+
+class WorkerRunner:
+    """What a non-zero rank runs: no sampler, inputs from rank 0's messages."""
+
+    sampler = None  # the graph capture leaves the sampler out
+
+    def __init__(self, model, kv: KVCache, host: HostKVCache | None, graphs, ctx: ParallelContext):
+        self.model = model
+        self.kv = kv
+        self.host = host
+        self.graphs = graphs
+        self.device = ctx.device
+        self.channel = StepChannel(ctx)
+        model.bind_kv_cache(kv.k, kv.v)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Runs steps until rank 0 sends SHUTDOWN."""
+        while True:
+            h, extra = self.channel.receive()
+            if h[Field.OP] == Op.SHUTDOWN:
+                return
+            n = 2 * h[Field.PROMPT_ROWS]
+            prompt_rows = [(extra[i], extra[i + 1]) for i in range(0, n, 2)]
+            for direction, a, b in decode_copies(extra[n:]):
+                (self.host.copy_out if direction == 0 else self.host.copy_in)(a, b)
+            if h[Field.OP] == Op.GRAPH:
+                self.channel.share(self.graphs.dev)
+                key = (
+                    h[Field.GRAPH_BS], h[Field.GRAPH_VARIANT], bool(h[Field.GRAPH_FILTERING]),
+                    bool(h[Field.GRAPH_CASCADE]),
+                )  # fmt: skip
+                self.graphs.replay(key)
+            else:
+                self._step(h, prompt_rows)
+
+    def _step(self, h: list[int], prompt_rows: list[tuple[int, int]]) -> None:
+        """The same model calls as rank 0's execute(), in the same order: every all-reduce
+        and logits gather pairs with rank 0's."""
+        payload = torch.empty(h[Field.PAYLOAD], dtype=torch.int64, device=self.device)
+        self.channel.share(payload)
+        ids, meta, rows, _ = unpack(h, payload)
+        x, residual = self.model(ids, meta)
+        for start, end in prompt_rows:
+            self.model.compute_logits((x[start:end], residual[start:end]))
+        if rows is not None:
+            x, residual = x[rows], residual[rows]
+        self.model.compute_logits((x, residual))
+
+
+def run_worker(ctx: ParallelContext, engine_kwargs: dict) -> None:
+    from nanoqwen.runtime.builder import build_engine
+
+    worker = build_engine(**engine_kwargs, parallel=ctx)
+    # The GPU tests' no-host-sync check, on this rank's steps (rank 0 checks its own).
+    debug = ctx.device.type == "cuda" and os.environ.get(SYNC_DEBUG_ENV) == "error"
+    if debug:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        worker.serve()
+    finally:
+        if debug:
+            torch.cuda.set_sync_debug_mode("default")
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+def worker_main(rank: int, size: int, init_method: str, engine_kwargs: dict) -> None:
+    """Entry point of a spawned rank."""
+    # Ctrl-C reaches the whole process group; rank 0 decides, and tells the others.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
+    device = torch.device(engine_kwargs["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+    else:  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    ctx = join_group(rank, size, device, init_method)
+    try:
+        run_worker(ctx, engine_kwargs)
+    except InvalidInputError as e:  # rank 0 refuses the same arguments with the same error
+        print(f"[nanoqwen] tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        leave_group()

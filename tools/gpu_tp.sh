@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a two-GPU machine (device kind nvidia-h200-x2), in one device call:
+# the GPU tests at tp=2, batch-1 decode of 7B at tp=1 and tp=2 (the bar: >= 1.6x), the
+# all-reduce cost per step, and 32B at tp=2.
+# Usage (device tool, carry .whl as for tools/gpu_check.sh); one part per call keeps each
+# under the 10-minute command limit:
+#   bash tools/gpu_tp.sh tests | allreduce | batch1 | big     (all: every part in one call)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [[ ${FLASH_ATTN:-1} != 0 ]]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nvidia-smi topo -m | head -4
+env | grep -E 'NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS'
+bench() {  # bench TP NAME ARGS...: one run, its log and JSON under $OUT
+  local tp=$1 name=$2; shift 2
+  python3 -m nanoqwen.runtime.bench --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
+    2>&1 | grep -v '\r' | tee "$OUT/$name.log"
+}
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gpu_tp_tests.log"
+fi
+if [[ $what == allreduce || $what == all ]]; then
+  python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B,72B 2>&1 | tee "$OUT/allreduce.log"
+fi
+if [[ $what == batch1 || $what == all ]]; then
+  for tp in 1 2; do
+    bench "$tp" "7B_batch1_tp$tp" --shape 7B --mode latency --batch-sizes 1 --sampling greedy \
+      --max-num-seqs 16
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+rate = {tp: json.load(open(f"{sys.argv[1]}/7B_batch1_tp{tp}.json"))["latency"][0] for tp in (1, 2)}
+for tp, row in rate.items():
+    print(f"7B batch 1, tp={tp}: {row['decode_tok_s']:.1f} tok/s, {row['step_ms_p50']:.3f} ms/step")
+print(f"tp=2 / tp=1: {rate[2]['decode_tok_s'] / rate[1]['decode_tok_s']:.3f}x (bar: >= 1.6x)")
+PY
+fi
+if [[ $what == big || $what == all ]]; then
+  bench 2 "32B_tp2" --shape 32B --mode all --batch-sizes 1,64 --sampling greedy
+fi
