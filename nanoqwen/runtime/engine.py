@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -14,6 +13,7 @@ from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep, logprob_entries
+from nanoqwen.runtime.outputs import RequestOutput, StreamChunk, request_output, stream_chunk
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 from nanoqwen.validation import (
@@ -25,33 +25,6 @@ from nanoqwen.validation import (
 )
 
 Prompt = str | list[int]
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens only, a final EOS or stop token included
-    text: str
-    finish_reason: str  # "stop" or "length"
-    metrics: dict[str, float] = field(default_factory=dict)
-    # With SamplingParams.logprobs: one entry per generated token.
-    logprobs: list[TokenLogprobs] | None = None
-    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # As vLLM reports it: the stop token id or stop string that ended the request; None when
-    # EOS, max_tokens or the context length (max_model_len) did.
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class StreamChunk:
-    index: int  # position of the request in the prompts given
-    text: str  # new text since the last chunk of this request
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[TokenLogprobs] | None = None  # for token_ids, with SamplingParams.logprobs
-    stop_reason: int | str | None = None  # on the finished chunk, as in RequestOutput
 
 
 def _cut(entry: TokenLogprobs, top: int) -> TokenLogprobs:
@@ -249,36 +222,8 @@ class LLM:
                 self.scheduler.finish(seq, "abort")
                 self._detok.pop(seq.seq_id, None)
 
-    @staticmethod
-    def _stop_reason(seq: Sequence, detok: IncrementalDetokenizer | None) -> int | str | None:
-        if seq.stop_reason is None and detok is not None and detok.stopped:
-            return detok.stop_string
-        return seq.stop_reason
-
     def _output(self, seq: Sequence) -> RequestOutput:
-        detok = self._detok.pop(seq.seq_id, None)
-        if detok is not None:
-            text = detok.text
-        elif self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids)
-        else:
-            text = ""
-        metrics = {}
-        if seq.first_token_time is not None and seq.finish_time is not None:
-            metrics = {
-                "ttft_s": seq.first_token_time - seq.arrival_time,
-                "latency_s": seq.finish_time - seq.arrival_time,
-            }
-        return RequestOutput(
-            seq.token_ids[: seq.num_prompt_tokens],
-            seq.output_token_ids,
-            text,
-            seq.finish_reason or "length",
-            metrics,
-            seq.logprobs,
-            seq.prompt_logprobs,
-            stop_reason=self._stop_reason(seq, detok),
-        )
+        return request_output(seq, self._detok.pop(seq.seq_id, None), self.tokenizer)
 
     # ---- public API -----------------------------------------------------------------------
     def close(self) -> None:
@@ -372,13 +317,6 @@ class LLM:
         finished=True is taken, seq is done with: it is not to be passed again."""
         if not seq.unstreamed and not seq.is_finished:
             return None
-        tokens, seq.unstreamed = seq.unstreamed or [], []
         # A finished request's detokenizer is done with: drop it.
         detok = (self._detok.pop if seq.is_finished else self._detok.get)(seq.seq_id, None)
-        text = detok.pending(final=seq.is_finished) if detok else ""
-        logprobs = None
-        if seq.logprobs is not None:
-            logprobs = seq.logprobs[seq.num_streamed : seq.num_streamed + len(tokens)]
-        seq.num_streamed += len(tokens)
-        stop = self._stop_reason(seq, detok) if seq.is_finished else None
-        return StreamChunk(index, text, tokens, seq.is_finished, seq.finish_reason, logprobs, stop)
+        return stream_chunk(seq, detok, index)
