@@ -125,6 +125,20 @@ def check_prompt(prompt: Any, vocab_size: int | None, name: str = "prompt") -> P
     raise invalid(name, prompt, f"is {a_type(prompt)}", PROMPT_ALLOWED)
 
 
+def encode_prompt(prompt: Any, tokenizer, vocab_size: int | None) -> list[int]:
+    """A prompt's token ids (a str through the tokenizer); InvalidInputError for anything but
+    a str or token ids, or for a str without a tokenizer."""
+    prompt = check_prompt(prompt, vocab_size)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidInputError(
+                "prompt is a string but this engine has no tokenizer: allowed token id lists",
+                param="prompt",
+            )
+        return tokenizer.encode(prompt)
+    return prompt
+
+
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     """A prompt must leave room for at least one new token."""
     if num_tokens == 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,25 +23,13 @@ from nanoqwen.model.parallel import _all_gather
 from nanoqwen.model.shapes import shape_config
 from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import graph_us as _graph_us  # noqa: E402
+
 
 def graph_us(fn, reps: int = 50, iters: int = 20) -> float:
-    """GPU µs per call of fn, replayed from a CUDA graph that calls it reps times (as
-    tools/gpu_timing.py, but capturing thread-locally: NCCL's watchdog thread queries events
-    while the main thread captures)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * reps)
+    # Captured thread-locally: NCCL's watchdog thread queries events during the capture.
+    return _graph_us(fn, reps, iters, capture_error_mode="thread_local")
 
 
 def measure(rank: int, size: int, port: int, shapes: list[str], batch: int) -> None:

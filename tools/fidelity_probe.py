@@ -33,8 +33,8 @@ def gap_stats(test: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
     return gap, int(flips.sum()), int((flips & (margin > 0.1)).sum())
 
 
-@torch.no_grad()
-def probe(shape: str, block_size: int, flash: bool) -> None:
+def _models(shape: str, block_size: int, flash: bool):
+    """Our bf16 engine on random weights of the shape, HF on them in bf16 and in float32."""
     if not flash:
         sys.modules["flash_attn"] = None
     llm = LLM(
@@ -47,7 +47,12 @@ def probe(shape: str, block_size: int, flash: bool) -> None:
         progress=False,
     )
     hf = hf_model_from(llm)
-    hf32 = copy.deepcopy(hf).float()
+    return llm, hf, copy.deepcopy(hf).float()
+
+
+@torch.no_grad()
+def probe(shape: str, block_size: int, flash: bool) -> None:
+    llm, hf, hf32 = _models(shape, block_size, flash)
     rng = random.Random(1)
     rows = {"ours": [], "hf bf16 prefill": [], "hf bf16 decode": []}
     for _ in range(4):
@@ -103,19 +108,7 @@ def _capture(modules, store: dict, tag: str) -> list:
 @torch.no_grad()
 def layers(shape: str, block_size: int, flash: bool) -> None:
     """Relative error against float32 HF, per layer and sub-block, for ours and HF bf16."""
-    if not flash:
-        sys.modules["flash_attn"] = None
-    llm = LLM(
-        random_shape=shape,
-        device=DEVICE,
-        dtype="bfloat16",
-        block_size=block_size,
-        num_kv_blocks=64 * 256 // block_size,
-        max_num_seqs=8,
-        progress=False,
-    )
-    hf = hf_model_from(llm)
-    hf32 = copy.deepcopy(hf).float()
+    llm, hf, hf32 = _models(shape, block_size, flash)
     prompt = [random.Random(3).randrange(10000) for _ in range(240)]
     runs = {}
     for who, model, blocks in (

@@ -8,7 +8,6 @@ from collections.abc import Sequence as SequenceOf
 
 from tqdm import tqdm
 
-from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
 from nanoqwen.runtime.logprobs import TokenLogprobs
@@ -17,8 +16,8 @@ from nanoqwen.runtime.outputs import RequestOutput, StreamChunk, request_output,
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 from nanoqwen.validation import (
-    check_prompt,
     check_prompt_length,
+    encode_prompt,
     split_prompts,
     split_sampling_params,
     token_ids,
@@ -91,15 +90,7 @@ class LLM:
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids; InvalidInputError for anything but a str or token ids."""
-        prompt = check_prompt(prompt, self.config.vocab_size)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidInputError(
-                    "prompt is a string but this engine has no tokenizer: allowed token id lists",
-                    param="prompt",
-                )
-            return self.tokenizer.encode(prompt)
-        return prompt
+        return encode_prompt(prompt, self.tokenizer, self.config.vocab_size)
 
     def _add(self, prompt: Prompt, params: SamplingParams, detokenize: bool) -> Sequence:
         ids = self.encode(prompt)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoqwen.errors import InvalidInputError
-from nanoqwen.validation import check_prompt
+from nanoqwen.validation import encode_prompt
 from nanoqwen.weights.tokenizer import Tokenizer
 
 
@@ -18,12 +17,4 @@ class ModelInfo:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids, as LLM.encode gives them; InvalidInputError otherwise."""
-        prompt = check_prompt(prompt, self.vocab_size)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidInputError(
-                    "prompt is a string but this engine has no tokenizer: allowed token id lists",
-                    param="prompt",
-                )
-            return self.tokenizer.encode(prompt)
-        return prompt
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size)
