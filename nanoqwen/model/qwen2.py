@@ -99,4 +99,6 @@ class Qwen2ForCausalLM(nn.Module):
         """hidden: forward()'s pair, already cut to the rows that need logits."""
         x, residual = hidden
         normed, _ = self.norm(x, residual)
+        if isinstance(self.lm_head, nn.Module):  # a QuantizedLinear (nanoqwen.quant)
+            return self.lm_head(normed).float()
         return torch.nn.functional.linear(normed, self.lm_head).float()

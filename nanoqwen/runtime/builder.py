@@ -18,7 +18,11 @@ from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
 from nanoqwen.validation import boolean, check_engine_args, choice, invalid, number
+from nanoqwen.quant.apply import describe, quantize_loaded
+from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
 from nanoqwen.weights.config import ModelConfig
+from nanoqwen.weights.gguf import is_gguf
+from nanoqwen.weights.gguf_loader import load_gguf, open_gguf
 from nanoqwen.weights.hub import resolve_model
 from nanoqwen.weights.loader import checkpoint_dtype, load_weights
 from nanoqwen.weights.tokenizer import Tokenizer
@@ -57,9 +61,18 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic natively (AVX512-BF16 or AMX), as torch sees it."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where the CPU has bf16
+    instructions, except for float32 checkpoints, which stay float32 as on CUDA."""
     if dtype == "auto":
-        return stored if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return stored
+        return torch.bfloat16 if stored != torch.float32 and cpu_has_bf16() else torch.float32
     return DTYPES[choice("dtype", dtype, ["auto", *DTYPES])]
 
 
@@ -84,6 +97,7 @@ def build_engine(
     swap_space: float,
     random_shape: str | None,
     progress: bool,
+    quantization: str = "auto",
 ) -> EngineParts:
     check_engine_args(
         model=model,
@@ -107,9 +121,14 @@ def build_engine(
     choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
     number("swap_space", swap_space, lambda v: v >= 0, "a number of GiB >= 0")
     sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
+    choice("quantization", quantization, QUANTIZATIONS)
     dev = resolve_device(device)
+    gguf = None
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
+    elif is_gguf(model):
+        gguf, cfg, tokenizer = open_gguf(model)
+        stored = torch.bfloat16
     else:
         path = resolve_model(model)
         cfg = ModelConfig.from_file(path / "config.json")
@@ -128,10 +147,17 @@ def build_engine(
         block_size,
     )
     net.set_attention_backend(backend)
+    scheme = resolve_scheme(quantization, gguf is not None)
     if random_shape is not None:
         fill_random(net)
+    elif gguf is not None:
+        load_gguf(net, gguf, scheme, torch_dtype, progress=progress)
     else:
         load_weights(net, path, progress=progress)
+    if scheme is not None and gguf is None:
+        quantize_loaded(net, scheme, torch_dtype)
+    if progress and scheme is not None:
+        log(f"quantized linear layers: {describe(net)}")
     if progress:
         log(f"attention backend: {backend.name} ({dev}, {str(torch_dtype).removeprefix('torch.')})")
 

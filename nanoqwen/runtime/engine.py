@@ -81,6 +81,7 @@ class LLM:
         swap_space: float = 4.0,
         random_shape: str | None = None,
         progress: bool = True,
+        quantization: str = "auto",
     ) -> None:
         parts: EngineParts = build_engine(
             model=model,
@@ -99,6 +100,7 @@ class LLM:
             swap_space=swap_space,
             random_shape=random_shape,
             progress=progress,
+            quantization=quantization,
         )
         self.parts = parts
         self.config = parts.config
