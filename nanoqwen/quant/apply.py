@@ -62,3 +62,17 @@ def describe(net: nn.Module) -> str:
             key = f"int{m.bits} group {m.group_size} ({m.kind})"
             counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{n} x {k}" for k, n in counts.items())
+
+
+def quantized_bytes(net: nn.Module) -> int:
+    """Bytes a decode step reads when the linear layers are quantized (0 when none is): the
+    packed layers' tensors plus the float parameters outside the embedding."""
+    layers = [m for m in net.modules() if isinstance(m, QuantizedLinear)]
+    if not layers:
+        return 0
+    read = sum(layer.decode_bytes() for layer in layers)
+    # The embedding is gathered a row per token; the lm_head is quantized, hence not it.
+    floats = sum(
+        p.numel() * p.element_size() for n, p in net.named_parameters() if n != "embed_tokens"
+    )
+    return read + floats

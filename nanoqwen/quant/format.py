@@ -55,9 +55,7 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight's rows `index` (an embedding lookup)."""
         offset = None if self.offset is None else self.offset[index]
-        return QuantizedWeight(
-            self.q[index], self.scale[index], offset, self.group_size, self.bits
-        )
+        return QuantizedWeight(self.q[index], self.scale[index], offset, self.group_size, self.bits)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         offset = None if self.offset is None else self.offset.to(device)

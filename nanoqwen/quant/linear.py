@@ -6,9 +6,12 @@ kernels of the device it lives on:
 - CPU, few rows (decode): torch's packed kernels, which read the codes and dequantize inside
   the matmul: aten._weight_int4pack_mm_for_cpu (int4, groups of 32..256) and
   aten._weight_int8pack_mm (int8, one scale per output channel).
-- CPU, many rows (prefill): those kernels are GEMV-shaped and slow past a few rows, while
-  the bf16 matmul runs on AMX; so the weight is dequantized into the activation dtype and
-  multiplied there. Its cost is spread over every row of the chunk.
+- CPU, many rows (prefill): those kernels are GEMV-shaped and slow past a few rows, and
+  dequantizing the weight in torch costs more than the matmul. With bf16/fp16 activations
+  the rows are quantized to int8 (one scale per row) and multiplied with per-channel int8
+  codes of the weight in one int8 x int8 -> int32 matmul (oneDNN, AMX/VNNI), which beats
+  even the bf16 AMX matmul. float32 activations are the exact mode: the weight is
+  dequantized in float32, as the reference is.
 - CUDA: nanoqwen.kernels.quant_matmul's Triton kernels (see cuda_pack/cuda_forward).
 """
 
@@ -18,21 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.quant.format import QuantizedWeight, dequantize
+from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int8
 
-# Rows above which a CPU matmul dequantizes the weight and runs the dense matmul instead of
-# the packed GEMV kernel (measured on the 0.5B model's shapes: see BENCHMARKS.md).
+# Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
+# (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
 CPU_PACKED_MAX_ROWS = 4
 _INT4_GROUPS = (32, 64, 128, 256)
-
-
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 [N, K] -> [N, K // 2], two codes a byte (even k in the low nibble)."""
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def _unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
-    return torch.stack((p & 0x0F, p >> 4), dim=-1).view(p.shape[0], -1)
 
 
 class QuantizedLinear(nn.Module):
@@ -40,18 +34,19 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight = weight
+        self.weight: QuantizedWeight | None = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.group_size, self.bits = weight.group_size, weight.bits
         self.kind = "unprepared"
-        self._packed: tuple = ()
+        self._decode: tuple = ()
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
         if self.weight is not None:
             return self.weight.q.device
-        return self._packed[0].device
+        return self._decode[0].device
 
     def extra_repr(self) -> str:
         return (
@@ -60,71 +55,72 @@ class QuantizedLinear(nn.Module):
         )
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """Packs the weight for `dtype` activations on its device; the canonical codes are
-        dropped where the packed form replaces them."""
+        """Packs the weight for `dtype` activations on its device. float32 keeps the
+        canonical weight (many-row matmuls dequantize it exactly); bf16/fp16 replace it
+        with per-channel int8 codes for the int8 x int8 prefill matmul."""
         w = self.weight
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
         if self.device.type == "cuda":
-            self._packed, self.kind = (cuda_pack(w),), "triton"
+            self._decode, self.kind = (cuda_pack(w),), "triton"
             return
-        scale = w.scale.to(dtype)
-        offset = None if w.offset is None else w.offset.to(dtype)
+        exact8 = w if w.bits == 8 and w.per_channel and w.offset is None else None
         if w.bits == 4 and w.group_size in _INT4_GROUPS and self.out_features % 16 == 0:
             # tinygemm's convention: w = (q - 8) * scale + zero.
             zero = (w.offset if w.offset is not None else 0) + 8 * w.scale
             scales_zeros = torch.stack((w.scale, zero), dim=-1).transpose(0, 1).contiguous()
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
-            nibbles = _pack_nibbles(w.q)
-            self._packed = (packed, scales_zeros.to(dtype), nibbles, scale, offset)
-            self.kind = "int4pack"
-        elif w.bits == 8 and w.per_channel and w.offset is None:
-            self._packed = (w.q, scale.view(-1))
-            self.kind = "int8pack"
-        else:
-            self._packed = (w.q, scale, offset)
-            self.kind = "dequant"
-        # The packed tensors replace the canonical codes (int8pack shares them).
-        self.weight = None
-        self.group_size, self.bits = w.group_size, w.bits
+            self._decode, self.kind = (packed, scales_zeros.to(dtype)), "int4pack"
+        elif exact8 is not None:
+            self._decode, self.kind = (w.q, w.scale.view(-1).to(dtype)), "int8pack"
+        elif dtype == torch.float32:
+            self.kind = "dequant"  # no kernel for this layout; float32 stays exact
+        if dtype != torch.float32:
+            # rounding far finer than any layout above (one scale per row, 255 levels)
+            per_channel = exact8 or quantize_int8(dequantize(w))
+            self._int8 = (per_channel.q, per_channel.scale.view(-1))
+            if self.kind == "unprepared":
+                self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"
+            self.weight = None
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a dense [N, K] tensor of dtype, from the packed form."""
-        if self.kind == "int4pack":
-            _, _, nibbles, scale, offset = self._packed
-            q = _unpack_nibbles(nibbles)
-        elif self.kind == "int8pack":
-            q, scale = self._packed
-            scale, offset = scale.view(-1, 1), None
-        elif self.kind == "dequant":
-            q, scale, offset = self._packed
-        else:
-            return dequantize(self.weight, dtype)
-        n, k = q.shape
-        groups = scale.shape[1]
-        w = q.to(dtype).view(n, groups, k // groups) * scale.to(dtype).unsqueeze(-1)
-        if offset is not None:
-            w += offset.to(dtype).unsqueeze(-1)
-        return w.view(n, k)
+    def decode_bytes(self) -> int:
+        """Bytes the few-rows kernel reads per call."""
+        tensors = self._decode
+        if self.kind == "triton":  # whatever tensors the packed object holds
+            packed = self._decode[0]
+            found = packed if isinstance(packed, (tuple, list)) else vars(packed).values()
+            tensors = [t for t in found if isinstance(t, torch.Tensor)]
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "triton":
-            return cuda_forward(x, self._packed[0], self.bias)
-        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-        if rows <= CPU_PACKED_MAX_ROWS:
-            if self.kind == "int4pack":
-                packed, scales_zeros, *_ = self._packed
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x.reshape(-1, self.in_features), packed, self.group_size, scales_zeros
-                )
-                y = y.view(*x.shape[:-1], self.out_features)
-                return y if self.bias is None else y + self.bias
-            if self.kind == "int8pack":
-                q, scale = self._packed
-                y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), q, scale)
-                y = y.view(*x.shape[:-1], self.out_features)
-                return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+            return cuda_forward(x, self._decode[0], self.bias)
+        shape = (*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > CPU_PACKED_MAX_ROWS or self.kind in ("dequant", "unprepared"):
+            if self._int8 is None or x.dtype == torch.float32:
+                return F.linear(x, dequantize(self.weight, x.dtype), self.bias)
+            y = _int8_matmul(x2, *self._int8)
+        elif self.kind == "int4pack":
+            packed, scales_zeros = self._decode
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, packed, self.group_size, scales_zeros
+            )
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, *self._decode)
+        y = y.view(shape)
+        return y if self.bias is None else y + self.bias
+
+
+def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale).T with x quantized per row to int8 (as llama.cpp quantizes activations
+    to Q8 blocks): one int8 x int8 -> int32 matmul (AMX/VNNI through oneDNN)."""
+    xf = x.float()
+    x_scale = xf.abs().amax(-1, keepdim=True).clamp_(min=1e-30) / 127
+    xq = torch.round(xf / x_scale).to(torch.int8)
+    y = torch._int_mm(xq, q.t()).float()
+    return (y * x_scale * scale).to(x.dtype)
 
 
 class QuantizedEmbedding(nn.Module):

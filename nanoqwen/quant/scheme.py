@@ -22,8 +22,10 @@ class Scheme:
     def fits(self, w: QuantizedWeight) -> bool:
         """Whether w already has this layout (then it is kept as is, without loss)."""
         group = w.shape[1] if self.group_size is None else self.group_size
-        return w.bits == self.bits and w.group_size == group and (
-            (w.offset is None) == (self.bits == 8)
+        return (
+            w.bits == self.bits
+            and w.group_size == group
+            and ((w.offset is None) == (self.bits == 8))
         )
 
     def apply(self, w: QuantizedWeight | torch.Tensor) -> QuantizedWeight:

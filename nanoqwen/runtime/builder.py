@@ -10,6 +10,8 @@ import torch
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
+from nanoqwen.quant.apply import describe, quantize_loaded
+from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
 from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.host_pool import HostKVCache
@@ -18,8 +20,6 @@ from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
 from nanoqwen.validation import boolean, check_engine_args, choice, invalid, number
-from nanoqwen.quant.apply import describe, quantize_loaded
-from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.gguf import is_gguf
 from nanoqwen.weights.gguf_loader import load_gguf, open_gguf

@@ -8,6 +8,7 @@ directly (nanoqwen/quant/gguf_model.py keeps the tensors quantized).
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from nanoqwen.errors import InvalidInputError
+from nanoqwen.weights.gguf_reader import read_gguf
 
 # llama.cpp permutes q/k only on its llama path; qwen2 tensors are stored as HF has them, so the
 # mapping is a plain rename (greedy decoding would turn to garbage otherwise).
@@ -72,33 +74,24 @@ class GGUFTensor:
 
 class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise GGUFError(f"model path {path} does not exist")
         try:
-            self.reader = GGUFReader(self.path)
-        except (ValueError, OSError) as e:
+            self.metadata, self._raw = read_gguf(self.path)
+        except (ValueError, OSError, KeyError, struct.error) as e:
             raise GGUFError(f"{self.path} is not a readable GGUF file ({e})") from None
-        arch = self._field("general.architecture")
+        arch = self.metadata.get("general.architecture")
         if arch != "qwen2":
             raise GGUFError(f"{self.path}: architecture {arch!r}: nanoqwen runs only 'qwen2'")
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    @cached_property
-    def metadata(self) -> dict[str, Any]:
-        """Every key-value field (the tokenizer's lists included: slow, ~1 s)."""
-        return {k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
+        return self.metadata.get(key, default)
 
     def tensors(self) -> Iterator[GGUFTensor]:
-        for t in self.reader.tensors:
+        for t in self._raw:
             # GGUF lists dims fastest-first; torch wants rows first.
-            shape = tuple(reversed(t.shape.tolist()))
-            yield GGUFTensor(hf_name(t.name), t.tensor_type.name, shape, t.data)
+            yield GGUFTensor(hf_name(t.name), t.type_name, tuple(reversed(t.dims)), t.data)
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -106,7 +99,9 @@ class GGUFCheckpoint:
 
     def hf_config(self) -> dict[str, Any]:
         """config.json as transformers would write it for this model."""
-        hp = {k.removeprefix("qwen2."): self._field(k) for k in self.reader.fields if k.startswith("qwen2.")}
+        hp = {
+            k.removeprefix("qwen2."): v for k, v in self.metadata.items() if k.startswith("qwen2.")
+        }
         layers, context = int(hp["block_count"]), int(hp["context_length"])
         bos = int(self._field("tokenizer.ggml.bos_token_id"))
         return {

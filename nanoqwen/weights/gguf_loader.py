@@ -55,7 +55,9 @@ def load_gguf(
     embedding: QuantizedWeight | None = None
     tensors = list(ckpt.tensors())
     with torch.no_grad():
-        for t in tqdm(tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False):
+        for t in tqdm(
+            tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False
+        ):
             target = targets.destination(t.name)
             missing.discard(t.name)
             if target is None:
@@ -70,7 +72,9 @@ def load_gguf(
                 continue
             value = _canonical(t)
             if t.name == EMBEDDING:
-                embedding = value if isinstance(value, QuantizedWeight) else quantize_int8(value, 32)
+                embedding = (
+                    value if isinstance(value, QuantizedWeight) else quantize_int8(value, 32)
+                )
                 continue
             module, shard = _module_and_shard(t.name)
             shards.setdefault(module, {})[shard] = scheme.apply(value)
