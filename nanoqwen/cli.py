@@ -103,6 +103,7 @@ def load_llm(args: argparse.Namespace, template: str | None = None) -> LLM:
         swap_space=args.swap_space,
         random_shape=random_shape,
         progress=not args.quiet,
+        quantization=getattr(args, "quantization", "auto"),
     )
     if template is not None:
         llm.tokenizer.set_chat_template(template, "--chat-template")

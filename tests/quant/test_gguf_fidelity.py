@@ -47,8 +47,7 @@ def logits(gguf_path):
     prompts = [ref.tokenizer.encode_chat(m) for m in PROMPTS.values()]
     outs = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     inputs = {
-        name: (p + o.token_ids[:-1], len(o.token_ids))
-        for name, p, o in zip(PROMPTS, prompts, outs)
+        name: (p + o.token_ids[:-1], len(o.token_ids)) for name, p, o in zip(PROMPTS, prompts, outs)
     }
     reference = _teacher_forced(ref, inputs)
     del ref
