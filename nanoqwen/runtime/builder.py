@@ -147,6 +147,9 @@ def build_engine(
         block_size,
     )
     net.set_attention_backend(backend)
+    # Before loading: quantization swaps in layers that keep their own kernels.
+    if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
+        net.use_fused_kernels(True)
     scheme = resolve_scheme(quantization, gguf is not None)
     if random_shape is not None:
         fill_random(net)
@@ -161,8 +164,6 @@ def build_engine(
     if progress:
         log(f"attention backend: {backend.name} ({dev}, {str(torch_dtype).removeprefix('torch.')})")
 
-    if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
-        net.use_fused_kernels(True)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     # Before the KV pool is sized: the sampler's per-slot token tables take memory too.
     sampler = Sampler(eos, cfg.vocab_size, max_num_seqs, dev)

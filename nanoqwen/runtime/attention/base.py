@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,6 +31,9 @@ class AttentionMetadata:
     cache_seqlens: torch.Tensor | None = None
     # Decode only: KV splits per sequence and KV head; 0 lets the backend choose.
     num_splits: int = 0
+    # What every layer of the step would compute alike (RoPE rows, the decode mask): the
+    # first layer stores it, the others reuse it. On the CPU each small op costs ~10 us.
+    shared: dict = field(default_factory=dict, repr=False)
 
 
 class AttentionBackend(Protocol):
