@@ -69,7 +69,8 @@ class GGUFTensor:
         from gguf.quants import dequantize
 
         values = dequantize(self.data, GGMLQuantizationType[self.type_name])
-        return np.asarray(values, dtype=np.float32).reshape(self.shape)
+        values = np.asarray(values, dtype=np.float32).reshape(self.shape)
+        return values if values.flags.writeable else values.copy()  # F32: a view of the file
 
 
 class GGUFCheckpoint:
