@@ -18,9 +18,13 @@ class Scheme:
 
     bits: int
     group_size: int | None  # None: per output channel
+    # Also keep int4 weights in groups of 32 as they are (a GGUF's Q4_K tensors).
+    keep_int4: bool = False
 
     def fits(self, w: QuantizedWeight) -> bool:
         """Whether w already has this layout (then it is kept as is, without loss)."""
+        if self.keep_int4 and w.bits == 4 and w.group_size == 32:
+            return True
         group = w.shape[1] if self.group_size is None else self.group_size
         return (
             w.bits == self.bits
@@ -38,9 +42,9 @@ class Scheme:
         return quantize_int4(w, self.group_size or w.shape[1])
 
 
-SCHEMES = {"int8": Scheme(8, None), "int4": Scheme(4, 32)}
+SCHEMES = {"int8": Scheme(8, None), "int4": Scheme(4, 32), "gguf": Scheme(8, None, True)}
 # What quantization="auto" gives a GGUF (chosen by measurement: see BENCHMARKS.md).
-AUTO_GGUF = "int4"
+AUTO_GGUF = "gguf"
 
 
 def resolve_scheme(quantization: str, from_gguf: bool) -> Scheme | None:

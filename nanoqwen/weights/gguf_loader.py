@@ -12,7 +12,7 @@ from nanoqwen.quant.apply import install, set_module
 from nanoqwen.quant.format import QuantizedWeight, cat_rows, quantize_int8
 from nanoqwen.quant.gguf_blocks import EXACT_TYPES, from_gguf_blocks
 from nanoqwen.quant.linear import QuantizedEmbedding
-from nanoqwen.quant.scheme import Scheme
+from nanoqwen.quant.scheme import SCHEMES, Scheme
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.gguf import GGUFCheckpoint, GGUFTensor
 from nanoqwen.weights.loader import _FUSED, LoadError, _Targets, expected_tensor_names
@@ -37,6 +37,15 @@ def _module_and_shard(hf_name: str) -> tuple[str, int]:
         if name.endswith(hf_part):
             return name.removesuffix(hf_part) + ours, shard
     return name, 0
+
+
+def _fuse(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """The parts of a fused projection stacked; per-channel int8 for all of them when their
+    layouts differ (a Q4_K part next to Q5_0 ones under quantization="auto")."""
+    try:
+        return cat_rows(parts)
+    except ValueError:
+        return cat_rows([SCHEMES["int8"].apply(p) for p in parts])
 
 
 def load_gguf(
@@ -84,7 +93,7 @@ def load_gguf(
         raise LoadError(f"{ckpt.path} lacks tensor {names[0]}{more}")
     if scheme is None:
         return
-    weights = {m: cat_rows([parts[i] for i in sorted(parts)]) for m, parts in shards.items()}
+    weights = {m: _fuse([parts[i] for i in sorted(parts)]) for m, parts in shards.items()}
     if net.config.tie_word_embeddings:
         weights["lm_head"] = scheme.apply(embedding)
     device = net.norm.weight.device
