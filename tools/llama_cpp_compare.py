@@ -58,8 +58,8 @@ def build_llama_bench(sdist: Path, build: Path) -> Path:
     return binary
 
 
-def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, gen: int) -> dict:
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(gen)]
+def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, gen: int, repack: int):
+    cmd = [binary, "-m", gguf, "-t", threads, "-p", prompt, "-n", gen, "--repack", repack, "-r", 2]
     out = subprocess.run([*map(str, cmd), "-o", "json"], check=True, capture_output=True)
     rows = json.loads(out.stdout)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
@@ -87,6 +87,13 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", default="auto", help="nanoqwen's --quantization")
     p.add_argument("--dtype", default="auto", help="nanoqwen's --dtype")
+    p.add_argument(
+        "--repack",
+        type=int,
+        default=0,
+        help="llama-bench --repack: 1 repacks weights for its AMX kernels, which crash with "
+        "SIGSEGV (ggml_backend_amx_mul_mat) on this project's Xeon VMs; hence 0",
+    )
     args = p.parse_args()
 
     import torch
@@ -115,7 +122,10 @@ def main() -> int:
         for name, rs in runs.items()
     }
     quant = f"quantization={args.quantization}, dtype={args.dtype}"
-    print(f"\n{args.gguf.name}, {args.threads} threads, pp{args.prompt} / tg{args.gen}, {quant}")
+    print(
+        f"\n{args.gguf.name}, {args.threads} threads, pp{args.prompt} / tg{args.gen}, {quant}, "
+        f"llama-bench --repack {args.repack}"
+    )
     print(
         f"medians of {args.repeats} alternating runs; 1-min load average {min(loads):.1f}"
         f"..{max(loads):.1f} on {os.cpu_count()} CPUs"
