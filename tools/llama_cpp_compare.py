@@ -112,7 +112,7 @@ def main() -> int:
     for i in range(args.repeats):
         loads.append(os.getloadavg()[0])
         runs["llama.cpp"].append(
-            llama_bench(binary, args.gguf, args.threads, args.prompt, args.gen)
+            llama_bench(binary, args.gguf, args.threads, args.prompt, args.gen, args.repack)
         )
         loads.append(os.getloadavg()[0])
         runs["nanoqwen"].append(nanoqwen_run(llm, args.prompt, args.gen, i))
