@@ -72,8 +72,8 @@ def _engine_flags() -> argparse.ArgumentParser:
         "--quantization",
         default="auto",
         choices=["auto", "none", "int8", "int4"],
-        help="weight-only quantized linear layers; auto: a .gguf stays quantized (int4), "
-        "other checkpoints load as they are",
+        help="weight-only quantized linear layers; auto: a .gguf stays quantized (int8 per "
+        "channel, its Q4_K tensors int4), other checkpoints load as they are",
     )
     g.add_argument(
         "--attention-backend",
