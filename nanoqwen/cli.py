@@ -104,6 +104,7 @@ def load_llm(args: argparse.Namespace, template: str | None = None) -> LLM:
         random_shape=random_shape,
         progress=not args.quiet,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        quantization=getattr(args, "quantization", "auto"),
     )
     if template is not None:
         llm.tokenizer.set_chat_template(template, "--chat-template")

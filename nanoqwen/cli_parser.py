@@ -54,9 +54,9 @@ def _engine_flags() -> argparse.ArgumentParser:
     g = p.add_argument_group("model and engine")
     g.add_argument(
         "--model",
-        help="checkpoint directory, or a Hugging Face repo id (from the local HF cache, else "
-        "downloaded unless HF_HUB_OFFLINE is set); default: weights/Qwen2.5-Coder-0.5B-Instruct "
-        "(built by tools/make_qwen_coder.py)",
+        help="checkpoint directory, a Qwen2 .gguf file, or a Hugging Face repo id (from the "
+        "local HF cache, else downloaded unless HF_HUB_OFFLINE is set); default: "
+        "weights/Qwen2.5-Coder-0.5B-Instruct (built by tools/make_qwen_coder.py)",
     )
     g.add_argument(
         "--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N"
@@ -65,7 +65,15 @@ def _engine_flags() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=["auto", *DTYPES],
-        help="auto: the checkpoint's dtype on GPU, float32 on CPU",
+        help="auto: the checkpoint's dtype on GPU; on CPU bfloat16 where the CPU has bf16 "
+        "instructions (float32 for float32 checkpoints)",
+    )
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantized linear layers; auto: a .gguf stays quantized (int8 per "
+        "channel, its Q4_K tensors int4), other checkpoints load as they are",
     )
     g.add_argument(
         "--attention-backend",
@@ -310,7 +318,7 @@ def flag_spelling(message: str) -> str:
 
 # API parameters that a generate/chat/bench flag sets under the same name.
 _FLAG_PARAMS = (
-    "attention_backend", "block_size", "device", "dtype", "enforce_eager",
+    "attention_backend", "block_size", "device", "dtype", "enforce_eager", "quantization",
     "gpu_memory_utilization", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
     "num_kv_blocks", "frequency_penalty", "ignore_eos", "logprobs", "max_tokens", "min_p",
     "min_tokens",

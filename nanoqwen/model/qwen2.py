@@ -131,6 +131,8 @@ class Qwen2ForCausalLM(nn.Module):
         """hidden: forward()'s pair, already cut to the rows that need logits."""
         x, residual = hidden
         normed, _ = self.norm(x, residual)
+        if isinstance(self.lm_head, nn.Module):  # a QuantizedLinear (nanoqwen.quant)
+            return self.lm_head(normed).float()
         if self.tp is None and normed.is_cuda and normed.dtype != torch.float32:
             # float32 logits straight from the GEMM's float32 sums: no bf16 rounding of the
             # logits (HF's, which moves a logit near 8 by up to 0.03) and no separate cast

@@ -14,6 +14,8 @@ from tqdm import tqdm
 
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.shapes import SHAPES
+from nanoqwen.quant.apply import quantized_bytes
+from nanoqwen.quant.scheme import QUANTIZATIONS
 from nanoqwen.runtime.attention import BACKENDS
 from nanoqwen.runtime.bench_workloads import (
     PRESET_HELP,
@@ -27,7 +29,9 @@ from nanoqwen.runtime.sampling_params import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint dir or hub id (default: random weights of --shape)")
+    p.add_argument(
+        "--model", help="checkpoint dir, .gguf file or hub id (default: random weights of --shape)"
+    )
     p.add_argument("--shape", choices=SHAPES, default="0.5B", help="random-weight Qwen2.5 shape")
     p.add_argument(
         "--mode",
@@ -36,7 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="which benchmark to run",
     )
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights and KV")
+    p.add_argument(
+        "--dtype", choices=("auto", *DTYPES), default="bfloat16", help="activations and KV"
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="auto",
+        help="weight-only quantized linear layers (auto: a GGUF stays quantized, else none)",
+    )
     p.add_argument(
         "--batch-sizes",
         type=_batch_sizes,
@@ -172,6 +184,8 @@ def _sync_device(device: torch.device) -> None:
 def weight_bytes(llm: LLM) -> int:
     """Bytes one decode step reads: every weight, minus the embedding table when the
     lm_head is separate (decode gathers only a few embedding rows)."""
+    if quantized_bytes(llm.runner.model):
+        return quantized_bytes(llm.runner.model)
     cfg = llm.config
     params = cfg.num_parameters()
     if not cfg.tie_word_embeddings:
@@ -220,6 +234,7 @@ def latency_run(
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "ttft_ms": first_token_s * 1e3,
+        "prefill_tok_s": bs * prompt_len / first_token_s,
         "step_ms_p50": statistics.median(step_ms),
         "step_ms_p99": pct(step_ms, 99),
         "decode_tok_s": bs * len(step_ms) / decode_s,
@@ -295,11 +310,13 @@ def run(args) -> int:
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     backend = llm.runner.model.layers[0].self_attn.backend.name
     setup = {
         "model": args.model or f"random Qwen2.5-{args.shape} shape",
-        "dtype": args.dtype,
+        "dtype": str(llm.runner.model.norm.weight.dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "device": torch.cuda.get_device_name() if llm.runner.device.type == "cuda" else "cpu",
         "attention_backend": backend,
         "block_size": args.block_size,
@@ -335,11 +352,13 @@ def run(args) -> int:
                 rows.append(row)
         results["latency"] = rows
         _print_table(
-            f"latency: {setup['model']}, {args.dtype}, {backend}, graphs={setup['cuda_graphs']}",
+            f"latency: {setup['model']}, {setup['dtype']}, quantization {args.quantization}, "
+            f"{backend}, graphs={setup['cuda_graphs']}",
             rows,
             [
                 ("bs", "batch_size", "d"), ("sampling", "sampling", "s"),
                 (f"x {presets[0]}", "x_first", ".3f"), ("TTFT ms", "ttft_ms", ".1f"),
+                ("prefill tok/s", "prefill_tok_s", ",.0f"),
                 ("step ms p50", "step_ms_p50", ".3f"), ("p99", "step_ms_p99", ".3f"),
                 ("decode tok/s", "decode_tok_s", ",.0f"), ("e2e tok/s", "e2e_tok_s", ",.0f"),
                 ("weights GB/s", "weight_gb_s", ",.0f"), ("HF tok/s", "hf_tok_s", ",.1f"),

@@ -12,6 +12,8 @@ from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.parallel import check_tensor_parallel
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
+from nanoqwen.quant.apply import describe, quantize_loaded
+from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
 from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.host_pool import HostKVCache
@@ -22,6 +24,8 @@ from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
 from nanoqwen.validation import boolean, check_engine_args, choice, integer, invalid, number
 from nanoqwen.weights.config import ModelConfig
+from nanoqwen.weights.gguf import is_gguf
+from nanoqwen.weights.gguf_loader import load_gguf, open_gguf
 from nanoqwen.weights.hub import resolve_model
 from nanoqwen.weights.loader import checkpoint_dtype, load_weights
 from nanoqwen.weights.tokenizer import Tokenizer
@@ -60,9 +64,18 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic natively (AVX512-BF16 or AMX), as torch sees it."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where the CPU has bf16
+    instructions, except for float32 checkpoints, which stay float32 as on CUDA."""
     if dtype == "auto":
-        return stored if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return stored
+        return torch.bfloat16 if stored != torch.float32 and cpu_has_bf16() else torch.float32
     return DTYPES[choice("dtype", dtype, ["auto", *DTYPES])]
 
 
@@ -88,6 +101,7 @@ def build_engine(
     random_shape: str | None,
     progress: bool,
     tensor_parallel_size: int = 1,
+    quantization: str = "auto",
     parallel: ParallelContext | None = None,
 ) -> EngineParts:
     """With tensor_parallel_size N > 1 this also starts the other N - 1 ranks; on those
@@ -116,20 +130,33 @@ def build_engine(
     number("swap_space", swap_space, lambda v: v >= 0, "a number of GiB >= 0")
     integer("tensor_parallel_size", tensor_parallel_size, lambda v: v >= 1, "an integer >= 1")
     sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
+    choice("quantization", quantization, QUANTIZATIONS)
     worker = parallel is not None and parallel.tp.rank > 0
     dev = parallel.device if parallel is not None else resolve_device(device)
-    path = None
+    path = gguf = None
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
+    elif is_gguf(model):
+        gguf, cfg, tokenizer = open_gguf(model)
+        stored = torch.bfloat16
     else:
         path = resolve_model(model)
         cfg = ModelConfig.from_file(path / "config.json")
         tokenizer = None if worker else Tokenizer(path)
         stored = checkpoint_dtype(path)
     torch_dtype = resolve_dtype(dtype, dev, stored)
+    scheme = resolve_scheme(quantization, gguf is not None)
     workers = None
     if tensor_parallel_size > 1:
         check_tensor_parallel(cfg, tensor_parallel_size)  # before any process starts
+        if scheme is not None:
+            raise InvalidInputError(
+                f"tensor_parallel_size={tensor_parallel_size} with quantized weights "
+                f"(quantization={quantization!r}{', a GGUF model' if gguf else ''}) is not "
+                "supported: allowed tensor_parallel_size=1, or a safetensors checkpoint with "
+                "quantization='none' or 'auto'",
+                param="tensor_parallel_size",
+            )
         if parallel is None:
             from nanoqwen.runtime.parallel.launch import start_group
 
@@ -137,8 +164,9 @@ def build_engine(
             dev = parallel.device
     try:
         return _assemble(
-            cfg, path, tokenizer, torch_dtype, dev, parallel, workers, engine_kwargs, sched_config
-        )
+            cfg, path, gguf, scheme, tokenizer, torch_dtype, dev, parallel, workers,
+            engine_kwargs, sched_config,
+        )  # fmt: skip
     except BaseException:
         if workers is not None:
             workers.stop(timeout=0)
@@ -146,7 +174,9 @@ def build_engine(
         raise
 
 
-def _assemble(cfg, path, tokenizer, torch_dtype, dev, parallel, workers, kw, sched_config):
+def _assemble(
+    cfg, path, gguf, scheme, tokenizer, torch_dtype, dev, parallel, workers, kw, sched_config
+):
     """The model, KV pool, scheduler and runner of build_engine()'s checked arguments."""
     block_size, max_num_seqs, progress = kw["block_size"], kw["max_num_seqs"], kw["progress"]
     num_kv_blocks, max_model_len = kw["num_kv_blocks"], kw["max_model_len"]
@@ -163,15 +193,22 @@ def _assemble(cfg, path, tokenizer, torch_dtype, dev, parallel, workers, kw, sch
         block_size,
     )
     net.set_attention_backend(backend)
-    if path is None:
+    # Before loading: quantization swaps in layers that keep their own kernels.
+    if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
+        net.use_fused_kernels(True)
+    if path is None and gguf is None:
         fill_random(net, seed=parallel.tp.rank if parallel else 0)
+    elif gguf is not None:
+        load_gguf(net, gguf, scheme, torch_dtype, progress=progress)
     else:
         load_weights(net, path, progress=progress)
+    if scheme is not None and gguf is None:
+        quantize_loaded(net, scheme, torch_dtype)
+    if progress and scheme is not None:
+        log(f"quantized linear layers: {describe(net)}")
     if progress:
         log(f"attention backend: {backend.name} ({dev}, {str(torch_dtype).removeprefix('torch.')})")
 
-    if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
-        net.use_fused_kernels(True)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     # Before the KV pool is sized: the sampler's per-slot token tables take memory too.
     sampler = None if worker else Sampler(eos, cfg.vocab_size, max_num_seqs, dev)

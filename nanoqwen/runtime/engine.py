@@ -54,6 +54,7 @@ class LLM:
         random_shape: str | None = None,
         progress: bool = True,
         tensor_parallel_size: int = 1,
+        quantization: str = "auto",
     ) -> None:
         """tensor_parallel_size N > 1 splits the model over N processes (one GPU each, or
         CPU processes with gloo) that this call starts; close() stops them. Under torchrun
@@ -76,6 +77,7 @@ class LLM:
             random_shape=random_shape,
             progress=progress,
             tensor_parallel_size=tensor_parallel_size,
+            quantization=quantization,
         )
         self.parts = parts
         self.config = parts.config

@@ -81,6 +81,20 @@ class Tokenizer:
         self.set_chat_template(template, source)
         self.eos_token_ids = _eos_ids(model_dir, self)
 
+    @classmethod
+    def from_parts(
+        cls, tok: HFTokenizer, cfg: dict[str, Any], eos_token_ids: set[int], source: str
+    ) -> Tokenizer:
+        """A tokenizer from objects instead of files (a GGUF's metadata); cfg is
+        tokenizer_config.json's content, source names it in errors."""
+        self = cls.__new__(cls)
+        self._tok = tok
+        self.eos_token = _token_text(cfg, "eos_token", Path(source))
+        self.bos_token = _token_text(cfg, "bos_token", Path(source))
+        self.set_chat_template(cfg.get("chat_template"), source)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        return self
+
     def set_chat_template(self, text: str | None, source: str) -> None:
         """Replaces the chat template (None: no template); source names it in errors."""
         self.chat_template = text

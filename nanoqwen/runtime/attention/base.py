@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -36,6 +36,9 @@ class AttentionMetadata:
     prefix_len: torch.Tensor | None = None  # [1] int32
     suffix_tables: torch.Tensor | None = None  # [seqs, max_blocks] int32
     suffix_lens: torch.Tensor | None = None  # [seqs] int32
+    # What every layer of the step would compute alike (RoPE rows, the decode mask): the
+    # first layer stores it, the others reuse it. On the CPU each small op costs ~10 us.
+    shared: dict = field(default_factory=dict, repr=False)
 
 
 class AttentionBackend(Protocol):

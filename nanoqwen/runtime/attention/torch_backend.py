@@ -58,7 +58,14 @@ def paged_attention(
         # One token per sequence: a single batched call over gathered blocks.
         k = gather_kv(k_cache, meta.block_tables)
         v = gather_kv(v_cache, meta.block_tables)
-        out = attend(q.unsqueeze(2), k, v, meta.context_lens.long() - 1, scale)
+        mask = meta.shared.get("decode_mask")
+        if mask is None:
+            key_pos = torch.arange(k.shape[2], device=q.device)
+            last = meta.context_lens.long() - 1
+            mask = meta.shared["decode_mask"] = key_pos.view(1, 1, 1, -1) <= last.view(-1, 1, 1, 1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
         return out.squeeze(2)
     # Prefill lengths vary a lot; per sequence keeps memory at one score matrix.
     out = torch.empty_like(q)
@@ -85,7 +92,10 @@ class TorchAttention:
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = split_qkv(qkv, k_cache)
-        cos, sin = self.rotary.cos_sin(meta.positions, q.dtype)
+        rope = meta.shared.get("rope")
+        if rope is None or rope[0].dtype != q.dtype:
+            rope = meta.shared["rope"] = self.rotary.cos_sin(meta.positions, q.dtype)
+        cos, sin = rope
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -1,0 +1,104 @@
+"""GGUF's quantized blocks read into the canonical format without loss.
+
+Each supported block type is integer codes times a per-group scale (plus, for Q4_K, a
+per-group offset), which is exactly QuantizedWeight's form:
+
+    Q8_0  32 codes, f16 d            -> int8, group 32, scale d
+    Q5_0  32 5-bit codes, f16 d      -> int8, group 32, codes q - 16, scale d
+    Q6_K  256 = 16 x 16 6-bit codes  -> int8, group 16, codes q - 32, scale d * sc (int8 sc)
+    Q4_K  256 = 8 x 32 4-bit codes   -> int4, group 32, scale d * sc, offset -dmin * m
+
+The products d * sc and dmin * m are computed in float32 as ggml does, so dequantize() of the
+result equals gguf.quants.dequantize bit for bit (tests/quant check this on the real file).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nanoqwen.quant.format import QuantizedWeight
+
+QK_K = 256
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 fields [rows, blocks, 2] as float32 [rows, blocks]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
+    rows = data.shape[0]
+    return data.reshape(rows, -1, block_bytes)
+
+
+def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
+    b = _blocks(data, 34)
+    d = _f16(b[..., 0:2])
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
+    return q.reshape(b.shape[0], -1), d, None, 32
+
+
+def _q5_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
+    b = _blocks(data, 22)
+    d = _f16(b[..., 0:2])
+    qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [rows, blocks, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # bit j: value j
+    qs = b[..., 6:22]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # values 0..15 then 16..31
+    q = (low | (high << 4)).astype(np.int8) - np.int8(16)
+    return q.reshape(b.shape[0], -1), d, None, 32
+
+
+def _q6_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
+    b = _blocks(data, 210)
+    rows, nb = b.shape[:2]
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210])
+    # Two halves of 128 values; in each, ql's 64 bytes give the low nibbles of values 0..63
+    # (low nibble) and 64..127 (high nibble), qh's 32 bytes give 2 high bits of 4 values each.
+    ql = ql.reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    ql = (ql & 0x0F).reshape(rows, nb, 2, 4, 32)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    qh = (qh.reshape(rows, nb, 2, 1, 32) >> shifts) & 0x03
+    q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+    scale = d[..., None] * sc  # [rows, blocks, 16]
+    return q.reshape(rows, -1), scale.reshape(rows, -1), None, 16
+
+
+def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b = _blocks(data, 144)
+    rows, nb = b.shape[:2]
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    s = b[..., 4:16]
+    # 8 six-bit scales and 8 six-bit mins in 12 bytes: sub-blocks 0..3 in the low 6 bits of
+    # bytes 0..3 (scales) and 4..7 (mins); 4..7 split over bytes 8..11 and the top 2 bits.
+    lo_sc, lo_m, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo_sc & 0x3F, (mix & 0x0F) | ((lo_sc >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([lo_m & 0x3F, (mix >> 4) | ((lo_m >> 2) & 0x30)], axis=-1)
+    qs = b[..., 16:144].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(
+        2, 1
+    )
+    q = (qs & 0x0F).astype(np.uint8)  # [rows, blocks, 4 chunks, 2 halves, 32] = 8 groups of 32
+    scale = d[..., None] * sc.astype(np.float32)
+    offset = -(dmin[..., None] * m.astype(np.float32))
+    return q.reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1), 32
+
+
+_DECODERS = {"Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4)}
+EXACT_TYPES = tuple(_DECODERS)
+
+
+def from_gguf_blocks(type_name: str, data: np.ndarray) -> QuantizedWeight:
+    """The rows of raw blocks `data` ([N, bytes per row], uint8, as GGUFReader gives a 2-D
+    quantized tensor) as a QuantizedWeight. KeyError for types outside EXACT_TYPES."""
+    decode, bits = _DECODERS[type_name]
+    q, scale, offset, group = decode(np.asarray(data))
+    return QuantizedWeight(
+        torch.from_numpy(np.ascontiguousarray(q)),
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
+        None if offset is None else torch.from_numpy(np.ascontiguousarray(offset)),
+        group,
+        bits,
+    )

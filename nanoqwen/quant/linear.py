@@ -1,0 +1,157 @@
+"""Weight-only quantized linear layers and the embedding lookup from quantized rows.
+
+A QuantizedLinear holds its canonical QuantizedWeight until prepare() packs it for the
+kernels of the device it lives on:
+
+- CPU, few rows (decode): torch's packed kernels, which read the codes and dequantize inside
+  the matmul: aten._weight_int4pack_mm_for_cpu (int4, groups of 32..256) and
+  aten._weight_int8pack_mm (int8, one scale per output channel).
+- CPU, many rows (prefill): those kernels are GEMV-shaped and slow past a few rows, and
+  dequantizing the weight in torch costs more than the matmul. With bf16/fp16 activations
+  the rows are quantized to int8 (one scale per row) and multiplied with per-channel int8
+  codes of the weight in one int8 x int8 -> int32 matmul (oneDNN, AMX/VNNI), which beats
+  even the bf16 AMX matmul. float32 activations are the exact mode: the weight is
+  dequantized in float32, as the reference is.
+- CUDA: nanoqwen.kernels.quant_matmul's Triton kernels (see cuda_pack/cuda_forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int8
+
+# Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
+# (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
+CPU_PACKED_MAX_ROWS = 4
+_INT4_GROUPS = (32, 64, 128, 256)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T + bias for a QuantizedWeight W."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight: QuantizedWeight | None = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self.group_size, self.bits = weight.group_size, weight.bits
+        self.kind = "unprepared"
+        self._decode: tuple = ()
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        if self.weight is not None:
+            return self.weight.q.device
+        return self._decode[0].device
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_features}->{self.out_features}, int{self.bits}, "
+            f"group {self.group_size}, {self.kind}"
+        )
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Packs the weight for `dtype` activations on its device. float32 keeps the
+        canonical weight (many-row matmuls dequantize it exactly); bf16/fp16 replace it
+        with per-channel int8 codes for the int8 x int8 prefill matmul."""
+        w = self.weight
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype)
+        if self.device.type == "cuda":
+            self._decode, self.kind = (cuda_pack(w),), "triton"
+            return
+        exact8 = w if w.bits == 8 and w.per_channel and w.offset is None else None
+        if w.bits == 4 and w.group_size in _INT4_GROUPS and self.out_features % 16 == 0:
+            # tinygemm's convention: w = (q - 8) * scale + zero.
+            zero = (w.offset if w.offset is not None else 0) + 8 * w.scale
+            scales_zeros = torch.stack((w.scale, zero), dim=-1).transpose(0, 1).contiguous()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+            self._decode, self.kind = (packed, scales_zeros.to(dtype)), "int4pack"
+        elif exact8 is not None:
+            self._decode, self.kind = (w.q, w.scale.view(-1).to(dtype)), "int8pack"
+        elif dtype == torch.float32:
+            self.kind = "dequant"  # no kernel for this layout; float32 stays exact
+        if dtype != torch.float32:
+            # rounding far finer than any layout above (one scale per row, 255 levels)
+            per_channel = exact8 or quantize_int8(dequantize(w))
+            self._int8 = (per_channel.q, per_channel.scale.view(-1))
+            if self.kind == "unprepared":
+                self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"
+            self.weight = None
+
+    def decode_bytes(self) -> int:
+        """Bytes the few-rows kernel reads per call."""
+        tensors = self._decode
+        if self.kind == "triton":  # whatever tensors the packed object holds
+            packed = self._decode[0]
+            found = packed if isinstance(packed, (tuple, list)) else vars(packed).values()
+            tensors = [t for t in found if isinstance(t, torch.Tensor)]
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "triton":
+            return cuda_forward(x, self._decode[0], self.bias)
+        shape = (*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > CPU_PACKED_MAX_ROWS or self.kind in ("dequant", "unprepared"):
+            if self._int8 is None or x.dtype == torch.float32:
+                return F.linear(x, dequantize(self.weight, x.dtype), self.bias)
+            y = _int8_matmul(x2, *self._int8)
+        elif self.kind == "int4pack":
+            packed, scales_zeros = self._decode
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, packed, self.group_size, scales_zeros
+            )
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, *self._decode)
+        y = y.view(shape)
+        return y if self.bias is None else y + self.bias
+
+
+def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale).T with x quantized per row to int8 (as llama.cpp quantizes activations
+    to Q8 blocks): one int8 x int8 -> int32 matmul (AMX/VNNI through oneDNN)."""
+    xf = x.float()
+    x_scale = xf.abs().amax(-1, keepdim=True).clamp_(min=1e-30) / 127
+    xq = torch.round(xf / x_scale).to(torch.int8)
+    y = torch._int_mm(xq, q.t()).float()
+    return (y * x_scale * scale).to(x.dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embedding as quantized rows; a lookup dequantizes only the rows it gathers.
+    Indexing (`embedding[ids]`) is what Qwen2ForCausalLM.forward does with a plain tensor."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = weight
+        self.dtype = dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.q.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.weight.shape)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.weight.rows(ids), self.dtype)
+
+
+def cuda_pack(w: QuantizedWeight):
+    """The GPU kernels' packed form (nanoqwen.kernels.quant_matmul, imported only here)."""
+    from nanoqwen.kernels.quant_matmul import pack_for_triton
+
+    return pack_for_triton(w.q, w.scale, w.offset, w.group_size, w.bits)
+
+
+def cuda_forward(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    from nanoqwen.kernels.quant_matmul import quant_linear
+
+    return quant_linear(x, packed, bias)

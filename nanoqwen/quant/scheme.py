@@ -1,0 +1,57 @@
+"""Which quantized layout each linear weight gets: the `quantization=` choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int4, quantize_int8
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """bits=8: symmetric int8, one scale per output channel (what torch's CPU int8 kernel
+    takes). bits=4: asymmetric int4 in groups of group_size (Q4_K's own layout at 32)."""
+
+    bits: int
+    group_size: int | None  # None: per output channel
+    # Also keep int4 weights in groups of 32 as they are (a GGUF's Q4_K tensors).
+    keep_int4: bool = False
+
+    def fits(self, w: QuantizedWeight) -> bool:
+        """Whether w already has this layout (then it is kept as is, without loss)."""
+        if self.keep_int4 and w.bits == 4 and w.group_size == 32:
+            return True
+        group = w.shape[1] if self.group_size is None else self.group_size
+        return (
+            w.bits == self.bits
+            and w.group_size == group
+            and ((w.offset is None) == (self.bits == 8))
+        )
+
+    def apply(self, w: QuantizedWeight | torch.Tensor) -> QuantizedWeight:
+        if isinstance(w, QuantizedWeight):
+            if self.fits(w):
+                return w
+            w = dequantize(w)
+        if self.bits == 8:
+            return quantize_int8(w, self.group_size)
+        return quantize_int4(w, self.group_size or w.shape[1])
+
+
+SCHEMES = {"int8": Scheme(8, None), "int4": Scheme(4, 32), "gguf": Scheme(8, None, True)}
+# What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4. All-int4
+# (Q5_0/Q6_K/Q8_0 requantized to int4) agreed with the float32 dequantized model's argmax at
+# only 93% of the fidelity test's positions (BENCHMARKS.md).
+AUTO_GGUF = "gguf"
+
+
+def resolve_scheme(quantization: str, from_gguf: bool) -> Scheme | None:
+    """None: float weights. auto keeps a GGUF quantized (as AUTO_GGUF) and a float
+    checkpoint float."""
+    if quantization == "auto":
+        return SCHEMES[AUTO_GGUF] if from_gguf else None
+    return SCHEMES.get(quantization)

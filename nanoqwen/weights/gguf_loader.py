@@ -1,0 +1,116 @@
+"""Loads a GGUF file's tensors into a built Qwen2ForCausalLM: quantized linear layers stay
+quantized (QuantizedLinear), the embedding becomes a dequantizing lookup, the rest (norms,
+biases) is copied as float."""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from nanoqwen.model.qwen2 import Qwen2ForCausalLM
+from nanoqwen.quant.apply import install, set_module
+from nanoqwen.quant.format import QuantizedWeight, cat_rows, quantize_int8
+from nanoqwen.quant.gguf_blocks import EXACT_TYPES, from_gguf_blocks
+from nanoqwen.quant.linear import QuantizedEmbedding
+from nanoqwen.quant.scheme import SCHEMES, Scheme
+from nanoqwen.weights.config import ModelConfig
+from nanoqwen.weights.gguf import GGUFCheckpoint, GGUFTensor
+from nanoqwen.weights.loader import _FUSED, LoadError, _Targets, expected_tensor_names
+from nanoqwen.weights.tokenizer import Tokenizer
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _canonical(t: GGUFTensor) -> QuantizedWeight | torch.Tensor:
+    """The tensor as GGUF stores it: exact canonical codes, or float32 for other types."""
+    if t.type_name in EXACT_TYPES:
+        return from_gguf_blocks(t.type_name, t.data)
+    return torch.from_numpy(t.to_float32())
+
+
+def _module_and_shard(hf_name: str) -> tuple[str, int]:
+    """'model.layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj', 1)."""
+    if hf_name == "lm_head.weight":
+        return "lm_head", 0
+    name = hf_name.removeprefix("model.").removesuffix(".weight")
+    for hf_part, (ours, shard) in _FUSED.items():
+        if name.endswith(hf_part):
+            return name.removesuffix(hf_part) + ours, shard
+    return name, 0
+
+
+def _fuse(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """The parts of a fused projection stacked; per-channel int8 for all of them when their
+    layouts differ (a Q4_K part next to Q5_0 ones under quantization="auto")."""
+    try:
+        return cat_rows(parts)
+    except ValueError:
+        return cat_rows([SCHEMES["int8"].apply(p) for p in parts])
+
+
+def load_gguf(
+    net: Qwen2ForCausalLM,
+    ckpt: GGUFCheckpoint,
+    scheme: Scheme | None,
+    dtype: torch.dtype,
+    progress: bool = True,
+) -> None:
+    """scheme=None dequantizes every tensor into the model's float parameters (the
+    reference model); otherwise linear weights are converted to the scheme's layout (kept
+    exact where the GGUF already has it) and the embedding keeps the file's own codes."""
+    targets = _Targets(net)
+    missing = expected_tensor_names(net.config)
+    shards: dict[str, dict[int, QuantizedWeight]] = {}
+    embedding: QuantizedWeight | None = None
+    tensors = list(ckpt.tensors())
+    with torch.no_grad():
+        for t in tqdm(
+            tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False
+        ):
+            target = targets.destination(t.name)
+            missing.discard(t.name)
+            if target is None:
+                continue
+            if tuple(t.shape) != tuple(target.shape):
+                raise LoadError(
+                    f"{ckpt.path}: tensor {t.name} has shape {t.shape}, expected "
+                    f"{tuple(target.shape)}"
+                )
+            if scheme is None or len(t.shape) != 2:
+                target.copy_(torch.from_numpy(t.to_float32()))
+                continue
+            value = _canonical(t)
+            if t.name == EMBEDDING:
+                embedding = (
+                    value if isinstance(value, QuantizedWeight) else quantize_int8(value, 32)
+                )
+                continue
+            module, shard = _module_and_shard(t.name)
+            shards.setdefault(module, {})[shard] = scheme.apply(value)
+    if missing:
+        names = sorted(missing)
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise LoadError(f"{ckpt.path} lacks tensor {names[0]}{more}")
+    if scheme is None:
+        return
+    weights = {m: _fuse([parts[i] for i in sorted(parts)]) for m, parts in shards.items()}
+    if net.config.tie_word_embeddings:
+        weights["lm_head"] = scheme.apply(embedding)
+    device = net.norm.weight.device
+    install(net, {m: w.to(device) for m, w in weights.items()}, dtype)
+    set_module(net, "embed_tokens", QuantizedEmbedding(embedding.to(device), dtype))
+
+
+def open_gguf(path: str) -> tuple[GGUFCheckpoint, ModelConfig, Tokenizer]:
+    """The checkpoint, its config and its tokenizer: a tokenizer.json beside the file (with
+    its tokenizer_config.json) when there is one, else the one in the file's metadata."""
+    ckpt = GGUFCheckpoint(path)
+    cfg = ModelConfig.from_dict(ckpt.hf_config(), str(ckpt.path))
+    beside = ckpt.path.parent
+    if (beside / "tokenizer.json").is_file():
+        return ckpt, cfg, Tokenizer(beside)
+    eos = set(ckpt.generation_config()["eos_token_id"])
+    tokenizer = Tokenizer.from_parts(ckpt.tokenizer(), ckpt.tokenizer_config(), eos, str(ckpt.path))
+    if tokenizer.eos_token is not None and tokenizer.token_to_id(tokenizer.eos_token) is not None:
+        tokenizer.eos_token_ids |= {tokenizer.token_to_id(tokenizer.eos_token)}
+    return ckpt, cfg, tokenizer
