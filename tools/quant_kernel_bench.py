@@ -5,9 +5,10 @@ Each timing is a CUDA graph of calls (tools/gpu_timing.py) that rotate over enou
 the weight (>= 192 MB in all) that none is still in L2 when its turn comes back, as in decode,
 where every weight is read once per token. GB/s counts the bytes a call must read (packed
 weights, scales and offsets, or the bf16 matrix). Formats:
-  q4g32o  int4, groups of 32 with an offset, float32 scales (what GGUF Q4_K converts to)
-  q4g128  int4, groups of 128, symmetric, float16 scales (quantize-on-load style)
-  q8g32   int8, groups of 32, symmetric, float16 scales (GGUF Q8_0)
+  q4g32o   int4, groups of 32 with an offset, float32 scales (what GGUF Q4_K converts to)
+  q4g128   int4, groups of 128, symmetric, float32 scales (quantize-on-load style)
+  q4g128h  the same with float16 scales (pack_for_triton(..., scale_dtype=torch.float16))
+  q8g32    int8, groups of 32, symmetric, float32 scales (GGUF Q8_0's values)
 
 Sections, printed as they finish:
   table    per shape and M in 1, 4, 16, 64: bf16 F.linear, the bf16 Triton GEMV (M=1), and
@@ -58,8 +59,9 @@ ROTATE_BYTES = 192 << 20
 # name: (bits, group size, offset, float16 scales)
 FORMATS = {
     "q4g32o": (4, 32, True, False),
-    "q4g128": (4, 128, False, True),
-    "q8g32": (8, 32, False, True),
+    "q4g128": (4, 128, False, False),
+    "q4g128h": (4, 128, False, True),
+    "q8g32": (8, 32, False, False),
 }
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -126,7 +128,8 @@ def quantized(n: int, k: int, fmt: str) -> PackedWeight:
     if half_scales:
         scale = scale.half().float()
     off = -7.5 * scale if offset else None
-    return pack_for_triton(q, scale, off, group, bits)
+    dtype = torch.float16 if half_scales else torch.float32
+    return pack_for_triton(q, scale, off, group, bits, scale_dtype=dtype)
 
 
 def clones(w: PackedWeight, count: int) -> list[PackedWeight]:

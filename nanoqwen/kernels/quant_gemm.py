@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.kernels.quant_gemv import PANEL, _dequant_values, kernel_group, sm_count
+from nanoqwen.kernels.quant_gemv import PANEL, kernel_group, sm_count
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,16 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+
+
+@triton.jit
+def _dequant_values(words, shift, BITS: tl.constexpr):
+    """The value at bit `shift` of packed words as float32, less the storage bias (128 for
+    int8)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    ZERO: tl.constexpr = 8388608.0 + (128.0 if BITS == 8 else 0.0)
+    q = ((words >> shift) & MASK) | 0x4B000000
+    return q.to(tl.float32, bitcast=True) - ZERO
 
 
 @triton.jit

@@ -44,16 +44,6 @@ class GemvConfig:
 
 
 @triton.jit
-def _dequant_values(words, shift, BITS: tl.constexpr):
-    """The value at bit `shift` of packed words as float32, less the storage bias (128 for
-    int8)."""
-    MASK: tl.constexpr = (1 << BITS) - 1
-    ZERO: tl.constexpr = 8388608.0 + (128.0 if BITS == 8 else 0.0)
-    q = ((words >> shift) & MASK) | 0x4B000000
-    return q.to(tl.float32, bitcast=True) - ZERO
-
-
-@triton.jit
 def _slot_values(words, high, magic, j: tl.constexpr, BITS: tl.constexpr):
     """Value slot j of packed words as float32, times 2^(BITS * (j % HALF)) where HALF slots
     fill 16 bits, less the storage bias. The slot is masked in place (`high` = words >> 16

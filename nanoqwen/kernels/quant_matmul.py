@@ -5,8 +5,8 @@ optional), with q in 0..15 (bits=4) or -128..127 (bits=8). `pack_for_triton` tur
 the layout the kernels read: each row's values packed into int32 words (eight int4, or four
 int8 biased by +128, value j in bits j*bits..) by panels of PANEL words, where value j of
 word i holds column j * PANEL + i of the panel (so the GEMV loads x for value j of every word
-as one contiguous vector), and the group scales and offsets as [N, K // g] matrices in float16
-where that is exact, else float32. `quant_linear` picks the
+as one contiguous vector), and the group scales and offsets as [N, K // g] float32 matrices
+(float16 on request, where exact). `quant_linear` picks the
 kernel from the number of rows alone (so a CUDA graph can capture it): one row, the GEMV of
 kernels/quant_gemv.py; up to DEQUANT_MIN_M rows, the tensor-core GEMM of
 kernels/quant_gemm.py; more (prefill), dequantize to x's dtype and let cuBLAS multiply.
@@ -86,12 +86,14 @@ def pack_for_triton(
     offset: torch.Tensor | None,
     group_size: int,
     bits: int,
-    scale_dtype: torch.dtype | None = None,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> PackedWeight:
     """Validate and pack a quantized weight for quant_linear (on q's device).
 
-    scale_dtype=None stores scales and offsets as float16 when every value survives the
-    round trip exactly (fewer bytes per step), else as float32."""
+    scale_dtype=torch.float16 stores scales and offsets in half the bytes, where every value
+    survives the round trip exactly. Measure it first (q4g128h in tools/quant_kernel_bench.py):
+    a program's float16 scales are 2 bytes a thread, too narrow for cp.async, so the GEMV
+    loads them outside its software pipeline."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     want = torch.uint8 if bits == 4 else torch.int8
@@ -117,9 +119,12 @@ def pack_for_triton(
         raise ValueError(
             f"q, scale and offset must share a device, got {sorted(map(str, devices))}"
         )
-    if scale_dtype is None:
-        exact = all(torch.equal(t.half().float(), t) for t in (scale, offset) if t is not None)
-        scale_dtype = torch.float16 if exact else torch.float32
+    if scale_dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"scale_dtype must be torch.float32 or torch.float16, got {scale_dtype}")
+    if scale_dtype == torch.float16 and not all(
+        torch.equal(t.half().float(), t) for t in (scale, offset) if t is not None
+    ):
+        raise ValueError("scale_dtype=torch.float16 needs scales and offsets exact in float16")
     return PackedWeight(
         qweight=_pack_values(q, bits),
         scales=_compact(scale, scale_dtype),

@@ -123,14 +123,21 @@ def test_fused_gate_up_equals_silu_of_gate_times_up(m):
     torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
-def test_scales_are_stored_in_float16_only_when_exact():
+@pytest.mark.parametrize("m", [1, 3])
+def test_float16_scales_on_request_where_exact(m):
     (q, s, o), _ = make_weight(N, 128, 4, 32, True)
-    exact = pack_for_triton(q, s.half().float(), o.half().float(), 32, 4)
-    assert exact.scales.dtype == exact.offsets.dtype == torch.float16
-    assert pack_for_triton(q, s + 1e-6, o.half().float(), 32, 4).scales.dtype == torch.float32
-    packed = pack_for_triton(q, s.half().float(), None, 32, 4)
-    # int4 words plus one float16 scale per 32 values: 4.5 bits a weight.
-    assert packed.nbytes == N * 128 // 2 + N * 4 * 2
+    s, o = s.half().float(), o.half().float()
+    assert pack_for_triton(q, s, o, 32, 4).scales.dtype == torch.float32
+    packed = pack_for_triton(q, s, o, 32, 4, scale_dtype=torch.float16)
+    assert packed.scales.dtype == packed.offsets.dtype == torch.float16
+    w = q.double() * s.double().repeat_interleave(32, 1) + o.double().repeat_interleave(32, 1)
+    x = torch.randn(m, 128)
+    torch.testing.assert_close(quant_linear(x, packed).double(), reference(x, w, None),
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+    # int4 words plus a float16 scale and offset per 32 values: 5 bits a weight.
+    assert packed.nbytes == N * 128 // 2 + 2 * N * 4 * 2
+    with pytest.raises(ValueError, match="exact in float16"):
+        pack_for_triton(q, s + 1e-6, o, 32, 4, scale_dtype=torch.float16)
 
 
 def test_x_of_the_wrong_width_is_rejected():
@@ -157,6 +164,7 @@ def _bad_inputs():
         ((q4, s[:, :2], o, 16, 4), ValueError, r"scale must have shape \[8, 4\]"),
         ((q4, s.index_fill(0, torch.tensor([1]), float("nan")), o, 16, 4), ValueError,
          "scale holds non-finite values"),
+        ((q4, s, o, 16, 4, torch.bfloat16), ValueError, "scale_dtype must be torch.float32"),
     ]  # fmt: skip
 
 
