@@ -126,3 +126,12 @@ def test_a_size_that_does_not_divide_the_model_is_refused(tmp_path, size, shape,
 def test_a_size_that_is_not_a_positive_integer_is_refused(tiny_model, size):
     with pytest.raises(InvalidInputError, match="tensor_parallel_size"):
         LLM(str(tiny_model[0]), tensor_parallel_size=size, progress=False)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_are_refused_with_two_ranks(tiny_model, quantization):
+    with pytest.raises(InvalidInputError, match="quantized weights") as err:
+        LLM(str(tiny_model[0]), tensor_parallel_size=2, quantization=quantization,
+            progress=False)  # fmt: skip
+    assert err.value.param == "tensor_parallel_size"
+    assert multiprocessing.active_children() == []
