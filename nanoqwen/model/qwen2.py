@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoqwen.model.attention import AttentionBackend, AttentionMetadata
 from nanoqwen.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 from nanoqwen.model.parallel import (
     RowParallelLinear,
@@ -13,7 +14,6 @@ from nanoqwen.model.parallel import (
     gather_vocab,
     shard_config,
 )
-from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
 from nanoqwen.weights.config import ModelConfig
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nanoqwen.runtime.attention.base import AttentionMetadata
+from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.runtime.attention.cascade import shared_prefix_blocks
 from nanoqwen.runtime.kv_cache import KVCache
 

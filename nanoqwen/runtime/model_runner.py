@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
-from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.kv_cache import KVCache
 from nanoqwen.runtime.logprobs import TokenLogprobs

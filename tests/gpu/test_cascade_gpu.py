@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoqwen.runtime.attention.base import AttentionMetadata
+from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.runtime.attention.cascade import cascade_decode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

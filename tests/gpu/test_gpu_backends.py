@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
 
 HEADS, KV_HEADS = 14, 2

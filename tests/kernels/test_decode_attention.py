@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import shuffled_paged_cache
 
+from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
 
 pytest.importorskip("triton")

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
+from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.base import AttentionMetadata
 from nanoqwen.runtime.attention.torch_backend import TorchAttention, paged_attention, store_kv
 
 BLOCK_SIZE = 8

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.model.attention import AttentionBackend, AttentionMetadata
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.base import AttentionBackend, AttentionMetadata
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
 from nanoqwen.validation import choice, invalid
 

@@ -12,8 +12,8 @@ import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from nanoqwen.kernels.rope import rope_and_store
+from nanoqwen.model.attention import AttentionMetadata, split_qkv
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
 from nanoqwen.runtime.attention.cascade import CASCADE_FROM, cascade_decode
 
 # Decode graphs for contexts up to here use a narrow block table and one KV split.

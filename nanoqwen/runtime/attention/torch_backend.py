@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoqwen.model.attention import AttentionMetadata, split_qkv
 from nanoqwen.model.layers import RotaryEmbedding, apply_rotary
-from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
 
 
 def store_kv(

@@ -20,8 +20,8 @@ import torch
 from nanoqwen.kernels.decode_attention import decode_attention
 from nanoqwen.kernels.prefill_attention import prefill_attention
 from nanoqwen.kernels.rope import rope_and_store
+from nanoqwen.model.attention import AttentionMetadata, split_qkv
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.base import AttentionMetadata, split_qkv
 
 FLASH_DECODE_FROM = 128  # (sequence, KV head) pairs per decode step
 PREFILL_WITH_FLASH_ATTN = True

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanoqwen.runtime.attention.base import AttentionMetadata
+from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.runtime.parallel.group import ParallelContext
 from nanoqwen.runtime.step_inputs import StepInputs
 

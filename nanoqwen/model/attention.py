@@ -1,4 +1,6 @@
-"""The contract between the model and an attention backend."""
+"""The contract between the model and an attention backend: what the model hands a backend
+each step (AttentionMetadata) and what it calls (AttentionBackend). The backends live in
+nanoqwen/runtime/attention/."""
 
 from __future__ import annotations
 
