@@ -67,10 +67,11 @@ def load_gguf(
         for t in tqdm(
             tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False
         ):
-            target = targets.destination(t.name)
+            found = targets.destination(t.name)
             missing.discard(t.name)
-            if target is None:
+            if found is None:
                 continue
+            target, _ = found  # the whole tensor: GGUF models run on one rank
             if tuple(t.shape) != tuple(target.shape):
                 raise LoadError(
                     f"{ckpt.path}: tensor {t.name} has shape {t.shape}, expected "
