@@ -28,14 +28,18 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def server(real_model_dir, tmp_path_factory):
-    server = Server(["--device", "cpu"], tmp_path_factory.mktemp("serve") / "real.log")
+    # float32: the token-exact mode. bf16 (dtype auto on a CPU with bf16) rounds differently
+    # with the engine process's thread count and the batch's shape.
+    server = Server(
+        ["--device", "cpu", "--dtype", "float32"], tmp_path_factory.mktemp("serve") / "real.log"
+    )
     yield server
     server.close()
 
 
 @pytest.fixture(scope="module")
 def llm(real_model_dir) -> LLM:
-    return LLM(device="cpu", progress=False)
+    return LLM(device="cpu", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="module")
