@@ -27,14 +27,6 @@ TOP_K = 5
 MIN_ARGMAX_AGREEMENT = 0.97
 
 
-@pytest.fixture(scope="module")
-def gguf_path(real_model_dir):
-    path = real_model_dir.parent / ".cache" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing: run `python tools/make_qwen_coder.py`")
-    return path
-
-
 def _teacher_forced(llm: LLM, inputs: dict[str, tuple[list[int], int]]) -> dict:
     return {n: llm.runner.prompt_logits(ids, last).float() for n, (ids, last) in inputs.items()}
 

@@ -24,14 +24,6 @@ from nanoqwen.weights.tokenizer import Tokenizer
 pytestmark = pytest.mark.real_model
 
 
-@pytest.fixture(scope="module")
-def gguf_path(real_model_dir):
-    path = real_model_dir.parent / ".cache" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing: run `python tools/make_qwen_coder.py`")
-    return path
-
-
 def test_every_quantized_block_type_decodes_exactly(gguf_path):
     seen = {}
     for t in GGUFCheckpoint(gguf_path).tensors():

@@ -129,3 +129,14 @@ def process_gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def wait_for(server: Server, condition, what: str, timeout: float = 30.0) -> dict[str, float]:
+    """The server's metrics once condition(metrics) holds; AssertionError after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if condition(m):
+            return m
+        time.sleep(0.02)
+    raise AssertionError(f"{what} did not happen in {timeout} s: {server.metrics()}")

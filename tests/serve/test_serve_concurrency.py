@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
 
 from nanoqwen import LLM, SamplingParams
+
+from .serve_harness import wait_for
 
 ABORTED = "nanoqwen:request_success_total{abort}"
 BASE = ["The quick brown fox", "def fib(n):", "你好，世界。", "import torch", "Hello world"]
@@ -31,16 +32,6 @@ def long_request(model: str, max_tokens: int = 2000, stream: bool = True) -> dic
         "ignore_eos": True,
         "stream": stream,
     }
-
-
-def wait_for(server, condition, what: str, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if condition(m):
-            return m
-        time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen in {timeout} s: {server.metrics()}")
 
 
 def test_64_concurrent_streaming_clients_each_get_their_own_text(tiny_server, tiny_model, llm):

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from pathlib import Path
 
 import h11
@@ -21,19 +20,9 @@ from openai import AsyncOpenAI
 from nanoqwen import LLM, SamplingParams
 
 from .conftest import TINY_ENGINE
-from .serve_harness import Server, process_gone
+from .serve_harness import Server, process_gone, wait_for
 
 LONG = {"prompt": "def fib(n):", "max_tokens": 2000, "ignore_eos": True}
-
-
-def wait_for(server: Server, condition, what: str, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if condition(m):
-            return m
-        time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen in {timeout} s: {server.metrics()}")
 
 
 def test_engine_process_death_fails_requests_in_flight_and_health(tiny_model, tmp_path):
