@@ -182,6 +182,15 @@ def real_model_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def gguf_path(real_model_dir):
+    """The GGUF the default checkpoint is built from (tools/make_qwen_coder.py keeps it)."""
+    path = real_model_dir.parent / ".cache" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing: run `python tools/make_qwen_coder.py`")
+    return path
+
+
 def pytest_terminal_summary(terminalreporter):
     if REAL_MODEL_REPORT:
         terminalreporter.section("real-model fidelity")
