@@ -86,8 +86,9 @@ def embed_vocab_parallel(
     it holds and zeros elsewhere; the all-reduce adds exactly one non-zero row per token."""
     local = input_ids - tp.rank * table.shape[0]
     mine = (local >= 0) & (local < table.shape[0])
-    rows = table[local.clamp(0, table.shape[0] - 1)]
-    out = torch.where(mine.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype))
+    rows = torch.nn.functional.embedding(local.clamp(0, table.shape[0] - 1), table)
+    # masked_fill, not torch.where with a CPU zero: a CPU tensor cannot enter a CUDA graph.
+    out = rows.masked_fill(~mine.unsqueeze(-1), 0)
     dist.all_reduce(out, group=tp.group)
     return out
 

