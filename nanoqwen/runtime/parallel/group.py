@@ -101,5 +101,14 @@ def join_group(rank: int, size: int, device: torch.device, init_method: str) -> 
 
 
 def leave_group() -> None:
-    if dist.is_initialized():
+    """Frees this rank's process groups without waiting for the other ranks. NCCL's
+    destroy_process_group flushes through ncclCommFinalize, which blocks until every rank
+    calls it: rank 0 leaves after its workers have exited, so destroying hung there (seen on
+    two H200s). The callers synchronize first, so nothing is in flight that an abort cuts."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.get_backend() == "nccl":
+        abort()
+    else:
         dist.destroy_process_group()

@@ -7,7 +7,6 @@ import atexit
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.model_runner import LaunchedStep, ModelRunner
@@ -129,11 +128,7 @@ class ParallelModelRunner(ModelRunner):
         self.failure = f"{reason}; the tensor-parallel engine is shut down"
         if self.workers is not None:
             self.workers.stop(timeout=0)
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None and self.device.type == "cuda":
-            abort()  # destroying a group whose peer died can block; aborting cannot
-        else:
-            leave_group()
+        leave_group()  # aborts an NCCL group: destroying one whose peer died would block
         atexit.unregister(self.close)
 
     def close(self) -> None:
