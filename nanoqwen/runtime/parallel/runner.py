@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from nanoqwen.runtime.host_pool import HostKVCache
-from nanoqwen.runtime.model_runner import LaunchedStep, ModelRunner
+from nanoqwen.runtime.launched_step import LaunchedStep
+from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.parallel.group import TensorParallelError, leave_group
 from nanoqwen.runtime.parallel.message import (
     Field,
