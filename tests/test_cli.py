@@ -310,7 +310,7 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, model, llm):
     r = cli("generate", "--model", str(ck), "--device", "cpu", "--max-tokens", "12", "-q", "Hi")
     assert r.returncode == 0, r.stderr
     assert r.stdout == as_printed(greedy(llm, chat_ids(llm, "Hi")).text)
-    from nanoqwen.cli import sampling_params
+    from nanoqwen.cli_engine import sampling_params
     from nanoqwen.cli_parser import build_parser
 
     args = build_parser().parse_args(["generate", "--model", str(ck), "--temperature", "0.9"])

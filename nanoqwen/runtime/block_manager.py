@@ -33,7 +33,7 @@ class PrefixCacheStats:
 
 def known_length(seq: Sequence) -> int:
     """Tokens of seq whose ids are known: a token still in flight on the device is a negative
-    placeholder at the end of token_ids (see model_runner.PLACEHOLDER)."""
+    placeholder at the end of token_ids (see launched_step.PLACEHOLDER)."""
     n = len(seq.token_ids)
     while n and seq.token_ids[n - 1] < 0:
         n -= 1

@@ -10,8 +10,8 @@ from tqdm import tqdm
 
 from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
+from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep, logprob_entries
 from nanoqwen.runtime.logprobs import TokenLogprobs
-from nanoqwen.runtime.model_runner import PLACEHOLDER, LaunchedStep, logprob_entries
 from nanoqwen.runtime.outputs import RequestOutput, StreamChunk, request_output, stream_chunk
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence

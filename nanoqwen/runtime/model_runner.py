@@ -1,15 +1,15 @@
-"""Turns a scheduled batch into tensors, runs the model, and samples the next tokens.
+"""Turns a scheduled batch into device tensors, runs the model, and samples the next tokens.
 
 Steps are launched without waiting for their result (LaunchedStep), so the engine can
 schedule and launch step N+1 while the GPU still runs step N. A token not yet read back
 sits in its sequence as PLACEHOLDER; the next decode step takes it straight from the
-device tensor that step N sampled into.
+device tensor that step N sampled into. The host-side layout of a step's inputs is
+step_inputs.py's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,49 +17,12 @@ from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.kv_cache import KVCache
-from nanoqwen.runtime.logprobs import TokenLogprobs
+from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
-from nanoqwen.runtime.step_inputs import StepInputs
-
-PLACEHOLDER = -1
-PROMPT_LOGPROB_CHUNK = 512  # prompt rows turned into logits at a time
-
-
-@dataclass
-class LaunchedStep:
-    seqs: list[Sequence]  # the sequences that receive a token from this step
-    tokens: torch.Tensor  # their sampled tokens, on the device
-    host: torch.Tensor  # pinned copy of tokens, filled when `done` fires
-    done: torch.cuda.Event | None
-    # With logprobs asked for: host copies of Sampler.logprobs() for these rows.
-    logprobs: tuple[torch.Tensor, ...] | None = None
-    # Prompt logprobs computed this step: (sequence, first prompt position, host tensors).
-    prompt_logprobs: list[tuple[Sequence, int, tuple[torch.Tensor, ...]]] = field(
-        default_factory=list
-    )
-    # With tensor parallelism: raises if a rank died, checked while result() waits.
-    watch: Callable[[], None] | None = None
-
-    def result(self) -> list[int]:
-        if self.done is not None and self.watch is None:
-            self.done.synchronize()
-        elif self.done is not None:
-            while not self.done.query():
-                self.watch()
-        return self.host.tolist()
-
-
-def logprob_entries(tensors: tuple[torch.Tensor, ...], tokens: list[int]) -> list[TokenLogprobs]:
-    """Sampler.logprobs() output (host tensors) as one entry per row, with every top
-    alternative computed; callers cut each to what its request asked for."""
-    lp, rank, top_lp, top_ids = (t.tolist() for t in tensors)
-    return [
-        TokenLogprobs(token, lp[r], rank[r], list(zip(top_ids[r], top_lp[r])))
-        for r, token in enumerate(tokens)
-    ]
+from nanoqwen.runtime.step_inputs import StepInputBuilder, StepInputs, prompt_logprob_plan
 
 
 @dataclass
@@ -82,6 +45,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv_cache
         self.blocks = block_manager
+        self.inputs = StepInputBuilder(block_manager, kv_cache)
         self.sampler = sampler
         self.graphs = graphs  # CUDAGraphRunner for decode, or None for eager
         self.device = model.embed_tokens.device
@@ -105,61 +69,10 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, batch: Batch, rows: int | None = None) -> list[list[int]]:
-        width = max(len(s.block_table) for s in batch.seqs)
-        pad = self.kv.scratch_block
-        tables = [s.block_table + [pad] * (width - len(s.block_table)) for s in batch.seqs]
-        return tables + [[pad] * width] * ((rows or len(tables)) - len(tables))
-
-    def prefill_inputs(self, batch: Batch) -> StepInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q, cu_k, ctx, logit_rows = [0], [0], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self.blocks.slots(seq, start, end))
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            ctx.append(end)
-            if batch.completes(i):
-                logit_rows.append(cu_q[-1] - 1)
-        prompt_rows = [(r.start, r.stop) for _, _, r, _ in self._prompt_logprob_plan(batch)]
-        return StepInputs(
-            is_prefill=True,
-            ids=ids,
-            positions=positions,
-            slots=slots,
-            context_lens=ctx,
-            block_tables=self._block_tables(batch),
-            cu_seqlens_q=cu_q,
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_seqlen_k=max(ctx),
-            cu_seqlens_k=cu_k,
-            logit_rows=logit_rows,
-            prompt_rows=prompt_rows,
-        )
-
     def decode_inputs(self, batch: Batch, rows: int) -> StepInputs:
         """rows >= len(batch.seqs): extra rows are padding that writes to the scratch block."""
-        pad = rows - len(batch.seqs)
-        scratch_slot = self.kv.scratch_block * self.kv.block_size
         ids, sources, pending = self.token_sources(batch.seqs)
-        ctx = [len(s) for s in batch.seqs] + [1] * pad
-        return StepInputs(
-            is_prefill=False,
-            ids=ids + [0] * pad,
-            positions=[len(s) - 1 for s in batch.seqs] + [0] * pad,
-            slots=[self.blocks.slot(s, len(s) - 1) for s in batch.seqs] + [scratch_slot] * pad,
-            context_lens=ctx,
-            block_tables=self._block_tables(batch, rows),
-            cu_seqlens_q=list(range(rows + 1)),
-            max_seqlen_q=1,
-            max_seqlen_k=max(ctx),
-            sources=sources + [0] * pad if pending else None,
-        )
+        return self.inputs.decode(batch, rows, ids, sources if pending else None)
 
     def upload(
         self, inputs: StepInputs
@@ -186,7 +99,7 @@ class ModelRunner:
         return ids, meta, rows
 
     def prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        return self.upload(self.prefill_inputs(batch))
+        return self.upload(self.inputs.prefill(batch))
 
     def prepare_decode(self, batch: Batch, rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
         ids, meta, _ = self.upload(self.decode_inputs(batch, rows))
@@ -230,31 +143,10 @@ class ModelRunner:
         sampler runs too)."""
         return self.execute(batch).logits
 
-    def _prompt_logprob_plan(self, batch: Batch) -> list[tuple[Sequence, int, slice, list[int]]]:
-        """For prompts that ask for them: (sequence, first prompt position, rows of this step,
-        the prompt tokens those rows predict), in chunks of at most PROMPT_LOGPROB_CHUNK rows
-        (the row of position p predicts token p + 1)."""
-        plan = []
-        row = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            top = seq.params.prompt_logprobs
-            start = seq.num_computed_tokens
-            first = max(start + 1, seq.prompt_logprobs_launched)
-            last = min(start + n, seq.num_prompt_tokens - 1)
-            if top is not None and first <= last:
-                targets = seq.token_ids[first : last + 1]
-                begin = row + first - 1 - start
-                for lo in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
-                    chunk = targets[lo : lo + PROMPT_LOGPROB_CHUNK]
-                    rows = slice(begin + lo, begin + lo + len(chunk))
-                    plan.append((seq, first + lo, rows, chunk))
-            row += n
-        return plan
-
     def _prompt_logprobs(self, batch: Batch, x: torch.Tensor, residual: torch.Tensor) -> list:
         """The log-probability of each prompt token this chunk predicts, with the top-N."""
         found = []
-        plan = self._prompt_logprob_plan(batch)
+        plan = prompt_logprob_plan(batch)
         for seq, first, rows, chunk in plan:
             logits = self.model.compute_logits((x[rows], residual[rows]))
             ids = self._tensor(chunk, torch.int64)
@@ -277,7 +169,7 @@ class ModelRunner:
         seq = Sequence(token_ids, SamplingParams())
         self.blocks.grow(seq, len(seq))
         try:
-            inputs = self.prefill_inputs(Batch([seq], True, [len(seq)]))
+            inputs = self.inputs.prefill(Batch([seq], True, [len(seq)]))
             inputs.logit_rows = list(range(max(0, len(seq) - (last or len(seq))), len(seq)))
             ids, meta, rows = self.upload(inputs)
             x, residual = self.model(ids, meta)

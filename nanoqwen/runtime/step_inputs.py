@@ -1,8 +1,18 @@
-"""One step's model inputs as host lists, before they become device tensors."""
+"""One step's model inputs as host lists, before they become device tensors, and how a
+scheduled Batch becomes them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanoqwen.runtime.block_manager import BlockManager
+    from nanoqwen.runtime.kv_cache import KVCache
+    from nanoqwen.runtime.scheduler import Batch
+    from nanoqwen.runtime.sequence import Sequence
+
+PROMPT_LOGPROB_CHUNK = 512  # prompt rows turned into logits at a time
 
 
 @dataclass
@@ -32,3 +42,93 @@ class StepInputs:
     @property
     def width(self) -> int:
         return len(self.block_tables[0]) if self.block_tables else 0
+
+
+class StepInputBuilder:
+    """Lays a Batch out as StepInputs: its token ids, positions, KV cache slots and block
+    tables (padded with the KV cache's scratch block)."""
+
+    def __init__(self, block_manager: BlockManager, kv_cache: KVCache) -> None:
+        self.blocks = block_manager
+        self.kv = kv_cache
+
+    def _block_tables(self, batch: Batch, rows: int | None = None) -> list[list[int]]:
+        width = max(len(s.block_table) for s in batch.seqs)
+        pad = self.kv.scratch_block
+        tables = [s.block_table + [pad] * (width - len(s.block_table)) for s in batch.seqs]
+        return tables + [[pad] * width] * ((rows or len(tables)) - len(tables))
+
+    def prefill(self, batch: Batch) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q, cu_k, ctx, logit_rows = [0], [0], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self.blocks.slots(seq, start, end))
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            ctx.append(end)
+            if batch.completes(i):
+                logit_rows.append(cu_q[-1] - 1)
+        prompt_rows = [(r.start, r.stop) for _, _, r, _ in prompt_logprob_plan(batch)]
+        return StepInputs(
+            is_prefill=True,
+            ids=ids,
+            positions=positions,
+            slots=slots,
+            context_lens=ctx,
+            block_tables=self._block_tables(batch),
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=max(ctx),
+            cu_seqlens_k=cu_k,
+            logit_rows=logit_rows,
+            prompt_rows=prompt_rows,
+        )
+
+    def decode(
+        self, batch: Batch, rows: int, ids: list[int], sources: list[int] | None
+    ) -> StepInputs:
+        """rows >= len(batch.seqs): extra rows are padding that writes to the scratch block.
+        ids: each sequence's newest token (PLACEHOLDER if in flight); sources: where those
+        in flight are (ModelRunner.token_sources), None when none is."""
+        pad = rows - len(batch.seqs)
+        scratch_slot = self.kv.scratch_block * self.kv.block_size
+        ctx = [len(s) for s in batch.seqs] + [1] * pad
+        return StepInputs(
+            is_prefill=False,
+            ids=ids + [0] * pad,
+            positions=[len(s) - 1 for s in batch.seqs] + [0] * pad,
+            slots=[self.blocks.slot(s, len(s) - 1) for s in batch.seqs] + [scratch_slot] * pad,
+            context_lens=ctx,
+            block_tables=self._block_tables(batch, rows),
+            cu_seqlens_q=list(range(rows + 1)),
+            max_seqlen_q=1,
+            max_seqlen_k=max(ctx),
+            sources=sources + [0] * pad if sources is not None else None,
+        )
+
+
+def prompt_logprob_plan(batch: Batch) -> list[tuple[Sequence, int, slice, list[int]]]:
+    """For prompts that ask for them: (sequence, first prompt position, rows of this step,
+    the prompt tokens those rows predict), in chunks of at most PROMPT_LOGPROB_CHUNK rows
+    (the row of position p predicts token p + 1)."""
+    plan = []
+    row = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        top = seq.params.prompt_logprobs
+        start = seq.num_computed_tokens
+        first = max(start + 1, seq.prompt_logprobs_launched)
+        last = min(start + n, seq.num_prompt_tokens - 1)
+        if top is not None and first <= last:
+            targets = seq.token_ids[first : last + 1]
+            begin = row + first - 1 - start
+            for lo in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
+                chunk = targets[lo : lo + PROMPT_LOGPROB_CHUNK]
+                rows = slice(begin + lo, begin + lo + len(chunk))
+                plan.append((seq, first + lo, rows, chunk))
+        row += n
+    return plan

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.model_runner import PLACEHOLDER
+from nanoqwen.runtime.launched_step import PLACEHOLDER
 
 
 def _llm(tiny_model) -> LLM:

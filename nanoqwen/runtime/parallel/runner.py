@@ -9,7 +9,8 @@ import contextlib
 import torch
 
 from nanoqwen.runtime.host_pool import HostKVCache
-from nanoqwen.runtime.model_runner import LaunchedStep, ModelRunner
+from nanoqwen.runtime.launched_step import LaunchedStep
+from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.parallel.group import TensorParallelError, leave_group
 from nanoqwen.runtime.parallel.message import (
     Field,

@@ -1,0 +1,51 @@
+"""A step queued on the device whose sampled tokens are not read back yet.
+
+Until they are, each sequence that sampled holds PLACEHOLDER as its newest token id; the next
+decode step takes the real token straight from the device tensor (ModelRunner.token_sources).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoqwen.runtime.logprobs import TokenLogprobs
+from nanoqwen.runtime.sequence import Sequence
+
+PLACEHOLDER = -1
+
+
+@dataclass
+class LaunchedStep:
+    seqs: list[Sequence]  # the sequences that receive a token from this step
+    tokens: torch.Tensor  # their sampled tokens, on the device
+    host: torch.Tensor  # pinned copy of tokens, filled when `done` fires
+    done: torch.cuda.Event | None
+    # With logprobs asked for: host copies of Sampler.logprobs() for these rows.
+    logprobs: tuple[torch.Tensor, ...] | None = None
+    # Prompt logprobs computed this step: (sequence, first prompt position, host tensors).
+    prompt_logprobs: list[tuple[Sequence, int, tuple[torch.Tensor, ...]]] = field(
+        default_factory=list
+    )
+    # With tensor parallelism: raises if a rank died, checked while result() waits.
+    watch: Callable[[], None] | None = None
+
+    def result(self) -> list[int]:
+        if self.done is not None and self.watch is None:
+            self.done.synchronize()
+        elif self.done is not None:
+            while not self.done.query():
+                self.watch()
+        return self.host.tolist()
+
+
+def logprob_entries(tensors: tuple[torch.Tensor, ...], tokens: list[int]) -> list[TokenLogprobs]:
+    """Sampler.logprobs() output (host tensors) as one entry per row, with every top
+    alternative computed; callers cut each to what its request asked for."""
+    lp, rank, top_lp, top_ids = (t.tolist() for t in tensors)
+    return [
+        TokenLogprobs(token, lp[r], rank[r], list(zip(top_ids[r], top_lp[r])))
+        for r, token in enumerate(tokens)
+    ]
