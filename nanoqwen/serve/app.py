@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,6 +29,14 @@ from nanoqwen.serve.protocol import (
 )
 
 
+def freeze_heap() -> None:
+    """Moves everything allocated so far (modules, torch, FastAPI's routes: ~200,000 objects)
+    out of the garbage collector's sight: a full collection then takes ~1 ms instead of
+    ~100 ms, which used to stall the burst of requests it fell into."""
+    gc.collect()
+    gc.freeze()
+
+
 @dataclass
 class ServerConfig:
     model_name: str
@@ -46,6 +55,7 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
+        freeze_heap()
         yield
         engine.shutdown()
 
