@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from multiprocessing import Pipe
+from multiprocessing import Pipe, get_context
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,13 +140,25 @@ def run_server(args: argparse.Namespace, work: Workload) -> None:
         proc.wait(60)
 
 
+def read_outputs(outputs, inputs, num_requests: int) -> None:
+    """Reads what EngineCore sends until every request finished, then tells it to stop."""
+    from nanoqwen.serve.batch_sender import receive
+    from nanoqwen.serve.messages import Shutdown
+
+    finished = 0
+    while finished < num_requests:
+        for out in receive(outputs):
+            finished += sum(row[3] for row in out.rows)
+    inputs.send_bytes(pickle.dumps([Shutdown()]))
+
+
 def run_engine(args: argparse.Namespace, work: Workload) -> None:
     import torch
 
     from nanoqwen import LLM, SamplingParams
-    from nanoqwen.serve.batch_sender import BatchSender, receive
+    from nanoqwen.serve.batch_sender import BatchSender
     from nanoqwen.serve.engine_core import EngineCore
-    from nanoqwen.serve.messages import AddRequest, Shutdown
+    from nanoqwen.serve.messages import AddRequest
 
     torch.set_num_threads(1)  # all the work in this thread: thread_time sees it
     llm = LLM(args.model, device="cpu", block_size=16, num_kv_blocks=4096, progress=False)
@@ -182,15 +194,10 @@ def run_engine(args: argparse.Namespace, work: Workload) -> None:
         requests = BatchSender(in_send, "profile-input")
         requests.put_all([AddRequest(i, p, sp) for i, (p, sp) in
                           enumerate(zip(work.prompts, params))])  # fmt: skip
-
-        def drain(out_recv=out_recv, requests=requests) -> None:
-            finished = 0
-            while finished < len(work.prompts):
-                for out in receive(out_recv):
-                    finished += sum(row[3] for row in out.rows)
-            requests.put(Shutdown())
-
-        reader = threading.Thread(target=drain, daemon=True)
+        # The reader in a process of its own, as the HTTP process is: not on this GIL.
+        reader = get_context("spawn").Process(
+            target=read_outputs, args=(out_recv, in_send, len(work.prompts)), daemon=True
+        )
         reader.start()
         profiler = cProfile.Profile() if args.profile else None
         inside[0] = 0.0
@@ -204,6 +211,7 @@ def run_engine(args: argparse.Namespace, work: Workload) -> None:
         online, online_inside = time.thread_time() - start, inside[0]
         reader.join()
         requests.close()
+        out_recv.close()
         steps = core.steps
         loop_offline, loop_online = offline - offline_inside, online - online_inside
         print(
@@ -215,9 +223,9 @@ def run_engine(args: argparse.Namespace, work: Workload) -> None:
         )
 
 
-def stub_engine(inputs, outputs, num_tokens: int) -> None:
-    """An engine process that computes nothing: each request gets tokens 1, 2, ..., one per
-    "step" (a loop over the requests taken in), so the HTTP side's costs stand alone."""
+def stub_engine(inputs, outputs, step_s: float) -> None:
+    """An engine process that computes nothing: each running request gets one token a step,
+    a step every step_s seconds, so the HTTP side's costs stand alone."""
     from nanoqwen.serve.batch_sender import BatchSender, receive
     from nanoqwen.serve.messages import AddRequest, EngineStats, Shutdown, StepOutputs
 
@@ -250,6 +258,7 @@ def stub_engine(inputs, outputs, num_tokens: int) -> None:
                 live[request_id] = left - 1
         out.stats = EngineStats(len(live), 0, 100, 100, 0, added)
         sender.put(out)
+        time.sleep(step_s)
 
 
 async def asgi_burst(app, bodies: list[bytes]) -> int:
@@ -305,7 +314,9 @@ def run_asgi(args: argparse.Namespace, work: Workload) -> None:
     ctx = multiprocessing.get_context("spawn")
     in_recv, in_send = ctx.Pipe(duplex=False)
     out_recv, out_send = ctx.Pipe(duplex=False)
-    stub = ctx.Process(target=stub_engine, args=(in_recv, out_send, 1), daemon=True)
+    stub = ctx.Process(
+        target=stub_engine, args=(in_recv, out_send, args.step_ms / 1e3), daemon=True
+    )
     stub.start()
     in_recv.close()
     out_send.close()
@@ -353,6 +364,7 @@ def main() -> None:
     p.add_argument("--no-tokenizer", action="store_true",
                    help="engine: drop the tokenizer (random weights have none)")  # fmt: skip
     p.add_argument("--profile", help="write a cProfile (pstats) file")
+    p.add_argument("--step-ms", type=float, default=0.0, help="asgi: the stub engine's step time")
     p.add_argument("--server-repo", help="server: run the server from this checkout (a baseline)")
     p.add_argument("--log", default="/tmp/serve_cpu_profile.log", help="the server's log")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
