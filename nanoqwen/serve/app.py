@@ -7,9 +7,12 @@ import gc
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from nanoqwen import __version__
 from nanoqwen.serve import params as P
@@ -27,6 +30,34 @@ from nanoqwen.serve.protocol import (
     ModelList,
     SamplingFields,
 )
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The body as `model`, parsed and checked in one pass of pydantic's own JSON parser
+    (FastAPI's body parameters go through json.loads and its dependency machinery: ~3x the
+    CPU per request). Errors take FastAPI's path, so they read the same."""
+    body = await request.body()
+    content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if not (content_type == "application/json" or content_type.endswith("+json")):
+        # As FastAPI has it: the body is JSON only when the request says so.
+        raise APIError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
+        raise RequestValidationError(errors, body=body) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The request body's schema for /docs, as FastAPI writes it for a body parameter."""
+    return {
+        "requestBody": {
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+            "required": True,
+        }
+    }
 
 
 def freeze_heap() -> None:
@@ -113,8 +144,9 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
             return Response(status_code=499)  # nobody reads it
         return whole(gen, outputs, config.model_name, token_text, req.return_token_ids)
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, request: Request):
+    @app.post("/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request):
+        req = await parse_body(request, CompletionRequest)
         check_model(req)
         prompts = P.completion_prompts(req, info)
         params = [
@@ -123,8 +155,13 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
         gen = Generation(engine, prompts, params)
         return await respond(request, gen, req, R.completion_stream, R.completion_response)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=body_schema(ChatCompletionRequest),
+    )
+    async def chat_completions(request: Request):
+        req = await parse_body(request, ChatCompletionRequest)
         check_model(req)
         prompt = P.chat_prompt(req, info)
         logprobs = P.chat_logprobs(req)
