@@ -113,6 +113,14 @@ def check_prompt(prompt: Any, vocab_size: int | None, name: str = "prompt") -> P
     if isinstance(prompt, (bytes, bytearray)):
         raise invalid(name, prompt, "is bytes", f"{PROMPT_ALLOWED} (decode bytes first)")
     if isinstance(prompt, (list, tuple)):
+        # Plain ints in range, the usual case, checked at C speed: ~10x faster than the loop
+        # below (which runs for anything else and finds what is wrong).
+        if (
+            set(map(type, prompt)) == {int}
+            and min(prompt) >= 0
+            and (vocab_size is None or max(prompt) < vocab_size)
+        ):
+            return list(prompt)
         allowed = "a string or a list of token ids" + (
             f" in 0..{vocab_size - 1}" if vocab_size is not None else ""
         )

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from nanoqwen import __version__
 from nanoqwen.serve import params as P
@@ -26,6 +30,43 @@ from nanoqwen.serve.protocol import (
     ModelList,
     SamplingFields,
 )
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The body as `model`, parsed and checked in one pass of pydantic's own JSON parser
+    (a FastAPI body parameter goes through json.loads and the dependency machinery: ~1.5x
+    the CPU per request with a 562-token prompt). Errors go to the same handler as FastAPI's
+    (pydantic's JSON mode names a list an "array" in them)."""
+    body = await request.body()
+    content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if not (content_type == "application/json" or content_type.endswith("+json")):
+        # As FastAPI has it: the body is JSON only when the request says so.
+        raise APIError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
+        raise RequestValidationError(errors, body=body) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The request body's schema for /docs, as FastAPI writes it for a body parameter."""
+    return {
+        "requestBody": {
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+            "required": True,
+        }
+    }
+
+
+def freeze_heap() -> None:
+    """Moves everything allocated so far (modules, torch, FastAPI's routes: ~200,000 objects)
+    out of the garbage collector's sight: a full collection then walks only what requests
+    made instead of taking ~100-150 ms, which used to stall the burst it fell into."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -46,6 +87,7 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
+        freeze_heap()
         yield
         engine.shutdown()
 
@@ -103,8 +145,9 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
             return Response(status_code=499)  # nobody reads it
         return whole(gen, outputs, config.model_name, token_text, req.return_token_ids)
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, request: Request):
+    @app.post("/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request):
+        req = await parse_body(request, CompletionRequest)
         check_model(req)
         prompts = P.completion_prompts(req, info)
         params = [
@@ -113,8 +156,13 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
         gen = Generation(engine, prompts, params)
         return await respond(request, gen, req, R.completion_stream, R.completion_response)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=body_schema(ChatCompletionRequest),
+    )
+    async def chat_completions(request: Request):
+        req = await parse_body(request, ChatCompletionRequest)
         check_model(req)
         prompt = P.chat_prompt(req, info)
         logprobs = P.chat_logprobs(req)

@@ -45,7 +45,7 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceOutput:
     """What one choice made: all of it, or since the last batch when streaming."""
 
@@ -56,7 +56,7 @@ class ChoiceOutput:
 
     def merge(self, part: ChoiceOutput) -> None:
         self.text += part.text
-        self.token_ids = self.token_ids + part.token_ids
+        self.token_ids.extend(part.token_ids)  # its own list: each part's is new
         if part.logprobs is not None:
             self.logprobs = (self.logprobs or []) + part.logprobs
         self.finish_reason = part.finish_reason or self.finish_reason
@@ -226,20 +226,33 @@ class EngineClient:
     def dispatch(self, batch: list[StepOutputs]) -> None:
         now = time.perf_counter()
         num_tokens = 0
+        requests = self._requests
         for out in batch:
-            for request_id, text, token_ids, finished, reason, logprobs in out.rows:
-                r = self._requests.get(request_id)
+            # The hot path: one token per running request, nothing finished.
+            for request_id, token, text in zip(out.request_ids, out.token_ids, out.texts):
+                r = requests.get(request_id)
                 if r is None:
                     continue  # aborted by its handler
+                if r.first_token_time is None:
+                    r.first_token_time = now
+                    if self.metrics is not None:
+                        self.metrics.ttft.observe(now - r.arrival_time)
+                r.num_output_tokens += 1
+                num_tokens += 1
+                r.sink.push(r.index, ChoiceOutput(text, [token]))
+            for request_id, text, token_ids, finished, reason, logprobs in out.rows:
+                r = requests.get(request_id)
+                if r is None:
+                    continue
                 if finished:
-                    del self._requests[request_id]
+                    del requests[request_id]
                     reason = reason or "length"
                 part = ChoiceOutput(text, token_ids, logprobs, reason if finished else None)
                 num_tokens += len(token_ids)
                 self._record(r, part, now)
                 r.sink.push(r.index, part)
             for request_id, why in out.failed:
-                r = self._requests.pop(request_id, None)
+                r = requests.pop(request_id, None)
                 if r is not None:
                     r.sink.push(r.index, RuntimeError(why))
             if out.stats is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from nanoqwen.runtime.engine import LLM
+from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.batch_sender import BatchSender, receive
 from nanoqwen.serve.messages import (
     AbortRequest,
@@ -62,6 +64,8 @@ class EngineCore:
                 except Exception as e:  # the HTTP side checked the request already
                     out.failed.append((item.request_id, str(e)))
                     continue
+                if self._direct(item.params):
+                    seq.unstreamed = None  # its tokens come from step()'s result
                 self._live[seq.seq_id] = item.request_id
                 self._seqs[item.request_id] = seq
             elif isinstance(item, AbortRequest):
@@ -83,28 +87,50 @@ class EngineCore:
             log.exception("engine step failed")
             self._fail_all(e, out)
             return
-        for seq, _ in resolved:
-            request_id = self._live.get(seq.seq_id)
+        live, ids, tokens, texts = self._live, out.request_ids, out.token_ids, out.texts
+        for seq, token in resolved:
+            request_id = live.get(seq.seq_id)
             if request_id is None:
+                continue
+            if seq.unstreamed is None:  # a direct request: its token is all there is
+                if seq.is_finished:
+                    del live[seq.seq_id]
+                    del self._seqs[request_id]
+                    out.rows.append((request_id, "", [token], True, seq.finish_reason, None))
+                else:
+                    ids.append(request_id)
+                    tokens.append(token)
+                    texts.append("")
                 continue
             if (
                 self.stream_interval > 1
                 and seq.num_streamed > 0
                 and not seq.is_finished
-                and len(seq.unstreamed or ()) < self.stream_interval
+                and len(seq.unstreamed) < self.stream_interval
             ):
                 continue  # kept on the sequence until the interval is full
             chunk = self.llm.take_output(seq)
             if chunk is None:
                 continue
             if chunk.finished:
-                del self._live[seq.seq_id]
+                del live[seq.seq_id]
                 del self._seqs[request_id]
+            elif chunk.logprobs is None and len(chunk.token_ids) == 1:
+                ids.append(request_id)
+                tokens.append(chunk.token_ids[0])
+                texts.append(chunk.text)
+                continue
             row: OutputRow = (
                 request_id, chunk.text, chunk.token_ids, chunk.finished, chunk.finish_reason,
                 chunk.logprobs,
             )  # fmt: skip
             out.rows.append(row)
+
+    def _direct(self, params: SamplingParams) -> bool:
+        """Whether a request's output is its tokens alone, taken straight from step()'s
+        result rather than through take_output(): no text (no tokenizer, as with random
+        weights), no logprobs, no interval to wait for."""
+        return self.llm.tokenizer is None and params.logprobs is None and self.stream_interval == 1
 
     def idle(self) -> None:
         """Applies the step still in flight (it holds only finished sequences by now)."""
@@ -187,6 +213,10 @@ def engine_main(
         with contextlib.suppress(OSError):  # unless the HTTP process is gone already
             outputs.send(EngineStartupError(message, code))
         return
+    # The loaded engine's objects are there for good: a full collection that walked them
+    # all (~100 ms with torch's) would stall a step.
+    gc.collect()
+    gc.freeze()
     ready = EngineReady(llm.max_model_len, llm.config.vocab_size)
     try:
         outputs.send(ready)

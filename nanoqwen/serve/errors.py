@@ -73,7 +73,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     path = ".".join(p for p in loc if p not in _UNION_TAGS and "[" not in p)
     if first.get("type") == "missing":
         return f"{path} is missing: it is required", path or None
-    if first.get("type") == "model_attributes_type" and not path:
+    if first.get("type") in ("model_attributes_type", "model_type") and not path:
         return "the body must be a JSON object", None
     return f"{path or 'body'}: {first.get('msg', 'invalid value')}", path or None
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from json.encoder import encode_basestring
 
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.serve.engine_client import ChoiceOutput
@@ -29,6 +29,10 @@ from nanoqwen.serve.protocol import (
 )
 
 DONE = "data: [DONE]\n\n"
+# A str as a JSON string, as json.dumps(text, ensure_ascii=False) and pydantic write it: the C
+# function json.dumps calls, without dumps' ~1 µs of set-up per call.
+json_string = encode_basestring
+_REASONS = {None: "null", "stop": '"stop"', "length": '"length"'}
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
 
 
@@ -246,16 +250,14 @@ class ChunkEncoder:
 
     @staticmethod
     def _rest(finish_reason: str | None, token_ids: list[int] | None) -> str:
-        reason = "null" if finish_reason is None else json.dumps(finish_reason)
+        reason = _REASONS.get(finish_reason) or json_string(finish_reason)
         ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
         return f'"logprobs":null,"finish_reason":{reason}{ids}}}]'
 
     def completion(self, index, text: str, finish_reason, token_ids) -> str:
-        text_json = json.dumps(text, ensure_ascii=False)
         rest = self._rest(finish_reason, token_ids)
-        return f'{self.head}{index},"text":{text_json},{rest}{self.tail}'
+        return f'{self.head}{index},"text":{json_string(text)},{rest}{self.tail}'
 
     def chat(self, index, text: str, finish_reason, token_ids) -> str:
-        text_json = json.dumps(text, ensure_ascii=False)
         rest = self._rest(finish_reason, token_ids)
-        return f'{self.head}{index},"delta":{{"content":{text_json}}},{rest}{self.tail}'
+        return f'{self.head}{index},"delta":{{"content":{json_string(text)}}},{rest}{self.tail}'

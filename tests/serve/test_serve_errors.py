@@ -195,6 +195,25 @@ def test_bad_request(http, reference, case):
         assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("content_type", "ok"),
+    [
+        ("application/json; charset=utf-8", True),
+        ("application/vnd.api+json", True),
+        ("text/plain", False),
+        ("application/x-www-form-urlencoded", False),
+    ],
+)
+def test_the_body_is_json_only_when_the_content_type_says_so(http, reference, content_type, ok):
+    headers = {"Content-Type": content_type}
+    response = http.post(COMPLETIONS, content=json.dumps(OK), headers=headers)
+    if ok:
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0] == reference
+    else:
+        check_error(response, 400, "the body must be a JSON object")
+
+
 def test_out_of_range_fields_name_the_parameter(http):
     error = check_error(http.post(COMPLETIONS, json=completion(top_p=0.0)), 400, "top_p")
     assert error["param"] == "top_p"
