@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 
 from nanoqwen import __version__
-from nanoqwen.cli_errors import CLIError, UsageError  # noqa: F401 (UsageError: see the end)
+from nanoqwen.cli_errors import CLIError
 from nanoqwen.cli_flags import Parser, engine_flags, sampling_flags
 from nanoqwen.prompt_input import FORMATS
 
@@ -113,8 +113,3 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
             raise CLIError(f"the bench command is not available: {BENCH_MODULE} is missing")
         importlib.import_module(BENCH_MODULE).add_arguments(bench)
     return parser
-
-
-# nanoqwen/serve imports UsageError and _engine_flags from this module (its code is being
-# changed on another branch); their homes are cli_errors.py and cli_flags.py.
-_engine_flags = engine_flags

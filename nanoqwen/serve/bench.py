@@ -177,13 +177,13 @@ def _span(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanoqwen.cli_parser import _engine_flags
+    from nanoqwen.cli_flags import engine_flags
 
     p = argparse.ArgumentParser(
         prog="python -m nanoqwen.serve.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[_engine_flags()],
+        parents=[engine_flags()],
         conflict_handler="resolve",
     )
     g = p.add_argument_group("benchmark")
