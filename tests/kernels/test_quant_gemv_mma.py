@@ -1,0 +1,107 @@
+"""The tensor-core int4 GEMV (kernels/quant_gemv_mma.py) in Triton's CPU interpreter, against
+x @ dequantized(w).T in float64: its plain shift-and-mask unpacking and the K order the PTX
+unpacking shares with it. tests/kernels/test_quant_matmul_gpu.py runs the PTX on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
+)
+from nanoqwen.kernels import quant_gemv_mma  # noqa: E402
+from nanoqwen.kernels.quant_gemv_mma import MmaGemvConfig, mma_gemv_fits  # noqa: E402
+from nanoqwen.kernels.quant_matmul import (  # noqa: E402
+    pack_for_triton,
+    quant_linear,
+    quant_linear_silu_mul,
+)
+
+N = 37  # a partial block of output rows at 16 and 32 rows a program
+
+
+def make_weight(n: int, k: int, group: int, offset: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=gen) + 0.5) * 0.04
+    o = torch.randn(n, k // group, generator=gen) * 0.1 if offset else None
+    w = q.double() * s.double().repeat_interleave(group, 1)
+    if o is not None:
+        w += o.double().repeat_interleave(group, 1)
+    return pack_for_triton(q, s, o, group, 4), w
+
+
+def reference(x, w, bias=None):
+    return F.linear(x.double(), w, None if bias is None else bias.double())
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the tensor-core GEMV's launches, so a test knows which kernel ran."""
+    count = [0]
+    launch = quant_gemv_mma.launch_mma_gemv
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr("nanoqwen.kernels.quant_matmul.launch_mma_gemv", counted)
+    return count
+
+
+# (K, group): one group a panel, two panels a group, one scale per row at a K that leaves a
+# partial panel, and 5 panels (a partial step at 2 and 4 panels a step).
+SHAPES = [(384, 128), (512, 256), (320, 320), (640, 128)]
+
+
+@pytest.mark.parametrize(("k", "group"), SHAPES)
+@pytest.mark.parametrize("offset", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize(
+    "config",
+    [None, MmaGemvConfig(16, 1), MmaGemvConfig(32, 2), MmaGemvConfig(16, 4, num_stages=2)],
+    ids=["default", "16x1", "32x2", "16x4"],
+)
+def test_one_row_equals_the_dequantized_product(k, group, offset, config, launches):
+    packed, w = make_weight(N, k, group, offset, seed=k + group)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    y = quant_linear(x, packed, bias, config=config)
+    assert launches[0] == 1 and y.shape == (1, N) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_fused_gate_up_equals_silu_of_gate_times_up(launches):
+    packed, w = make_weight(2 * N, 256, 128, True)
+    x = torch.randn(1, 256)
+    gate, up = reference(x, w).float().chunk(2, dim=-1)
+    y = quant_linear_silu_mul(x, packed)
+    assert launches[0] == 1
+    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_activations_round_once_to_float16(launches):
+    packed, w = make_weight(N, 256, 128, True)
+    x = torch.randn(1, 256).half()
+    y = quant_linear(x, packed)
+    assert launches[0] == 1 and y.dtype == torch.float16
+    torch.testing.assert_close(y.double(), reference(x, w), rtol=1e-3, atol=1e-3)
+
+
+def test_which_weights_take_the_tensor_cores():
+    x_gpu_bf16 = torch.empty(1, 256, dtype=torch.bfloat16, device="meta")
+    x_gpu_fp32 = torch.empty(1, 256, dtype=torch.float32, device="meta")
+    g128, _ = make_weight(4, 256, 128, False)
+    g64, _ = make_weight(4, 256, 64, False)
+    per_channel, _ = make_weight(4, 256, 256, False)
+    q8 = pack_for_triton(torch.zeros(4, 256, dtype=torch.int8), torch.ones(4, 2), None, 128, 8)
+    assert mma_gemv_fits(x_gpu_bf16, g128) and mma_gemv_fits(x_gpu_bf16, per_channel)
+    assert not mma_gemv_fits(x_gpu_bf16, g64)  # a group smaller than a panel
+    assert not mma_gemv_fits(x_gpu_bf16, q8)
+    # float32 stays on the exact CUDA-core kernel on a GPU (tf32 tensor cores would round x)
+    assert not mma_gemv_fits(x_gpu_fp32, g128)
