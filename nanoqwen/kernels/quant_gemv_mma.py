@@ -138,10 +138,11 @@ def _row_dot(
         w = tl.reshape(_unpack(words, dtype, ASM), [BP, BN, 8 * P])
         cols = pc[:, None] * (8 * P) + col_in_panel[None, :]
         x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-        if dtype == tl.float32:
-            part = tl.dot(w, tl.broadcast_to(x[:, :, None], [BP, 8 * P, 16]), input_precision="ieee")
+        xb = tl.broadcast_to(x[:, :, None], [BP, 8 * P, 16])
+        if dtype == tl.float32:  # noqa: SIM108 (the interpreter's exact mode)
+            part = tl.dot(w, xb, input_precision="ieee")
         else:
-            part = tl.dot(w, tl.broadcast_to(x[:, :, None], [BP, 8 * P, 16]))
+            part = tl.dot(w, xb)
         g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
         acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
         if HAS_OFFSET:
