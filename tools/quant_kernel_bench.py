@@ -266,10 +266,9 @@ def mma_sweep(model: str, shape: Shape, fmt: str) -> None:
     default = mma_gemv_config(shape.n, shape.k)
     times, wrong = {}, []
     grid = [default] + [
-        MmaGemvConfig(r, p, w, st)
-        for r, p, w, st in itertools.product((16, 32, 64), (2, 4, 8), (4,), (3, 4))
+        MmaGemvConfig(r, p, p, st)  # a warp a panel
+        for r, p, st in itertools.product((16, 32, 64, 128), (4, 8), (3, 4))
     ]
-    grid += [MmaGemvConfig(r, p, 8, 3) for r, p in ((16, 8), (32, 8))]
     for cfg in grid:
         if cfg in times or (times and out_of_time()):
             continue

@@ -14,14 +14,15 @@ Dequantizing is the "magic number" conversion of Marlin-class kernels, two value
 instruction: a word's nibbles j and j + 4 sit in its low and high 16-bit halves, so one LOP3
 makes (0x4300 | q_j, 0x4300 | q_j+4) = (128 + q_j, 128 + q_j+4) in bf16 and one packed FMA
 takes 128 away (0x6400, 1024 in fp16). With three shifts that is 11 instructions for a word's
-8 values (inline PTX; Triton's interpreter runs a plain shift-and-mask version instead). In
-all, ~3.2 instructions a weight at 32 rows and 4 panels a step (compiled for sm_90).
-
-The K order inside a panel is the unpacking order, not the column order: tl.join puts
-(q_j, q_j+4) pairs next to each other, so K position i * 8 + f of a panel holds value slot
-_slot(f) of word i (column _slot(f) * 16 + i), and x is gathered in that order.
+8 values (inline PTX; Triton's interpreter runs a plain shift-and-mask version instead).
+The K order inside a panel is the unpacking order, not the column order, and x is gathered
+to match: a word's values go to two dots of 64 (`low` and `high`), four consecutive K
+positions each, which is the tensor-core operand's own register layout (kWidth 4), so the
+packed words go from shared memory straight to registers in that layout and nothing is
+staged in bf16. Group offsets are applied after the loop (offset x the group's x sum).
+Compiled for sm_90: ~2.4 instructions a weight at 32 rows x 4 panels a step, ~2.0 at 64.
 A program handles `rows` output rows and `panels` panels a step (a batch dimension, one per
-warp at 4 warps), summed over the batch at the end.
+warp), summed over the batch at the end.
 """
 
 from __future__ import annotations
@@ -77,13 +78,14 @@ class MmaGemvConfig:
 
 @triton.jit
 def _slot(f):
-    """Value slot of K position f (0..7) within a word, in _unpack's order."""
-    return 2 * (f // 4) + (f // 2) % 2 + 4 * (f % 2)
+    """Value slot of position f (0..3) of _unpack's `low` values (+ 2 for `high`)."""
+    return f // 2 + 4 * (f % 2)
 
 
 @triton.jit
 def _unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
-    """int32 words [...] -> their 8 int4 values [..., 8] in dtype, in _slot order."""
+    """int32 words [...] -> their 8 int4 values in dtype as two [..., 4] halves, `low`
+    (value slots 0, 4, 1, 5) and `high` (2, 6, 3, 7)."""
     if ASM:
         if dtype == tl.bfloat16:
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
@@ -104,10 +106,21 @@ def _unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
         v5 = ((words >> 20) & 15).to(dtype)
         v6 = ((words >> 24) & 15).to(dtype)
         v7 = ((words >> 28) & 15).to(dtype)
-    # The last join pairs slot j with j + 4: the two halves of one PTX register.
-    low = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-    high = tl.join(tl.join(v4, v6), tl.join(v5, v7))
-    return tl.join(low, high)
+    # The last join pairs slot j with j + 4, the two halves of one PTX register; four values
+    # a thread in K is what the dot's operand layout holds (kWidth 4), so Triton converts
+    # the packed words to it (in shared memory, 4 bytes for 8 values) and no bf16 moves.
+    low = tl.join(tl.join(v0, v1), tl.join(v4, v5))
+    high = tl.join(tl.join(v2, v3), tl.join(v6, v7))
+    return low, high
+
+
+@triton.jit
+def _dot(w, x, acc):
+    """w [BP, BN, K] times x [BP, K] broadcast to mma's 16 columns: [BP, BN, 16] float32."""
+    xb = tl.broadcast_to(x[:, :, None], [x.shape[0], x.shape[1], 16])
+    if x.dtype == tl.float32:  # the interpreter's exact mode
+        return tl.dot(w, xb, acc, input_precision="ieee")
+    return tl.dot(w, xb, acc)
 
 
 @triton.jit
@@ -122,8 +135,8 @@ def _row_dot(
     rows64 = rows.to(tl.int64)
     pb = tl.arange(0, BP)
     lane = tl.arange(0, P)
-    f = tl.arange(0, 8 * P)
-    col_in_panel = _slot(f % 8) * P + f // 8
+    f = tl.arange(0, 4 * P)
+    col_low = _slot(f % 4) * P + f // 4  # column of K position f of the `low` dot
     panels = KW // P
     acc = tl.zeros([BP, BN, 16], tl.float32)
     for p0 in tl.range(0, panels, BP, num_stages=STAGES):
@@ -135,22 +148,40 @@ def _row_dot(
         words = tl.load(
             qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
         )
-        w = tl.reshape(_unpack(words, dtype, ASM), [BP, BN, 8 * P])
-        cols = pc[:, None] * (8 * P) + col_in_panel[None, :]
-        x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-        xb = tl.broadcast_to(x[:, :, None], [BP, 8 * P, 16])
-        if dtype == tl.float32:  # noqa: SIM108 (the interpreter's exact mode)
-            part = tl.dot(w, xb, input_precision="ieee")
-        else:
-            part = tl.dot(w, xb)
+        low, high = _unpack(words, dtype, ASM)
+        cols = pc[:, None] * (8 * P) + col_low[None, :]
+        x_low = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+        cols += 2 * P
+        x_high = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+        part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
+        part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
         g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
         acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
-        if HAS_OFFSET:
-            x_sum = tl.sum(x.to(tl.float32), 1)
-            acc += (tl.load(o_ptr + g_off).to(tl.float32) * x_sum[:, None])[:, :, None]
     # Every column of the product is the same sum: take column 0 (no rounding) of each step.
     first = tl.arange(0, 16)[None, None, :] == 0
-    return tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
+    y = tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
+    if HAS_OFFSET:
+        y += _offset_dot(x_ptr, o_ptr, rows64, K, KW, G, GROUP, BN)
+    return y
+
+
+@triton.jit
+def _offset_dot(x_ptr, o_ptr, rows64, K, KW, G, GROUP: tl.constexpr, BN: tl.constexpr):
+    """sum_k offset[n, k // GROUP] x_k for the rows: each panel's x sum times its group's
+    offset. Outside the main loop, whose steps would otherwise reduce x across threads."""
+    PB: tl.constexpr = 8  # panels a step
+    PC: tl.constexpr = 128  # columns a panel
+    panels = KW // 16
+    cols = tl.arange(0, PC)
+    total = tl.zeros([BN], tl.float32)
+    for p0 in range(0, panels, PB):
+        p = p0 + tl.arange(0, PB)
+        c = p[:, None] * PC + cols[None, :]
+        x_sum = tl.sum(tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32), 1)
+        g_off = rows64[:, None] * G + (p * PC // GROUP)[None, :]
+        offset = tl.load(o_ptr + g_off, mask=(p < panels)[None, :], other=0.0).to(tl.float32)
+        total += tl.sum(offset * x_sum[None, :], 1)
+    return total
 
 
 @triton.jit
@@ -191,7 +222,8 @@ def mma_gemv_fits(x: torch.Tensor, w) -> bool:
 def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     """Launch parameters from the shape alone (so CUDA graphs can capture the kernel)."""
     del k
-    return MmaGemvConfig(rows=32 if n >= 8192 else 16, panels=4)
+    rows = 64 if n >= 16384 else 32 if n >= 8192 else 16
+    return MmaGemvConfig(rows=rows, panels=4)
 
 
 def launch_mma_gemv(
