@@ -74,6 +74,7 @@ class MmaGemvConfig:
     panels: int  # panels per loop step, the batch dimension of the dot
     num_warps: int = 4
     num_stages: int = 3
+    x_whole: bool = False  # x as one contiguous load a panel (else gathered in K order)
 
 
 @triton.jit
@@ -127,7 +128,7 @@ def _dot(w, x, acc):
 def _row_dot(
     x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, X_WHOLE: tl.constexpr,
 ):  # fmt: skip
     """float32 dot products of x with the dequantized weight rows `rows` (in bounds): [BN]."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -149,10 +150,17 @@ def _row_dot(
             qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
         )
         low, high = _unpack(words, dtype, ASM)
-        cols = pc[:, None] * (8 * P) + col_low[None, :]
-        x_low = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-        cols += 2 * P
-        x_high = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+        if X_WHOLE:  # the panel's x as one contiguous (cp.async) load, permuted in registers
+            cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
+            x_all = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+            # column (4c + 2h + b) * 16 + i -> position i * 4 + 2b + c of half h
+            x5 = tl.permute(tl.reshape(x_all, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
+            x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
+        else:  # gathered in the dots' order
+            cols = pc[:, None] * (8 * P) + col_low[None, :]
+            x_low = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+            cols += 2 * P
+            x_high = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
         part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
         part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
         g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
@@ -189,7 +197,7 @@ def _mma_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, KW, G,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, X_WHOLE: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x)."""
@@ -197,15 +205,16 @@ def _mma_gemv_kernel(
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, GROUP, HAS_OFFSET, BN, BP, STAGES, ASM
-    )
+        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, GROUP, HAS_OFFSET, BN, BP, STAGES, ASM,
+        X_WHOLE,
+    )  # fmt: skip
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     if SILU_MUL:
         up = _row_dot(
             x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, GROUP, HAS_OFFSET, BN, BP,
-            STAGES, ASM,
+            STAGES, ASM, X_WHOLE,
         )  # fmt: skip
         # Both projections round to the model dtype first, as the unfused path's matmul does.
         y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
@@ -238,6 +247,7 @@ def launch_mma_gemv(
         w.scales if bias is None else bias, y, n, w.in_features, w.qweight.shape[1],
         w.scales.shape[1], GROUP=kernel_group(w), HAS_OFFSET=w.offsets is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BN=cfg.rows, BP=cfg.panels,
-        STAGES=cfg.num_stages, ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
+        STAGES=cfg.num_stages, ASM=x.device.type == "cuda", X_WHOLE=cfg.x_whole,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return y
