@@ -269,7 +269,6 @@ def mma_sweep(model: str, shape: Shape, fmt: str) -> None:
         MmaGemvConfig(r, p, p, st)  # a warp a panel
         for r, p, st in itertools.product((16, 32, 64, 128), (4, 8), (3, 4))
     ]
-    grid += [MmaGemvConfig(r, 4, 4, st, x_whole=True) for r in (16, 32, 64) for st in (3, 4)]
     for cfg in grid:
         if cfg in times or (times and out_of_time()):
             continue
@@ -324,8 +323,7 @@ def report_sweep(kind, model, shape, fmt, m, times, default, nbytes) -> None:
 
 def _short(cfg) -> str:
     if isinstance(cfg, MmaGemvConfig):
-        x = "x" if cfg.x_whole else ""
-        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}{x}"
+        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
     if isinstance(cfg, GemvConfig):
         return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
     return f"m{cfg.block_m}n{cfg.block_n}s{cfg.split_k}w{cfg.num_warps}st{cfg.num_stages}"

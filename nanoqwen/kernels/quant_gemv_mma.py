@@ -74,13 +74,6 @@ class MmaGemvConfig:
     panels: int  # panels per loop step, the batch dimension of the dot
     num_warps: int = 4
     num_stages: int = 3
-    x_whole: bool = False  # x as one contiguous load a panel (else gathered in K order)
-
-
-@triton.jit
-def _slot(f):
-    """Value slot of position f (0..3) of _unpack's `low` values (+ 2 for `high`)."""
-    return f // 2 + 4 * (f % 2)
 
 
 @triton.jit
@@ -128,7 +121,7 @@ def _dot(w, x, acc):
 def _row_dot(
     x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr, X_WHOLE: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """float32 dot products of x with the dequantized weight rows `rows` (in bounds): [BN]."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -136,8 +129,6 @@ def _row_dot(
     rows64 = rows.to(tl.int64)
     pb = tl.arange(0, BP)
     lane = tl.arange(0, P)
-    f = tl.arange(0, 4 * P)
-    col_low = _slot(f % 4) * P + f // 4  # column of K position f of the `low` dot
     panels = KW // P
     acc = tl.zeros([BP, BN, 16], tl.float32)
     for p0 in tl.range(0, panels, BP, num_stages=STAGES):
@@ -150,46 +141,27 @@ def _row_dot(
             qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
         )
         low, high = _unpack(words, dtype, ASM)
-        if X_WHOLE:  # the panel's x as one contiguous (cp.async) load, permuted in registers
-            cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
-            x_all = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-            # column (4c + 2h + b) * 16 + i -> position i * 4 + 2b + c of half h
-            x5 = tl.permute(tl.reshape(x_all, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
-            x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
-        else:  # gathered in the dots' order
-            cols = pc[:, None] * (8 * P) + col_low[None, :]
-            x_low = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-            cols += 2 * P
-            x_high = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+        # The panel's x in one contiguous (cp.async) load, permuted in registers to the dots'
+        # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
+        cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
+        x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+        x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
+        x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
         part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
         part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
         g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
         acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
+        if HAS_OFFSET:
+            # offset * (the panel's x sum), the sum from the tensor cores too (a dot with
+            # ones): it lands in acc's own layout, with no reduction across threads.
+            # (built by joins like the weights, so Triton gives both dots one x layout)
+            one = tl.full([BP, BN, P], 1.0, dtype)
+            ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
+            x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
+            acc += x_sum * tl.load(o_ptr + g_off).to(tl.float32)[:, :, None]
     # Every column of the product is the same sum: take column 0 (no rounding) of each step.
     first = tl.arange(0, 16)[None, None, :] == 0
-    y = tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
-    if HAS_OFFSET:
-        y += _offset_dot(x_ptr, o_ptr, rows64, K, KW, G, GROUP, BN)
-    return y
-
-
-@triton.jit
-def _offset_dot(x_ptr, o_ptr, rows64, K, KW, G, GROUP: tl.constexpr, BN: tl.constexpr):
-    """sum_k offset[n, k // GROUP] x_k for the rows: each panel's x sum times its group's
-    offset. Outside the main loop, whose steps would otherwise reduce x across threads."""
-    PB: tl.constexpr = 8  # panels a step
-    PC: tl.constexpr = 128  # columns a panel
-    panels = KW // 16
-    cols = tl.arange(0, PC)
-    total = tl.zeros([BN], tl.float32)
-    for p0 in range(0, panels, PB):
-        p = p0 + tl.arange(0, PB)
-        c = p[:, None] * PC + cols[None, :]
-        x_sum = tl.sum(tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32), 1)
-        g_off = rows64[:, None] * G + (p * PC // GROUP)[None, :]
-        offset = tl.load(o_ptr + g_off, mask=(p < panels)[None, :], other=0.0).to(tl.float32)
-        total += tl.sum(offset * x_sum[None, :], 1)
-    return total
+    return tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
 
 
 @triton.jit
@@ -197,7 +169,7 @@ def _mma_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, KW, G,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
-    ASM: tl.constexpr, X_WHOLE: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x)."""
@@ -205,16 +177,15 @@ def _mma_gemv_kernel(
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, GROUP, HAS_OFFSET, BN, BP, STAGES, ASM,
-        X_WHOLE,
-    )  # fmt: skip
+        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, GROUP, HAS_OFFSET, BN, BP, STAGES, ASM
+    )
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     if SILU_MUL:
         up = _row_dot(
             x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, GROUP, HAS_OFFSET, BN, BP,
-            STAGES, ASM, X_WHOLE,
+            STAGES, ASM,
         )  # fmt: skip
         # Both projections round to the model dtype first, as the unfused path's matmul does.
         y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
@@ -230,9 +201,11 @@ def mma_gemv_fits(x: torch.Tensor, w) -> bool:
 
 def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     """Launch parameters from the shape alone (so CUDA graphs can capture the kernel)."""
-    del k
-    rows = 64 if n >= 16384 else 32 if n >= 8192 else 16
-    return MmaGemvConfig(rows=rows, panels=4)
+    # From tools/quant_kernel_bench.py's sweep on the H200 (Qwen2.5 0.5B and 7B shapes):
+    # 16 rows keep >= 1.7 programs an SM below 16K rows, where more rows a step pay; long
+    # rows (K >= N) like a fourth stage in flight.
+    rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
+    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3)
 
 
 def launch_mma_gemv(
@@ -247,7 +220,6 @@ def launch_mma_gemv(
         w.scales if bias is None else bias, y, n, w.in_features, w.qweight.shape[1],
         w.scales.shape[1], GROUP=kernel_group(w), HAS_OFFSET=w.offsets is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BN=cfg.rows, BP=cfg.panels,
-        STAGES=cfg.num_stages, ASM=x.device.type == "cuda", X_WHOLE=cfg.x_whole,
-        num_warps=cfg.num_warps,
+        STAGES=cfg.num_stages, ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
     )  # fmt: skip
     return y

@@ -68,9 +68,9 @@ SHAPES = [(384, 128), (512, 256), (320, 320), (640, 128)]
         MmaGemvConfig(16, 1),
         MmaGemvConfig(32, 2),
         MmaGemvConfig(16, 4, num_stages=2),
-        MmaGemvConfig(32, 4, x_whole=True),
+        MmaGemvConfig(64, 4, num_warps=8),
     ],
-    ids=["default", "16x1", "32x2", "16x4", "32x4-x-whole"],
+    ids=["default", "16x1", "32x2", "16x4", "64x4-8warps"],
 )
 def test_one_row_equals_the_dequantized_product(k, group, offset, config, launches):
     packed, w = make_weight(N, k, group, offset, seed=k + group)
