@@ -15,14 +15,15 @@ instruction: a word's nibbles j and j + 4 sit in its low and high 16-bit halves,
 makes (0x4300 | q_j, 0x4300 | q_j+4) = (128 + q_j, 128 + q_j+4) in bf16 and one packed FMA
 takes 128 away (0x6400, 1024 in fp16). With three shifts that is 11 instructions for a word's
 8 values (inline PTX; Triton's interpreter runs a plain shift-and-mask version instead).
-The K order inside a panel is the unpacking order, not the column order, and x is gathered
-to match: a word's values go to two dots of 64 (`low` and `high`), four consecutive K
-positions each, which is the tensor-core operand's own register layout (kWidth 4), so the
-packed words go from shared memory straight to registers in that layout and nothing is
-staged in bf16. Group offsets are applied after the loop (offset x the group's x sum).
-Compiled for sm_90: ~2.4 instructions a weight at 32 rows x 4 panels a step, ~2.0 at 64.
-A program handles `rows` output rows and `panels` panels a step (a batch dimension, one per
-warp), summed over the batch at the end.
+The K order inside a panel is the unpacking order, not the column order, and x (one
+contiguous load a panel) is permuted in registers to match: a word's values go to two dots
+of 64 (`low` and `high`), four consecutive K positions each, which is the tensor-core
+operand's own register layout (kWidth 4), so the packed words go from shared memory straight
+to registers in that layout and nothing is staged in bf16. A group's offset multiplies the
+panel's x sum, which a second dot (with ones) puts straight into the accumulator's layout.
+Compiled for sm_90, a weight costs ~3.2 instructions at 16 rows x 4 panels a step, ~2.4 at
+32 and ~2.0 at 64 (+0.2-0.4 with offsets). A program handles `rows` output rows and `panels`
+panels a step (a batch dimension, one per warp), summed over the batch at the end.
 """
 
 from __future__ import annotations
