@@ -100,8 +100,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class MLP(nn.Module):
     fused = False  # Triton SiLU·up kernel
     gemv = False  # a single row: gate_up GEMV with SiLU·up in its epilogue
-    # A single row's silu(gate) * up in one kernel, set where gate_up_proj has one (quantized)
-    row_silu_mul = None
 
     def __init__(self, hidden: int, intermediate: int, dtype, device, down_proj=None) -> None:
         """down_proj: a ready replacement (the tensor-parallel row-parallel one)."""
@@ -114,8 +112,9 @@ class MLP(nn.Module):
             from nanoqwen.kernels.gemv import gemv_silu_mul
 
             return self.down_proj(gemv_silu_mul(x, self.gate_up_proj.weight))
-        if self.row_silu_mul is not None and x.shape[0] == 1:
-            return self.down_proj(self.row_silu_mul(x))
+        if x.shape[0] == 1 and getattr(self.gate_up_proj, "fuses_silu_mul", False):
+            # a quantized gate_up's GEMV with SiLU·up in its epilogue
+            return self.down_proj(self.gate_up_proj.silu_mul_row(x))
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from nanoqwen.kernels.silu_mul import silu_mul

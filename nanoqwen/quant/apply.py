@@ -44,8 +44,6 @@ def install(
     for m in net.modules():
         if isinstance(m, MLP) and isinstance(m.gate_up_proj, QuantizedLinear):
             m.gemv = False  # the dense GEMV reads gate_up_proj.weight; quantized layers have none
-            if m.gate_up_proj.kind == "triton":  # the GEMV with SiLU·up in its epilogue
-                m.row_silu_mul = m.gate_up_proj.silu_mul_row
 
 
 def quantize_loaded(net: Qwen2ForCausalLM, scheme: Scheme, dtype: torch.dtype) -> None:

@@ -42,16 +42,16 @@ def reference(x, w, bias=None):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts the tensor-core GEMV's launches, so a test knows which kernel ran."""
-    count = [0]
+    """The tensor-core GEMV's launches (their silu_mul flags), so a test knows what ran."""
+    calls = []
     launch = quant_gemv_mma.launch_mma_gemv
 
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return launch(*args, **kwargs)
+    def recorded(x, w, bias, silu_mul, config):
+        calls.append(silu_mul)
+        return launch(x, w, bias, silu_mul, config)
 
-    monkeypatch.setattr("nanoqwen.kernels.quant_matmul.launch_mma_gemv", counted)
-    return count
+    monkeypatch.setattr("nanoqwen.kernels.quant_matmul.launch_mma_gemv", recorded)
+    return calls
 
 
 # (K, group): one group a panel, two panels a group, one scale per row at a K that leaves a
@@ -78,7 +78,7 @@ def test_one_row_equals_the_dequantized_product(k, group, offset, config, launch
     x = torch.randn(1, k, generator=gen)
     bias = torch.randn(N, generator=gen)
     y = quant_linear(x, packed, bias, config=config)
-    assert launches[0] == 1 and y.shape == (1, N) and y.dtype == torch.float32
+    assert launches == [False] and y.shape == (1, N) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
@@ -87,7 +87,7 @@ def test_fused_gate_up_equals_silu_of_gate_times_up(launches):
     x = torch.randn(1, 256)
     gate, up = reference(x, w).float().chunk(2, dim=-1)
     y = quant_linear_silu_mul(x, packed)
-    assert launches[0] == 1
+    assert launches == [True]
     torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
@@ -95,7 +95,7 @@ def test_float16_activations_round_once_to_float16(launches):
     packed, w = make_weight(N, 256, 128, True)
     x = torch.randn(1, 256).half()
     y = quant_linear(x, packed)
-    assert launches[0] == 1 and y.dtype == torch.float16
+    assert launches == [False] and y.dtype == torch.float16
     torch.testing.assert_close(y.double(), reference(x, w), rtol=1e-3, atol=1e-3)
 
 
@@ -111,3 +111,24 @@ def test_which_weights_take_the_tensor_cores():
     assert not mma_gemv_fits(x_gpu_bf16, q8)
     # float32 stays on the exact CUDA-core kernel on a GPU (tf32 tensor cores would round x)
     assert not mma_gemv_fits(x_gpu_fp32, g128)
+
+
+def test_mlp_runs_one_row_of_a_quantized_gate_up_through_the_fused_gemv(launches):
+    """MLP.forward at one row takes the GEMV with SiLU·up in its epilogue when gate_up is a
+    QuantizedLinear on the Triton kernels (the CUDA layout, packed here for the interpreter),
+    and gives what the unfused path gives."""
+    from nanoqwen.model.layers import MLP
+    from nanoqwen.quant.format import dequantize, quantize_int4
+    from nanoqwen.quant.linear import QuantizedLinear, cuda_pack
+
+    gen = torch.Generator().manual_seed(0)
+    mlp = MLP(256, 64, torch.float32, "cpu")
+    mlp.down_proj.weight.data.copy_(torch.randn(256, 64, generator=gen) * 0.1)
+    gate_up = QuantizedLinear(quantize_int4(torch.randn(128, 256, generator=gen) * 0.1, 128), None)
+    gate_up._decode, gate_up.kind = (cuda_pack(gate_up.weight),), "triton"
+    mlp.gate_up_proj = gate_up
+    x = torch.randn(1, 256, generator=gen)
+    fused = mlp(x)
+    assert launches == [True]  # the fused GEMV, not quant_linear then SiLU·up
+    gate, up = reference(x, dequantize(gate_up.weight).double()).float().chunk(2, dim=-1)
+    torch.testing.assert_close(fused, mlp.down_proj(F.silu(gate) * up), rtol=1e-5, atol=1e-5)
