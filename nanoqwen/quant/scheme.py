@@ -51,7 +51,7 @@ AUTO_GGUF = "gguf"
 
 # On a GPU, int4 comes in groups of 128: the tensor-core GEMV (kernels/quant_gemv_mma.py)
 # takes groups of whole 128-column panels, and groups of 32 with offsets read 1.5x the bytes
-# of the codes alone (BENCHMARKS.md, "Weight-only quantized kernels").
+# of the codes alone (BENCHMARKS.md, "GPU: int4 batch-1 decode on the tensor cores").
 CUDA_SCHEMES = {"int4": Scheme(4, 128)}
 
 
