@@ -22,8 +22,9 @@ operand's own register layout (kWidth 4), so the packed words go from shared mem
 to registers in that layout and nothing is staged in bf16. A group's offset multiplies the
 panel's x sum, which a second dot (with ones) puts straight into the accumulator's layout.
 Compiled for sm_90, a weight costs ~3.2 instructions at 16 rows x 4 panels a step, ~2.4 at
-32 and ~2.0 at 64 (+0.2-0.4 with offsets). A program handles `rows` output rows and `panels`
-panels a step (a batch dimension, one per warp), summed over the batch at the end.
+32 and ~2.1 at 64 (+0.2-0.4 with offsets; tools/quant_gemv_sass.py). A program handles
+`rows` output rows and `panels` panels a step (a batch dimension, one per warp), summed over
+the batch at the end.
 """
 
 from __future__ import annotations
