@@ -7,7 +7,9 @@ where every weight is read once per token. GB/s counts the bytes a call must rea
 weights, scales and offsets, or the bf16 matrix). Formats:
   q4g32o   int4, groups of 32 with an offset, float32 scales (what GGUF Q4_K converts to)
   q4g128   int4, groups of 128, symmetric, float32 scales (quantize-on-load style)
-  q4g128h  the same with float16 scales (pack_for_triton(..., scale_dtype=torch.float16))
+  q4g128o  int4, groups of 128 with an offset, float32 scales (what quantization="int4"
+           quantizes to on a GPU)
+  q4g128h  the same as q4g128 with float16 scales (pack_for_triton(..., scale_dtype=...))
   q8g32    int8, groups of 32, symmetric, float32 scales (GGUF Q8_0's values)
 
 Sections, printed as they finish:
@@ -16,6 +18,8 @@ Sections, printed as they finish:
   stack    the batch-1 sum of one decoder layer's linears x layers + lm_head, bf16 as the
            model runs it (GEMV below GEMV_MAX_BYTES, fused SiLU·up) against each format
            (fused SiLU·up GEMV): the best estimate of the decode-speed ratio
+  mma      the tensor-core int4 GEMV (q4g128, q4g128o) over rows x panels x stages, against
+           the CUDA-core GEMV on the same weight; every config checked against the reference
   gemv     the q4g32o and q8g32 GEMV over rows x panels x warps (and the default's with 2
            and 4 stages), per shape: every time, the best, and the default's rank
   gemm     the q4g32o tensor-core GEMM at M 4, 16 and 64 over block_n x split_k x stages
@@ -23,7 +27,8 @@ Sections, printed as they finish:
            outside the sweep budget
 
 Usage: python3 tools/quant_kernel_bench.py [--shapes 0.5B,7B]
-           [--sections table,stack,gemv,gemm,prefill] [--sweep-budget-s 90] [--json PATH]
+           [--sections table,stack,mma,gemv,gemm,prefill] [--formats q4g32o,q4g128,...]
+           [--sweep-budget-s 90] [--json PATH]
 
 Table and stack always run; the sweeps then stop after --sweep-budget-s seconds (each still
 times its default launch parameters).
@@ -46,6 +51,7 @@ import torch.nn.functional as F
 from nanoqwen.kernels.gemv import gemv, gemv_pays, gemv_silu_mul
 from nanoqwen.kernels.quant_gemm import GemmConfig, dequantize, gemm_config, launch_gemm
 from nanoqwen.kernels.quant_gemv import GemvConfig, gemv_config, sm_count
+from nanoqwen.kernels.quant_gemv_mma import MmaGemvConfig, mma_gemv_config
 from nanoqwen.kernels.quant_matmul import (
     PackedWeight,
     pack_for_triton,
@@ -56,10 +62,13 @@ from nanoqwen.kernels.silu_mul import silu_mul
 from nanoqwen.model.shapes import shape_config
 
 ROTATE_BYTES = 192 << 20
+# Formats the stack also times on the CUDA-core GEMV ("-cc"), the tensor-core one's baseline.
+CUDA_CORE_TOO = ("q4g128", "q4g128o")
 # name: (bits, group size, offset, float16 scales)
 FORMATS = {
     "q4g32o": (4, 32, True, False),
     "q4g128": (4, 128, False, False),
+    "q4g128o": (4, 128, True, False),
     "q4g128h": (4, 128, False, True),
     "q8g32": (8, 32, False, False),
 }
@@ -204,11 +213,17 @@ def stack(model: str, built: dict[str, Shape]) -> None:
                 per["bf16"] = timed(over(silu_linear, x, shape.bf16))
             for fmt, ws in shape.quant.items():
                 per[fmt] = timed(over(quant_linear_silu_mul, x, ws))
+                if fmt in CUDA_CORE_TOO:
+                    cfg = gemv_config(shape.n, shape.k, 4, sm_count(DEV))
+                    per[f"{fmt}-cc"] = timed(over(quant_linear_silu_mul, x, ws, config=cfg))
         else:
             fn = gemv if gemv_pays(shape.bf16[0]) else F.linear
             per["bf16"] = timed(over(fn, x, shape.bf16))
             for fmt, ws in shape.quant.items():
                 per[fmt] = timed(over(quant_linear, x, ws))
+                if fmt in CUDA_CORE_TOO:
+                    cfg = gemv_config(shape.n, shape.k, 4, sm_count(DEV))
+                    per[f"{fmt}-cc"] = timed(over(quant_linear, x, ws, config=cfg))
         times = 1 if name == "lm_head" else layers
         for k, v in per.items():
             totals[k] = totals.get(k, 0.0) + times * v
@@ -239,6 +254,35 @@ def gemv_sweep(model: str, shape: Shape, fmt: str, warps: tuple[int, ...]) -> No
         if cfg not in times:
             times[cfg] = timed(over(quant_linear, x, ws, config=cfg))
     report_sweep("gemv", model, shape, fmt, 1, times, default, ws[0].nbytes)
+
+
+def mma_sweep(model: str, shape: Shape, fmt: str) -> None:
+    """The tensor-core GEMV's launch parameters, and the CUDA-core GEMV on the same weight."""
+    ws = shape.quant[fmt]
+    x = shape.x(1)
+    cuda_core = gemv_config(shape.n, shape.k, 4, sm_count(DEV))
+    ref = quant_linear(x, ws[0], config=cuda_core).float()
+    old = timed(over(quant_linear, x, ws, config=cuda_core))
+    default = mma_gemv_config(shape.n, shape.k)
+    times, wrong = {}, []
+    grid = [default] + [
+        MmaGemvConfig(r, p, p, st)  # a warp a panel
+        for r, p, st in itertools.product((16, 32, 64, 128), (4, 8), (3, 4))
+    ]
+    for cfg in grid:
+        if cfg in times or (times and out_of_time()):
+            continue
+        try:
+            y = quant_linear(x, ws[0], config=cfg).float()
+        except Exception as e:  # noqa: BLE001 (a config that does not compile: report, go on)
+            print(f"  mma {_short(cfg)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        if not torch.allclose(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().mean().item()):
+            wrong.append(_short(cfg))
+        times[cfg] = timed(over(quant_linear, x, ws, config=cfg))
+    print(f"mma {shape.label()} {fmt}: cuda-core {old:.1f} µs | "
+          + ("WRONG: " + ",".join(wrong) + " | " if wrong else ""), end="")  # fmt: skip
+    report_sweep("mma", model, shape, fmt, 1, times, default, ws[0].nbytes)
 
 
 def gemm_sweep(model: str, shape: Shape, fmt: str) -> None:
@@ -278,6 +322,8 @@ def report_sweep(kind, model, shape, fmt, m, times, default, nbytes) -> None:
 
 
 def _short(cfg) -> str:
+    if isinstance(cfg, MmaGemvConfig):
+        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
     if isinstance(cfg, GemvConfig):
         return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
     return f"m{cfg.block_m}n{cfg.block_n}s{cfg.split_k}w{cfg.num_warps}st{cfg.num_stages}"
@@ -300,7 +346,8 @@ def prefill(model: str, shape: Shape) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="0.5B,7B")
-    p.add_argument("--sections", default="table,stack,gemv,gemm,prefill")
+    p.add_argument("--sections", default="table,stack,mma,gemv,gemm,prefill")
+    p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument(
         "--sweep-budget-s", type=float, default=90.0,
         help="seconds for the sweeps, counted once table and stack are done",
@@ -312,7 +359,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {sm_count(DEV)} SMs", flush=True)
     models = {}
     for model in args.shapes.split(","):
-        built = {name: Shape(model, name, n, k) for name, (n, k) in shapes(model).items()}
+        formats = tuple(args.formats.split(","))
+        built = {name: Shape(model, name, n, k, formats) for name, (n, k) in shapes(model).items()}
         models[model] = built
         if "table" in sections:
             for shape in built.values():
@@ -322,6 +370,12 @@ def main() -> None:
     # Sweeps, the largest model first: what they miss once over budget matters least.
     DEADLINE[0] = time.monotonic() + args.sweep_budget_s
     order = list(reversed(models.items()))
+    if "mma" in sections:
+        for fmt in ("q4g128o", "q4g128"):
+            for model, built in order:
+                for shape in built.values():
+                    if fmt in shape.quant:
+                        mma_sweep(model, shape, fmt)
     if "gemv" in sections:
         for model, built in order:
             for shape in built.values():

@@ -17,6 +17,8 @@ Compiled for sm_90 (Triton 3.6, read from the SASS), the loop issues ~5.4 instru
 weight at int4 groups of 128 and ~7.2 at groups of 32 with offsets. The H200 issues ~33 T
 thread-instructions a second, so int4 tops out near 4.6-6 G weights a ms where full HBM
 bandwidth would feed ~10 G: at int4 the kernel is bound by instruction issue, not memory.
+int4 in groups of 128 or more therefore takes the tensor-core GEMV (kernels/quant_gemv_mma.py)
+instead; this kernel serves int8, smaller groups (GGUF's Q4_K) and float32 activations.
 Accumulation is in float32; the result rounds once to x's dtype.
 """
 

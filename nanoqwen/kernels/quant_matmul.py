@@ -8,8 +8,9 @@ word i holds column j * PANEL + i of the panel (so the GEMV loads x for value j 
 as one contiguous vector), and the group scales and offsets as [N, K // g] float32 matrices
 (float16 on request, where exact). `quant_linear` picks the
 kernel from the number of rows alone (so a CUDA graph can capture it): one row, the GEMV of
-kernels/quant_gemv.py; up to DEQUANT_MIN_M rows, the tensor-core GEMM of
-kernels/quant_gemm.py; more (prefill), dequantize to x's dtype and let cuBLAS multiply.
+kernels/quant_gemv_mma.py (int4 in groups of 128 or more) or kernels/quant_gemv.py; up to
+DEQUANT_MIN_M rows, the tensor-core GEMM of kernels/quant_gemm.py; more (prefill), dequantize
+to x's dtype and let cuBLAS multiply.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from nanoqwen.kernels.quant_gemm import GemmConfig, dequantize, launch_gemm
 from nanoqwen.kernels.quant_gemv import PANEL, GemvConfig, launch_gemv
+from nanoqwen.kernels.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_gemv_fits
 
 DEQUANT_MIN_M = 512  # from here a dense dequantized matrix and cuBLAS beat the Triton GEMM
 
@@ -141,11 +143,18 @@ def _check_input(x: torch.Tensor, w: PackedWeight) -> None:
         raise ValueError(f"x must be [M, {w.in_features}], got {list(x.shape)}")
 
 
+def _gemv(x, w, bias, silu_mul: bool, config) -> torch.Tensor:
+    """The tensor-core GEMV where it applies (or is asked for), else the CUDA-core one."""
+    if isinstance(config, MmaGemvConfig) or (config is None and mma_gemv_fits(x, w)):
+        return launch_mma_gemv(x, w, bias, silu_mul, config)
+    return launch_gemv(x, w, bias, silu_mul, config)
+
+
 def quant_linear(
     x: torch.Tensor,
     w: PackedWeight,
     bias: torch.Tensor | None = None,
-    config: GemvConfig | GemmConfig | None = None,
+    config: GemvConfig | MmaGemvConfig | GemmConfig | None = None,
 ) -> torch.Tensor:
     """F.linear(x, dequantized w, bias): [M, K] -> [M, N] in x's dtype, float32 accumulation.
 
@@ -153,20 +162,20 @@ def quant_linear(
     _check_input(x, w)
     m = x.shape[0]
     if m == 1 and not isinstance(config, GemmConfig):
-        return launch_gemv(x, w, bias, silu_mul=False, config=config)
+        return _gemv(x, w, bias, False, config)
     if m >= DEQUANT_MIN_M and config is None:
         return F.linear(x, dequantize(w, x.dtype), bias)
     return launch_gemm(x, w, bias, config)
 
 
 def quant_linear_silu_mul(
-    x: torch.Tensor, w: PackedWeight, config: GemvConfig | None = None
+    x: torch.Tensor, w: PackedWeight, config: GemvConfig | MmaGemvConfig | None = None
 ) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) for the MLP's fused gate_up weight [W_gate; W_up]:
     [M, K] -> [M, N // 2]. One kernel for a single row; more rows run quant_linear first."""
     _check_input(x, w)
     if x.shape[0] == 1:
-        return launch_gemv(x, w, None, silu_mul=True, config=config)
+        return _gemv(x, w, None, True, config)
     from nanoqwen.kernels.silu_mul import silu_mul
 
     return silu_mul(quant_linear(x, w))

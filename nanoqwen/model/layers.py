@@ -112,6 +112,9 @@ class MLP(nn.Module):
             from nanoqwen.kernels.gemv import gemv_silu_mul
 
             return self.down_proj(gemv_silu_mul(x, self.gate_up_proj.weight))
+        if x.shape[0] == 1 and getattr(self.gate_up_proj, "fuses_silu_mul", False):
+            # a quantized gate_up's GEMV with SiLU·up in its epilogue
+            return self.down_proj(self.gate_up_proj.silu_mul_row(x))
         gate_up = self.gate_up_proj(x)
         if self.fused:
             from nanoqwen.kernels.silu_mul import silu_mul

@@ -93,6 +93,17 @@ class QuantizedLinear(nn.Module):
         total = sum(t.numel() * t.element_size() for t in tensors)
         return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """Whether silu_mul_row runs (MLP asks, for a single row of its fused gate_up)."""
+        return self.kind == "triton"
+
+    def silu_mul_row(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused gate_up weight for one row of x, in one kernel (CUDA)."""
+        from nanoqwen.kernels.quant_matmul import quant_linear_silu_mul
+
+        return quant_linear_silu_mul(x, self._decode[0])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "triton":
             return cuda_forward(x, self._decode[0], self.bias)

@@ -49,9 +49,17 @@ SCHEMES = {"int8": Scheme(8, None), "int4": Scheme(4, 32), "gguf": Scheme(8, Non
 AUTO_GGUF = "gguf"
 
 
-def resolve_scheme(quantization: str, from_gguf: bool) -> Scheme | None:
+# On a GPU, int4 comes in groups of 128: the tensor-core GEMV (kernels/quant_gemv_mma.py)
+# takes groups of whole 128-column panels, and groups of 32 with offsets read 1.5x the bytes
+# of the codes alone (BENCHMARKS.md, "GPU: int4 batch-1 decode on the tensor cores").
+CUDA_SCHEMES = {"int4": Scheme(4, 128)}
+
+
+def resolve_scheme(quantization: str, from_gguf: bool, device_type: str = "cpu") -> Scheme | None:
     """None: float weights. auto keeps a GGUF quantized (as AUTO_GGUF) and a float
     checkpoint float."""
     if quantization == "auto":
         return SCHEMES[AUTO_GGUF] if from_gguf else None
+    if device_type == "cuda" and quantization in CUDA_SCHEMES:
+        return CUDA_SCHEMES[quantization]
     return SCHEMES.get(quantization)

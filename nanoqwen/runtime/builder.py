@@ -145,7 +145,7 @@ def build_engine(
         tokenizer = None if worker else Tokenizer(path)
         stored = checkpoint_dtype(path)
     torch_dtype = resolve_dtype(dtype, dev, stored)
-    scheme = resolve_scheme(quantization, gguf is not None)
+    scheme = resolve_scheme(quantization, gguf is not None, dev.type)
     workers = None
     if tensor_parallel_size > 1:
         check_tensor_parallel(cfg, tensor_parallel_size)  # before any process starts

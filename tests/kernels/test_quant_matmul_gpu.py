@@ -26,8 +26,9 @@ SHAPES = {
     "7B-down": (3584, 18944),
     "7B-lm_head": (152064, 3584),
 }
-# (bits, group, offset): GGUF-like int4 with a min, symmetric int4, int8 per channel.
-FORMATS = [(4, 32, True), (4, 128, False), (8, None, False)]
+# (bits, group, offset): GGUF-like int4 with a min, symmetric int4, int4 with a min in groups
+# of 128 (quantization="int4" on a GPU), int8 per channel.
+FORMATS = [(4, 32, True), (4, 128, False), (4, 128, True), (8, None, False)]
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, offset: bool, seed: int = 0):
@@ -59,7 +60,9 @@ def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias, weight_rounde
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(("bits", "group", "offset"), FORMATS, ids=["q4-g32", "q4-g128", "q8"])
+@pytest.mark.parametrize(
+    ("bits", "group", "offset"), FORMATS, ids=["q4-g32", "q4-g128", "q4-g128o", "q8"]
+)
 def test_real_shapes_equal_the_dequantized_product(shape, bits, group, offset):
     from nanoqwen.kernels import quant_matmul
     from nanoqwen.kernels.quant_matmul import quant_linear
@@ -70,6 +73,29 @@ def test_real_shapes_equal_the_dequantized_product(shape, bits, group, offset):
     for m in (1, 4, 16, 64, quant_matmul.DEQUANT_MIN_M):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         check(quant_linear(x, packed, bias), x, w, bias, weight_rounded=m > 1)
+
+
+@pytest.mark.parametrize("shape", ["0.5B-qkv", "0.5B-lm_head", "7B-o", "7B-down"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [False, True], ids=["sym", "asym"])
+def test_tensor_core_gemv_equals_cuda_core_gemv(shape, dtype, offset):
+    """The PTX unpacking and tl.dot give the float32 sums of the same exact products as the
+    CUDA-core GEMV, in another order: the outputs agree to a rounding step of the dtype."""
+    from nanoqwen.kernels.quant_gemv import gemv_config, sm_count
+    from nanoqwen.kernels.quant_matmul import quant_linear
+
+    n, k = SHAPES[shape]
+    packed, w = quantized(n, k, 4, 128, offset)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    tensor_cores = quant_linear(x, packed)
+    cuda_cores = quant_linear(x, packed, config=gemv_config(n, k, 4, sm_count(x.device)))
+    step = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    scale = cuda_cores.float().abs().mean().item()
+    torch.testing.assert_close(
+        tensor_cores.float(), cuda_cores.float(), rtol=step, atol=step * scale
+    )
+    ref = F.linear(x.double(), w.double()).float()
+    torch.testing.assert_close(tensor_cores.float(), ref, rtol=step, atol=step * scale)
 
 
 def test_packed_on_the_cpu_and_moved_equals_packed_on_the_gpu():

@@ -1,0 +1,97 @@
+"""SASS instructions a weight in the main loop of the quant GEMVs, without a GPU.
+
+Compiles kernels/quant_gemv.py (CUDA cores) and kernels/quant_gemv_mma.py (tensor cores)
+for sm_90 with Triton's bundled ptxas (arguments specialized as a launch on 16-byte aligned
+tensors would be), disassembles them with its nvdisasm and counts the instructions between
+the loop's label and its backward branch, per weight a thread handles in one loop step.
+The figures in those modules' docstrings come from here; the opcode histogram says where
+the rest goes.
+
+Usage: python3 tools/quant_gemv_sass.py [--top 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.tools import disasm
+
+from nanoqwen.kernels import quant_gemv, quant_gemv_mma
+
+SM90 = GPUTarget("cuda", 90, 32)
+POINTERS = ("x_ptr", "qw_ptr", "s_ptr", "o_ptr", "b_ptr", "y_ptr")
+DIVISIBLE = (*POINTERS, "N", "K", "KW")  # what a launch specializes as multiples of 16
+
+
+def compile_sm90(fn, ints: tuple[str, ...], const: dict, warps: int, stages: int):
+    sig = {name: "*i32" if name == "qw_ptr" else "*fp32" for name in POINTERS}
+    sig.update(x_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16")
+    sig.update({name: "i32" for name in ints})
+    sig.update({name: "constexpr" for name in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in DIVISIBLE}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=SM90, options={"num_warps": warps, "num_stages": stages})
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes of the first loop (label .. backward branch to it)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, x in enumerate(lines) if (m := re.match(r"^(\w+):\s*$", x))}
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA (\w+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            ops = collections.Counter()
+            for x in lines[labels[m.group(1)] + 1 : i + 1]:
+                if "\t" in x:
+                    ins = re.sub(r"^@!?U?P\w+\s+", "", x.split("\t", 1)[1].strip())
+                    ops[ins.split()[0].split(".")[0].rstrip(";")] += 1
+            return ops
+    raise ValueError("no loop found")
+
+
+def report(label: str, kernel, weights_per_thread: int, top: int) -> None:
+    ops = loop_opcodes(disasm.get_sass(kernel.asm["cubin"]))
+    total = sum(ops.values())
+    common = ", ".join(f"{op} {n}" for op, n in ops.most_common(top))
+    print(f"{label}: {total / weights_per_thread:.2f} a weight ({total} / {weights_per_thread}); "
+          f"{common}")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--top", type=int, default=8, help="opcodes to list")
+    top = p.parse_args().top
+    ints = ("N", "K", "KW", "G", "MAGIC")
+    for group, offset in ((128, False), (32, True)):
+        cfg = quant_gemv.gemv_config(3584, 3584, 4, 132)
+        const = {
+            "BITS": 4, "GROUP": group, "SLOTS": min(group // 16, 8), "HAS_OFFSET": offset,
+            "HAS_BIAS": False, "SILU_MUL": False, "BN": cfg.rows, "BP": cfg.panels,
+            "STAGES": cfg.num_stages,
+        }  # fmt: skip
+        k = compile_sm90(quant_gemv._qgemv_kernel, ints, const, cfg.num_warps, cfg.num_stages)
+        per_thread = cfg.rows * cfg.panels * 128 // (32 * cfg.num_warps)
+        report(f"CUDA-core int4 g{group}{' + offsets' if offset else ''} {cfg}", k,
+               per_thread, top)  # fmt: skip
+    for rows in (16, 32, 64):
+        for offset in (False, True):
+            cfg = quant_gemv_mma.MmaGemvConfig(rows, 4)
+            const = {
+                "GROUP": 128, "HAS_OFFSET": offset, "HAS_BIAS": False, "SILU_MUL": False,
+                "BN": rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "ASM": True,
+            }  # fmt: skip
+            k = compile_sm90(
+                quant_gemv_mma._mma_gemv_kernel, ints[:4], const, cfg.num_warps, cfg.num_stages
+            )
+            per_thread = rows * cfg.panels * 128 // (32 * cfg.num_warps)
+            report(f"tensor-core int4 g128{' + offsets' if offset else ''} {cfg}", k,
+                   per_thread, top)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
