@@ -44,8 +44,8 @@ def spawn(fn, *args) -> None:
     mp.spawn(fn, args=(free_port(), *args), nprocs=WORLD)
 
 
-def join(rank: int, port: int, timeout_s: str = "20") -> tuple[torch.device, CustomAllReduce]:
-    os.environ[TIMEOUT_ENV] = timeout_s
+def join(rank: int, port: int) -> tuple[torch.device, CustomAllReduce]:
+    os.environ[TIMEOUT_ENV] = "20"
     keep_multicast_off()
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -161,11 +161,12 @@ def test_replayed_inside_a_cuda_graph():
 
 
 def stalled_rank(rank: int, port: int, abort: bool) -> None:
-    """Rank 1 skips a call: rank 0's kernel gives up (after 2 s, or at once once aborted)
+    """Rank 1 skips a call: rank 0's kernel gives up (after 2 s, or at once when aborted)
     and says so; rank 1 keeps its buffers mapped until then."""
-    dev, custom = join(rank, port, timeout_s="2")
+    dev, custom = join(rank, port)
     x = torch.ones(4096, dtype=torch.bfloat16, device=dev)
     assert custom(x) and bool((x == 2).all())
+    custom.timeout = 2 * 10**9  # ns
     if rank == 0:
         if abort:
             custom.abort()

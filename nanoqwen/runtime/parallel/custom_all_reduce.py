@@ -99,6 +99,7 @@ class CustomAllReduce:
 
         self.kernel = kernel
         self.rank, self.world, self.device = rank, world, device
+        self.timeout_s = timeout.total_seconds()
         self.max_bytes = max_bytes
         self.g_max = programs  # grid limit: every program must be resident (they wait)
         unit = kernel.BLOCK * 4  # a whole number of BLOCKs of any dtype
@@ -169,7 +170,7 @@ class CustomAllReduce:
         if code == TIMED_OUT:
             return (
                 f"the custom all-reduce on rank {self.rank} waited longer than {TIMEOUT_ENV}="
-                f"{self.timeout / 1e9:g} s for another rank"
+                f"{self.timeout_s:g} s for another rank"
             )
         if code == ABORTED:
             return f"the custom all-reduce on rank {self.rank} was aborted"
