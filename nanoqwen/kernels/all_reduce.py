@@ -100,7 +100,8 @@ def _one_shot_all_reduce_kernel(
 def grid_and_chunk(n: int, g_max: int) -> tuple[int, int]:
     """Programs for n elements (at most g_max) and the elements each sums (a BLOCK multiple)."""
     programs = min(g_max, triton.cdiv(n, BLOCK))
-    return programs, triton.cdiv(triton.cdiv(n, programs), BLOCK) * BLOCK
+    chunk = triton.cdiv(triton.cdiv(n, programs), BLOCK) * BLOCK
+    return triton.cdiv(n, chunk), chunk  # rounding chunk up may leave programs with nothing
 
 
 def one_shot_all_reduce(

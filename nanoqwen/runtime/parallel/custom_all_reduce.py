@@ -114,8 +114,9 @@ class CustomAllReduce:
             self.status = self.status.pin_memory()
             self.timeout = int(timeout.total_seconds() * 1e9)  # ns of the GPU's global timer
             torch.cuda.synchronize(device)  # the zeroed flags, before any peer can signal
-        else:  # Triton's CPU interpreter (tests): spins, each well over a millisecond
+        else:  # Triton's CPU interpreter (tests): spins of the wait loop
             self.timeout = max(1, int(timeout.total_seconds() * 1000))
+        self.status_words = self.status.numpy()  # the per-step check, in ~100 ns
         self.peers = self._exchange(group)
         table = [d.data_ptr() for d, _ in self.peers] + [f.data_ptr() for _, f in self.peers]
         self.ptrs = torch.tensor(table + [self.status.data_ptr()], dtype=torch.int64).to(device)
@@ -123,19 +124,22 @@ class CustomAllReduce:
     def _exchange(self, group) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every rank's (data, flags), opened in this process: IPC handles for CUDA tensors,
         shared-memory files for CPU ones (with the file_system sharing strategy)."""
-        mine = bytes(ForkingPickler.dumps((self.data, self.flags)))
+        mine, failure = None, None
+        try:
+            mine = bytes(ForkingPickler.dumps((self.data, self.flags)))
+        except Exception as e:  # noqa: BLE001  (every rank learns it below, and all refuse)
+            failure = f"rank {self.rank} could not share its buffers ({e})"
         gathered: list[bytes | None] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=group)
-        peers, failure = [], None
+        peers = []
         for q, blob in enumerate(gathered):
-            if q == self.rank:
+            if q == self.rank or blob is None:  # a rank that could not share says so itself
                 peers.append((self.data, self.flags))
                 continue
             try:
                 peers.append(pickle.loads(blob))
-            except Exception as e:  # noqa: BLE001  (reported to every rank just below)
-                failure = f"rank {self.rank} could not open rank {q}'s buffers ({e})"
-                break
+            except Exception as e:  # noqa: BLE001
+                failure = failure or f"rank {self.rank} could not open rank {q}'s buffers ({e})"
         failures: list[str | None] = [None] * self.world
         dist.all_gather_object(failures, failure, group=group)
         reasons = [f for f in failures if f]
@@ -166,7 +170,7 @@ class CustomAllReduce:
     def error(self) -> str | None:
         """Why a kernel gave up waiting for the other ranks (its sums and every later one on
         this rank are void), or None. Reads host memory: no sync."""
-        code = int(self.status[ERROR])
+        code = int(self.status_words[ERROR])
         if code == TIMED_OUT:
             return (
                 f"the custom all-reduce on rank {self.rank} waited longer than {TIMEOUT_ENV}="
@@ -178,7 +182,7 @@ class CustomAllReduce:
 
     def abort(self) -> None:
         """Makes kernels waiting for a rank that will never come give up (within µs)."""
-        self.status[ABORT] = 1
+        self.status_words[ABORT] = 1
 
 
 _active: list[CustomAllReduce] = []
