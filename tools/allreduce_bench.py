@@ -39,7 +39,7 @@ SWEEP_KIB = [4, 16, 64, 256, 512, 1024, 2048, 4096, 8192]
 
 
 def custom_reducer(rank: int, size: int, dev: torch.device) -> CustomAllReduce:
-    """One sized for the sweep's largest message (the engine's stops at DEFAULT_MAX_BYTES)."""
+    """One sized for the sweep's largest message (the engine's stops at max_bytes_for)."""
     control = dist.new_group(backend="gloo")
     infos = [None] * size
     dist.all_gather_object(infos, RankInfo.local(dev), group=control)

@@ -19,11 +19,11 @@ import torch.multiprocessing as mp
 
 from nanoqwen.model.parallel import TensorParallel
 from nanoqwen.runtime.parallel.custom_all_reduce import (
-    DEFAULT_MAX_BYTES,
     SWITCH_ENV,
     TIMEOUT_ENV,
     CustomAllReduce,
     create,
+    max_bytes_for,
 )
 from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
 
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
 )
 WORLD = 2
-LIMIT = DEFAULT_MAX_BYTES // 2  # bfloat16 elements
+MAX_BYTES = max_bytes_for(WORLD)
+LIMIT = MAX_BYTES // 2  # bfloat16 elements
 SIZES = [
     1, 2, 3, 7, 8, 127, 1000, 1023, 1024, 1025, 3584, 4095, 7 * 3584 + 1, 65537, 57 * 3584,
     LIMIT - 1, LIMIT,
@@ -89,7 +90,7 @@ def sizes_rank(rank: int, port: int) -> None:
     gen = torch.Generator(dev).manual_seed(rank)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for n in SIZES:
-            if n * torch.finfo(dtype).bits // 8 > DEFAULT_MAX_BYTES:
+            if n * torch.finfo(dtype).bits // 8 > MAX_BYTES:
                 assert not custom.fits(torch.empty(n, dtype=dtype, device=dev))
                 continue
             inp = torch.randn(n, generator=gen, device=dev).to(dtype)

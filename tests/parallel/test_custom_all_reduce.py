@@ -20,6 +20,7 @@ from nanoqwen.runtime.parallel.custom_all_reduce import (
     CustomAllReduce,
     RankInfo,
     create,
+    max_bytes_for,
     refusal,
 )
 from nanoqwen.runtime.parallel.group import free_port
@@ -54,6 +55,12 @@ def test_not_created_on_the_cpu_or_when_switched_off(monkeypatch):
     assert create(0, 2, torch.device("cpu"), None) is None
     monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "0")
     assert create(0, 2, torch.device("cuda", 0), None) is None
+
+
+def test_the_size_limit_shrinks_as_ranks_add_reads_and_can_be_set(monkeypatch):
+    assert (max_bytes_for(2), max_bytes_for(4), max_bytes_for(8)) == (4 << 20, 512 << 10, 256 << 10)
+    monkeypatch.setenv(custom_all_reduce.MAX_BYTES_ENV, "65536")
+    assert max_bytes_for(2) == 65536
 
 
 def test_tensor_parallel_uses_the_group_collective_for_what_the_custom_one_refuses(monkeypatch):

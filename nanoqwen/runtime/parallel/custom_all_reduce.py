@@ -23,9 +23,7 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions For
 
 SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "0": NCCL for every all-reduce
 TIMEOUT_ENV = "NANOQWEN_ALL_REDUCE_TIMEOUT_S"
-# Up to here one-shot beats NCCL on two H200s (tools/allreduce_bench.py measures it): a 7B
-# decode batch of 128 sequences is 0.9 MB.
-DEFAULT_MAX_BYTES = 1 << 20
+MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_MAX_BYTES"  # the limit below, overridden
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # as NCCL's, for ranks that start far apart
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The status words (kernels/all_reduce.py writes the same numbers).
@@ -76,6 +74,16 @@ def refusal(infos: list[RankInfo]) -> str | None:
     return None
 
 
+def max_bytes_for(world: int) -> int:
+    """The largest message the custom all-reduce takes. One-shot reads every peer's whole
+    message, so NCCL's ring overtakes it sooner as ranks are added: on two GPUs a one-shot
+    kernel still wins at a few MB, at 8 at a few hundred KB (vLLM's measurements of its own;
+    `tools/allreduce_bench.py --sweep` measures this one). A 7B decode batch of 256 is 1.8 MB."""
+    if os.environ.get(MAX_BYTES_ENV):
+        return int(os.environ[MAX_BYTES_ENV])
+    return 4 << 20 if world == 2 else 512 << 10 if world <= 4 else 256 << 10
+
+
 def timeout_from_env() -> timedelta:
     value = os.environ.get(TIMEOUT_ENV)
     return timedelta(seconds=float(value)) if value else DEFAULT_TIMEOUT
@@ -92,7 +100,7 @@ class CustomAllReduce:
         device: torch.device,
         group: dist.ProcessGroup,
         programs: int,
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_bytes: int,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         from nanoqwen.kernels import all_reduce as kernel  # triton: only where this runs
@@ -203,13 +211,13 @@ def create(
         programs = min(i.programs for i in infos)
         try:
             custom = CustomAllReduce(
-                rank, world, device, group, programs, timeout=timeout_from_env()
+                rank, world, device, group, programs, max_bytes_for(world), timeout_from_env()
             )
         except RuntimeError as e:  # every rank raises together (_exchange)
             reason = str(e)
     if rank == 0:
         what = (
-            f"custom one-shot up to {DEFAULT_MAX_BYTES >> 10} KiB, NCCL above"
+            f"custom one-shot up to {custom.max_bytes >> 10} KiB, NCCL above"
             if custom is not None
             else f"NCCL ({reason})"
         )
