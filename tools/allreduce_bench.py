@@ -3,9 +3,11 @@
 A decode step at tensor_parallel_size N runs 2 all-reduces per layer (o_proj, down_proj) of
 [batch, hidden] plus one for the vocabulary-parallel embedding, and one all-gather of the
 logits ([batch, vocab / N] per rank). This times each inside a CUDA graph (as the decode graph
-runs them: no launch cost) over NCCL, and prints the per-step total next to the shape.
+runs them: no launch cost), the all-reduce over NCCL and over the custom one-shot kernel
+(runtime/parallel/custom_all_reduce.py), and prints the per-step totals next to the shape.
+--sweep then times both over message sizes: where NCCL overtakes is the custom one's limit.
 
-    python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B --batch 1
+    python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B --batch 1 --sweep
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.multiprocessing as mp
 
 from nanoqwen.model.parallel import _all_gather
 from nanoqwen.model.shapes import shape_config
+from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, RankInfo, refusal
 from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,13 +35,29 @@ def graph_us(fn, reps: int = 50, iters: int = 20) -> float:
     return _graph_us(fn, reps, iters, capture_error_mode="thread_local")
 
 
-def measure(rank: int, size: int, port: int, shapes: list[str], batch: int) -> None:
+SWEEP_KIB = [4, 16, 64, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def custom_reducer(rank: int, size: int, dev: torch.device) -> CustomAllReduce:
+    """One sized for the sweep's largest message (the engine's stops at max_bytes_for)."""
+    control = dist.new_group(backend="gloo")
+    infos = [None] * size
+    dist.all_gather_object(infos, RankInfo.local(dev), group=control)
+    reason = refusal(infos)
+    if reason is not None:
+        sys.exit(f"the custom all-reduce cannot run here: {reason}")
+    programs = min(i.programs for i in infos)
+    return CustomAllReduce(rank, size, dev, control, programs, max_bytes=SWEEP_KIB[-1] << 10)
+
+
+def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, sweep: bool) -> None:
     keep_multicast_off()
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, device_id=dev
     )
+    custom = custom_reducer(rank, size, dev)
     for name in shapes:
         cfg = shape_config(name)
         x = torch.randn(batch, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
@@ -46,6 +65,7 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int) -> N
         local = torch.randn(batch, shard, dtype=torch.bfloat16, device=dev)
         gathered = torch.empty(size * batch, shard, dtype=torch.bfloat16, device=dev)
         reduce_us = graph_us(lambda x=x: dist.all_reduce(x))
+        custom_us = graph_us(lambda x=x: custom(x))
         gather_us = graph_us(lambda g=gathered, lo=local: _all_gather(g, lo))
         count = 2 * cfg.num_hidden_layers + 1
         if rank == 0:
@@ -54,11 +74,23 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int) -> N
                 "tp": size,
                 "batch": batch,
                 "all_reduce_us": round(reduce_us, 2),
+                "custom_all_reduce_us": round(custom_us, 2),
                 "all_reduces_per_step": count,
                 "logits_all_gather_us": round(gather_us, 2),
                 "per_step_ms": round((count * reduce_us + gather_us) / 1e3, 3),
+                "custom_per_step_ms": round((count * custom_us + gather_us) / 1e3, 3),
             }
             print(json.dumps(row), flush=True)
+    for kib in SWEEP_KIB if sweep else []:
+        x = torch.randn(kib << 9, dtype=torch.bfloat16, device=dev)
+        row = {"tp": size, "bfloat16_kib": kib}
+        row["nccl_us"] = round(graph_us(lambda x=x: dist.all_reduce(x)), 2)
+        row["custom_us"] = round(graph_us(lambda x=x: custom(x)), 2)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    torch.cuda.synchronize()
+    if custom.error() is not None:
+        sys.exit(custom.error())
     dist.destroy_process_group()
 
 
@@ -67,11 +99,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--shapes", default="7B,14B,32B,72B")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--sweep", action="store_true", help="also time both over message sizes")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.tp:
         sys.exit(f"--tp {a.tp} needs {a.tp} GPUs, found {torch.cuda.device_count()}")
     port = free_port()
-    mp.spawn(measure, args=(a.tp, port, a.shapes.split(","), a.batch), nprocs=a.tp)
+    mp.spawn(measure, args=(a.tp, port, a.shapes.split(","), a.batch, a.sweep), nprocs=a.tp)
 
 
 if __name__ == "__main__":

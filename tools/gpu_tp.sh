@@ -4,7 +4,10 @@
 # all-reduce cost per step, and 32B at tp=2.
 # Usage (device tool, carry .whl as for tools/gpu_check.sh); one part per call keeps each
 # under the 10-minute command limit:
-#   bash tools/gpu_tp.sh tests | allreduce | batch1 | big     (all: every part in one call)
+#   bash tools/gpu_tp.sh custom | tests | allreduce | batch1 | big   (all: every part)
+# custom: the custom all-reduce's own GPU tests (run them first: every wait in the kernel
+# gives up after NANOQWEN_ALL_REDUCE_TIMEOUT_S, pytest after 9 minutes); allreduce: its cost
+# next to NCCL's per shape and over message sizes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,6 +16,7 @@ if [[ ${FLASH_ATTN:-1} != 0 ]]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 what=${1:-all}
+export NANOQWEN_ALL_REDUCE_TIMEOUT_S=${NANOQWEN_ALL_REDUCE_TIMEOUT_S:-30}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nvidia-smi topo -m | head -4
 env | grep -E 'NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS'
@@ -21,24 +25,34 @@ bench() {  # bench TP NAME ARGS...: one run, its log and JSON under $OUT
   python3 -m nanoqwen.runtime.bench --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
     2>&1 | grep -v $'\r' | tee "$OUT/$name.log"
 }
+if [[ $what == custom || $what == all ]]; then
+  timeout 540 python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
+    -p no:cacheprovider 2>&1 | tee "$OUT/custom_all_reduce_tests.log"
+fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tp_tests.log"
 fi
 if [[ $what == allreduce || $what == all ]]; then
-  python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B,72B 2>&1 | tee "$OUT/allreduce.log"
+  timeout 540 python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B,72B --sweep 2>&1 \
+    | tee "$OUT/allreduce.log"
 fi
 if [[ $what == batch1 || $what == all ]]; then
   for tp in 1 2; do
     bench "$tp" "7B_batch1_tp$tp" --shape 7B --mode latency --batch-sizes 1 --sampling greedy \
       --max-num-seqs 16
   done
+  # tp=2 with NCCL for every all-reduce: what the custom one gains
+  NANOQWEN_CUSTOM_ALL_REDUCE=0 bench 2 "7B_batch1_tp2_nccl" --shape 7B --mode latency \
+    --batch-sizes 1 --sampling greedy --max-num-seqs 16
   python3 - "$OUT" <<'PY'
 import json, sys
-rate = {tp: json.load(open(f"{sys.argv[1]}/7B_batch1_tp{tp}.json"))["latency"][0] for tp in (1, 2)}
-for tp, row in rate.items():
-    print(f"7B batch 1, tp={tp}: {row['decode_tok_s']:.1f} tok/s, {row['step_ms_p50']:.3f} ms/step")
-print(f"tp=2 / tp=1: {rate[2]['decode_tok_s'] / rate[1]['decode_tok_s']:.3f}x (bar: >= 1.6x)")
+runs = {"tp1": "tp=1", "tp2": "tp=2", "tp2_nccl": "tp=2, NCCL all-reduce"}
+rate = {k: json.load(open(f"{sys.argv[1]}/7B_batch1_{k}.json"))["latency"][0] for k in runs}
+for k, row in rate.items():
+    print(f"7B batch 1, {runs[k]}: {row['decode_tok_s']:.1f} tok/s, {row['step_ms_p50']:.3f} ms/step")
+for k in ("tp2", "tp2_nccl"):
+    print(f"{runs[k]} / tp=1: {rate[k]['decode_tok_s'] / rate['tp1']['decode_tok_s']:.3f}x (bar: >= 1.6x)")
 PY
 fi
 if [[ $what == big || $what == all ]]; then

@@ -10,7 +10,8 @@ all-reduce per layer sums the partial outputs, so the residual stream is whole o
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ import torch.distributed as dist
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.layers import Linear
 from nanoqwen.weights.config import ModelConfig
+
+if TYPE_CHECKING:
+    from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,15 @@ class TensorParallel:
     rank: int
     size: int
     group: dist.ProcessGroup | None = None
+    # The one-shot all-reduce over peer-mapped GPU buffers, where the ranks can run it
+    # (runtime/parallel/custom_all_reduce.py); None: the group's collective for every call.
+    custom_all_reduce: CustomAllReduce | None = field(default=None, compare=False)
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sums x over the ranks, in place: the custom all-reduce for the messages it takes,
+        NCCL (gloo on the CPU) for the others."""
+        if self.custom_all_reduce is None or not self.custom_all_reduce(x):
+            dist.all_reduce(x, group=self.group)
 
     def vocab_shard(self, vocab_size: int) -> int:
         """Rows of the embedding and lm_head each rank holds; the last is zero-padded."""
@@ -75,7 +88,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        dist.all_reduce(out, group=self.tp.group)
+        self.tp.all_reduce(out)
         return out
 
 
@@ -89,7 +102,7 @@ def embed_vocab_parallel(
     rows = torch.nn.functional.embedding(local.clamp(0, table.shape[0] - 1), table)
     # masked_fill, not torch.where with a CPU zero: a CPU tensor cannot enter a CUDA graph.
     out = rows.masked_fill(~mine.unsqueeze(-1), 0)
-    dist.all_reduce(out, group=tp.group)
+    tp.all_reduce(out)
     return out
 
 

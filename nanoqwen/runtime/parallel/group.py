@@ -97,7 +97,10 @@ def join_group(rank: int, size: int, device: torch.device, init_method: str) -> 
         device_id=device if device.type == "cuda" else None,
     )
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return ParallelContext(TensorParallel(rank, size, None), control, device)
+    from nanoqwen.runtime.parallel import custom_all_reduce
+
+    custom = custom_all_reduce.create(rank, size, device, control)
+    return ParallelContext(TensorParallel(rank, size, None, custom), control, device)
 
 
 def leave_group() -> None:
@@ -105,6 +108,9 @@ def leave_group() -> None:
     destroy_process_group flushes through ncclCommFinalize, which blocks until every rank
     calls it: rank 0 leaves after its workers have exited, so destroying hung there (seen on
     two H200s). The callers synchronize first, so nothing is in flight that an abort cuts."""
+    from nanoqwen.runtime.parallel import custom_all_reduce
+
+    custom_all_reduce.abort_all()
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

@@ -92,7 +92,14 @@ class ParallelModelRunner(ModelRunner):
         self.channel.share(self.graphs.dev)
 
     # ---- failure and shutdown ---------------------------------------------------------------
+    def _all_reduce_failed(self) -> str | None:
+        custom = self.model.tp.custom_all_reduce
+        return custom.error() if custom is not None else None
+
     def _guarded(self, run, *args):
+        reason = self.failure is None and self._all_reduce_failed()
+        if reason:  # an earlier step's all-reduce gave up: its results were void
+            self._fail(reason)
         if self.failure is not None:
             raise TensorParallelError(self.failure)
         with sigint_deferred():
@@ -120,7 +127,7 @@ class ParallelModelRunner(ModelRunner):
     def _watch(self) -> None:
         """Called while rank 0 waits for a step on the GPU: a dead rank would leave it
         waiting forever (NCCL waits for a peer that never comes)."""
-        reason = self.workers.dead()
+        reason = self.workers.dead() or self._all_reduce_failed()
         if reason is not None:
             self._fail(reason)
             raise TensorParallelError(self.failure)

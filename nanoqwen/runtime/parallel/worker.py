@@ -12,7 +12,12 @@ import torch
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.kv_cache import KVCache
-from nanoqwen.runtime.parallel.group import ParallelContext, join_group, leave_group
+from nanoqwen.runtime.parallel.group import (
+    ParallelContext,
+    TensorParallelError,
+    join_group,
+    leave_group,
+)
 from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, unpack
 from nanoqwen.runtime.parallel.processes import exit_with_parent
 
@@ -31,6 +36,7 @@ class WorkerRunner:
         self.graphs = graphs
         self.device = ctx.device
         self.channel = StepChannel(ctx)
+        self.custom_all_reduce = ctx.tp.custom_all_reduce
         model.bind_kv_cache(kv.k, kv.v)
 
     @torch.inference_mode()
@@ -40,6 +46,10 @@ class WorkerRunner:
             h, extra = self.channel.receive()
             if h[Field.OP] == Op.SHUTDOWN:
                 return
+            # A kernel that gave up waiting left void sums here: exit, and rank 0 stops.
+            reason = self.custom_all_reduce and self.custom_all_reduce.error()
+            if reason:
+                raise TensorParallelError(reason)
             n = 2 * h[Field.PROMPT_ROWS]
             prompt_rows = [(extra[i], extra[i + 1]) for i in range(0, n, 2)]
             for direction, a, b in decode_copies(extra[n:]):

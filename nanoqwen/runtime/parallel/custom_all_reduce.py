@@ -1,0 +1,233 @@
+"""A faster all-reduce for small messages between GPUs of one machine: one Triton kernel over
+buffers every rank maps from every other (CUDA IPC), instead of NCCL's ~16 µs per call.
+
+Each rank allocates its buffers, shares their IPC handles over the gloo control group and
+opens the others' (torch opens them with lazy peer access). The kernel and its protocol are
+in kernels/all_reduce.py. Messages over max_bytes, other dtypes, and ranks that cannot map
+each other's memory (several machines, no peer access) keep NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401  (registers the tensor reductions ForkingPickler uses)
+
+SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "0": NCCL for every all-reduce
+TIMEOUT_ENV = "NANOQWEN_ALL_REDUCE_TIMEOUT_S"
+MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_MAX_BYTES"  # the limit below, overridden
+DEFAULT_TIMEOUT = timedelta(minutes=10)  # as NCCL's, for ranks that start far apart
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The status words (kernels/all_reduce.py writes the same numbers).
+ABORT, ERROR = 0, 1
+TIMED_OUT, ABORTED = 1, 2
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What the other ranks need to know to decide whether they can map this rank's GPU."""
+
+    host: str
+    device: int  # this rank's GPU, as this process numbers them
+    visible: tuple[str, ...]  # UUID of every GPU this process sees, by index
+    peer_access: tuple[bool, ...]  # whether this rank's GPU can map each of those
+    programs: int  # streaming multiprocessors of this rank's GPU
+
+    @classmethod
+    def local(cls, device: torch.device) -> RankInfo:
+        count = torch.cuda.device_count()
+        return cls(
+            host=socket.gethostname(),
+            device=device.index,
+            visible=tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count)),
+            peer_access=tuple(
+                i == device.index or torch.cuda.can_device_access_peer(device.index, i)
+                for i in range(count)
+            ),
+            programs=torch.cuda.get_device_properties(device).multi_processor_count,
+        )
+
+
+def refusal(infos: list[RankInfo]) -> str | None:
+    """Why these ranks cannot use the custom all-reduce; None when they can. Every rank
+    decides from the same gathered infos, so all agree."""
+    if len({i.host for i in infos}) > 1:
+        return "the ranks run on several machines"
+    uuids = [i.visible[i.device] for i in infos]
+    if len(set(uuids)) < len(uuids):
+        return "two ranks share a GPU"
+    for r, info in enumerate(infos):
+        for q, uuid in enumerate(uuids):
+            d = infos[q].device
+            if d >= len(info.visible) or info.visible[d] != uuid:
+                return f"rank {r} does not see rank {q}'s GPU as cuda:{d} (CUDA_VISIBLE_DEVICES)"
+            if not info.peer_access[d]:
+                return f"rank {r}'s GPU cannot access rank {q}'s GPU memory (no peer access)"
+    return None
+
+
+def max_bytes_for(world: int) -> int:
+    """The largest message the custom all-reduce takes. One-shot reads every peer's whole
+    message, so NCCL's ring overtakes it sooner as ranks are added: on two GPUs a one-shot
+    kernel still wins at a few MB, at 8 at a few hundred KB (vLLM's measurements of its own;
+    `tools/allreduce_bench.py --sweep` measures this one). A 7B decode batch of 256 is 1.8 MB."""
+    if os.environ.get(MAX_BYTES_ENV):
+        return int(os.environ[MAX_BYTES_ENV])
+    return 4 << 20 if world == 2 else 512 << 10 if world <= 4 else 256 << 10
+
+
+def timeout_from_env() -> timedelta:
+    value = os.environ.get(TIMEOUT_ENV)
+    return timedelta(seconds=float(value)) if value else DEFAULT_TIMEOUT
+
+
+class CustomAllReduce:
+    """Sums a tensor over the ranks in place (__call__), when it fits; built collectively by
+    every rank of the group. Falls back on nothing itself: TensorParallel.all_reduce does."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        programs: int,
+        max_bytes: int,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        from nanoqwen.kernels import all_reduce as kernel  # triton: only where this runs
+
+        self.kernel = kernel
+        self.rank, self.world, self.device = rank, world, device
+        self.timeout_s = timeout.total_seconds()
+        self.max_bytes = max_bytes
+        self.g_max = programs  # grid limit: every program must be resident (they wait)
+        unit = kernel.BLOCK * 4  # a whole number of BLOCKs of any dtype
+        self.region_bytes = -(-max_bytes // programs // unit) * unit
+        self.data = torch.empty(2 * programs * self.region_bytes, dtype=torch.uint8, device=device)
+        self.flags = torch.zeros(programs * world, dtype=torch.int64, device=device)
+        self.state = torch.zeros(programs + 1, dtype=torch.int64, device=device)
+        # ABORT (the host asks spinning kernels to stop) and ERROR (a kernel gave up), in
+        # host memory the GPU writes and reads directly, so neither side waits for the other.
+        self.status = torch.zeros(2, dtype=torch.int32)
+        if device.type == "cuda":
+            self.status = self.status.pin_memory()
+            self.timeout = int(timeout.total_seconds() * 1e9)  # ns of the GPU's global timer
+            torch.cuda.synchronize(device)  # the zeroed flags, before any peer can signal
+        else:  # Triton's CPU interpreter (tests): spins of the wait loop
+            self.timeout = max(1, int(timeout.total_seconds() * 1000))
+        self.status_words = self.status.numpy()  # the per-step check, in ~100 ns
+        self.peers = self._exchange(group)
+        table = [d.data_ptr() for d, _ in self.peers] + [f.data_ptr() for _, f in self.peers]
+        self.ptrs = torch.tensor(table + [self.status.data_ptr()], dtype=torch.int64).to(device)
+
+    def _exchange(self, group) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's (data, flags), opened in this process: IPC handles for CUDA tensors,
+        shared-memory files for CPU ones (with the file_system sharing strategy)."""
+        mine, failure = None, None
+        try:
+            mine = bytes(ForkingPickler.dumps((self.data, self.flags)))
+        except Exception as e:  # noqa: BLE001  (every rank learns it below, and all refuse)
+            failure = f"rank {self.rank} could not share its buffers ({e})"
+        gathered: list[bytes | None] = [None] * self.world
+        dist.all_gather_object(gathered, mine, group=group)
+        peers = []
+        for q, blob in enumerate(gathered):
+            if q == self.rank or blob is None:  # a rank that could not share says so itself
+                peers.append((self.data, self.flags))
+                continue
+            try:
+                peers.append(pickle.loads(blob))
+            except Exception as e:  # noqa: BLE001
+                failure = failure or f"rank {self.rank} could not open rank {q}'s buffers ({e})"
+        failures: list[str | None] = [None] * self.world
+        dist.all_gather_object(failures, failure, group=group)
+        reasons = [f for f in failures if f]
+        if reasons:
+            raise RuntimeError("; ".join(reasons))
+        return peers
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (
+            x.device == self.device
+            and x.dtype in DTYPES
+            and x.numel() * x.element_size() <= self.max_bytes
+            and x.is_contiguous()
+        )
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        """Sums x over the ranks in place and returns True, or returns False (x untouched)
+        where x is not one this all-reduce takes. Every rank must make the same calls."""
+        if not self.fits(x):
+            return False
+        if x.numel() > 0:
+            self.kernel.one_shot_all_reduce(
+                x, self.ptrs, self.state, self.rank, self.world, self.g_max,
+                self.region_bytes, self.timeout,
+            )  # fmt: skip
+        return True
+
+    def error(self) -> str | None:
+        """Why a kernel gave up waiting for the other ranks (its sums and every later one on
+        this rank are void), or None. Reads host memory: no sync."""
+        code = int(self.status_words[ERROR])
+        if code == TIMED_OUT:
+            return (
+                f"the custom all-reduce on rank {self.rank} waited longer than {TIMEOUT_ENV}="
+                f"{self.timeout_s:g} s for another rank"
+            )
+        if code == ABORTED:
+            return f"the custom all-reduce on rank {self.rank} was aborted"
+        return None
+
+    def abort(self) -> None:
+        """Makes kernels waiting for a rank that will never come give up (within µs)."""
+        self.status_words[ABORT] = 1
+
+
+_active: list[CustomAllReduce] = []
+
+
+def create(
+    rank: int, world: int, device: torch.device, group: dist.ProcessGroup
+) -> CustomAllReduce | None:
+    """The group's custom all-reduce (a collective over the gloo group), or None where it
+    cannot run or is switched off; rank 0 says which on stderr."""
+    if world < 2 or device.type != "cuda" or os.environ.get(SWITCH_ENV) == "0":
+        return None
+    infos: list[RankInfo | None] = [None] * world
+    dist.all_gather_object(infos, RankInfo.local(device), group=group)
+    reason = refusal(infos)
+    custom = None
+    if reason is None:
+        programs = min(i.programs for i in infos)
+        try:
+            custom = CustomAllReduce(
+                rank, world, device, group, programs, max_bytes_for(world), timeout_from_env()
+            )
+        except RuntimeError as e:  # every rank raises together (_exchange)
+            reason = str(e)
+    if rank == 0:
+        what = (
+            f"custom one-shot up to {custom.max_bytes >> 10} KiB, NCCL above"
+            if custom is not None
+            else f"NCCL ({reason})"
+        )
+        print(f"[nanoqwen] tensor-parallel all-reduce: {what}", file=sys.stderr, flush=True)
+    if custom is not None:
+        _active.append(custom)
+    return custom
+
+
+def abort_all() -> None:
+    """On leaving the group: no kernel of this process keeps waiting for a departed rank."""
+    while _active:
+        _active.pop().abort()

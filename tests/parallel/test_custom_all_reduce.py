@@ -1,0 +1,177 @@
+"""The custom all-reduce on the CPU: which ranks may use it, the switch in TensorParallel,
+and its kernel's protocol (buffers, flags, epochs, parities, timeout, abort) run by Triton's
+interpreter in 2 and 3 processes over shared memory, with gloo carrying the handles as it
+carries the CUDA IPC handles on GPUs. tests/gpu/test_custom_all_reduce_gpu.py runs it on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanoqwen.model.parallel import TensorParallel
+from nanoqwen.runtime.parallel import custom_all_reduce
+from nanoqwen.runtime.parallel.custom_all_reduce import (
+    CustomAllReduce,
+    RankInfo,
+    create,
+    max_bytes_for,
+    refusal,
+)
+from nanoqwen.runtime.parallel.group import free_port
+
+A, B, C = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
+
+
+def info(device: int, host: str = "node0", visible=(A, B, C), peer_access=(True,) * 3):
+    return RankInfo(host, device, tuple(visible), tuple(peer_access), programs=132)
+
+
+def test_ranks_of_one_machine_with_peer_access_may_use_it():
+    assert refusal([info(0), info(1), info(2)]) is None
+
+
+@pytest.mark.parametrize(
+    ("infos", "reason"),
+    [
+        ([info(0), info(1, host="node1")], "several machines"),
+        ([info(1), info(1)], "share a GPU"),
+        # torchrun with CUDA_VISIBLE_DEVICES set per rank: each sees one GPU, as cuda:0
+        ([info(0, visible=(A,)), info(0, visible=(B,))], "does not see rank 1's GPU"),
+        ([info(0, peer_access=(True, False, True)), info(1)], "no peer access"),
+    ],
+)
+def test_ranks_that_cannot_map_each_other_keep_nccl(infos, reason):
+    assert reason in refusal(infos)
+
+
+def test_not_created_on_the_cpu_or_when_switched_off(monkeypatch):
+    # Both return before any collective or CUDA call: no group is needed.
+    assert create(0, 2, torch.device("cpu"), None) is None
+    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "0")
+    assert create(0, 2, torch.device("cuda", 0), None) is None
+
+
+def test_the_size_limit_shrinks_as_ranks_add_reads_and_can_be_set(monkeypatch):
+    assert (max_bytes_for(2), max_bytes_for(4), max_bytes_for(8)) == (4 << 20, 512 << 10, 256 << 10)
+    monkeypatch.setenv(custom_all_reduce.MAX_BYTES_ENV, "65536")
+    assert max_bytes_for(2) == 65536
+
+
+def test_tensor_parallel_uses_the_group_collective_for_what_the_custom_one_refuses(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: calls.append(x.numel()))
+    taken = []
+
+    def small_only(x: torch.Tensor) -> bool:
+        if x.numel() > 4:
+            return False
+        taken.append(x.numel())
+        return True
+
+    tp = TensorParallel(0, 2, None, small_only)
+    tp.all_reduce(torch.ones(3))
+    tp.all_reduce(torch.ones(5))
+    assert (taken, calls) == ([3], [5])
+    TensorParallel(0, 2).all_reduce(torch.ones(2))
+    assert calls == [5, 2]
+
+
+# ---- the kernel, in Triton's interpreter, one process per rank -------------------------------
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
+)
+PROGRAMS = 3
+MAX_BYTES = 24 * 1024  # 3 regions of 8 KiB: 6,144 float32 or 12,288 float16 elements
+# Sizes around the kernel's 1,024-element blocks and up to the limit, in an order that makes
+# each program's epoch differ from the others' (small messages use only program 0).
+CALLS = [
+    (1, torch.float32), (7, torch.float32), (1023, torch.float16), (1024, torch.float32),
+    (1025, torch.float32), (3001, torch.float16), (6144, torch.float32), (5, torch.float16),
+    (12288, torch.float16), (2048, torch.float32), (3, torch.float32), (4097, torch.float32),
+]  # fmt: skip
+
+
+def join(rank: int, world: int, port: int, timeout_s: float) -> CustomAllReduce:
+    from conftest import _run_triton_kernels_on_cpu
+
+    _run_triton_kernels_on_cpu()
+    mp.set_sharing_strategy("file_system")  # CPU buffers shared by file name, not by fd
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    return CustomAllReduce(
+        rank, world, torch.device("cpu"), dist.group.WORLD, PROGRAMS, MAX_BYTES,
+        timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def inputs(call: int, n: int, dtype: torch.dtype, world: int) -> list[torch.Tensor]:
+    """Every rank's input of a call: each rank can compute the expected sum itself."""
+    return [
+        torch.randn(n, generator=torch.Generator().manual_seed(1000 * call + q)).to(dtype)
+        for q in range(world)
+    ]
+
+
+def sums_rank(rank: int, world: int, port: int, repeats: int) -> None:
+    reducer = join(rank, world, port, timeout_s=600)
+    results = []
+    for i in range(repeats):
+        n, dtype = CALLS[i % len(CALLS)]
+        xs = inputs(i, n, dtype, world)
+        x = xs[rank].clone()
+        assert reducer(x)
+        want = torch.zeros(n)
+        for v in xs:  # float32, in rank order, rounded once: what the kernel does
+            want += v.float()
+        assert torch.equal(x, want.to(dtype)), (i, n, dtype, (x.float() - want).abs().max())
+        results.append(x)
+    # What it does not take: too large, float64, strided; left untouched.
+    for x in (torch.ones(MAX_BYTES // 4 + 1), torch.ones(4, dtype=torch.float64)):
+        assert not reducer(x) and bool((x == 1).all())
+    assert not reducer(torch.ones(8, 2)[:, 0])
+    assert reducer(torch.ones(0))  # nothing to sum, nothing launched
+    assert reducer.error() is None
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (results, reducer.state.tolist()), group=dist.group.WORLD)
+    for other, state in everyone:  # bitwise the same sums, and the same epochs, everywhere
+        assert all(torch.equal(a, b) for a, b in zip(other, results))
+        assert state == reducer.state.tolist()
+    dist.destroy_process_group()
+
+
+@interpreted
+@pytest.mark.parametrize(("world", "repeats"), [(2, 2 * len(CALLS)), (3, len(CALLS))])
+def test_every_rank_gets_the_same_exact_sum_over_many_calls(world, repeats):
+    mp.spawn(sums_rank, args=(world, free_port(), repeats), nprocs=world)
+
+
+def stalled_rank(rank: int, world: int, port: int, abort: bool) -> None:
+    """Rank 1 never makes the second call: rank 0's kernel must give up, not hang."""
+    reducer = join(rank, world, port, timeout_s=600)
+    x = torch.ones(10)
+    assert reducer(x) and torch.equal(x, torch.full((10,), 2.0))
+    reducer.timeout = 300  # spins in the interpreter: a fraction of a second
+    if rank == 0:
+        if abort:
+            reducer.abort()
+        reducer(x)
+        expected = "was aborted" if abort else "waited longer than"
+        assert expected in reducer.error(), reducer.error()
+        # Once given up it no longer waits: the next call returns at once (void sums).
+        reducer(torch.ones(10))
+        assert reducer.state[PROGRAMS] != 0
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@interpreted
+@pytest.mark.parametrize("abort", [False, True], ids=["timeout", "abort"])
+def test_a_rank_that_never_comes_turns_into_an_error_not_a_hang(abort):
+    mp.spawn(stalled_rank, args=(2, free_port(), abort), nprocs=2)
