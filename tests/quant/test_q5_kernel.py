@@ -1,0 +1,90 @@
+"""The CPU Q5_0 kernel (nanoqwen/quant/q5_gemv.c): it reads a GGUF Q5_0 tensor's own blocks and
+computes what llama.cpp's Q5_0 x Q8_0 dot product computes: activations rounded to int8 per
+block of 32 (scale max|x| / 127), exact integer block sums, float32 scaling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoqwen.quant.format import dequantize
+from nanoqwen.quant.gguf_blocks import from_gguf_blocks
+from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
+from nanoqwen.quant.native import MAX_ROWS, is_q5_0, pack_q5_0, q5_kernel, q5_matmul
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(
+    q5_kernel() is None, reason="no C compiler or no AVX512-VNNI: the Q5_0 kernel is not built"
+)
+
+
+def _q5_0_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
+
+
+def _expected(x: torch.Tensor, w_float: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x rounded per block to int8 (times the float32
+    reciprocal of the scale, ties to even: bf16 inputs do hit ties), then exact sums."""
+    rows, k = x.shape
+    blocks = x.float().view(rows, k // 32, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(blocks * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx)))
+    x_rounded = (xq * dx).view(rows, k).double()
+    return x_rounded @ w_float.double().T
+
+
+def test_packed_layout_is_the_files_own_bytes():
+    raw = _q5_0_blocks(64, 256, seed=0)
+    w = from_gguf_blocks("Q5_0", raw)
+    assert is_q5_0(w)
+    qs, qh, d = pack_q5_0(w)
+    blocks = raw.reshape(64, 8, 22)
+    assert np.array_equal(d.view(torch.uint8).numpy().reshape(64, 8, 2), blocks[..., 0:2])
+    assert np.array_equal(qh.view(torch.uint8).numpy().reshape(64, 8, 4), blocks[..., 2:6])
+    assert np.array_equal(qs.numpy(), blocks[..., 6:22])
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("k", [256, 96])  # 96: an odd number of blocks (the one-block tail)
+def test_kernel_equals_int8_activation_reference(rows, k):
+    w = from_gguf_blocks("Q5_0", _q5_0_blocks(80, k, seed=rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # an all-zero block: scale 0
+    ref = _expected(x.bfloat16(), dequantize(w))
+    for xin in (x.bfloat16(), x.bfloat16().float()):  # both input types, same values
+        got = q5_matmul(xin, pack_q5_0(w))
+        assert got.shape == (rows, 80) and got.dtype == torch.float32
+        # Integer sums are exact; float32 scaling and accumulation of k / 32 block terms.
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_is_q5_0_rejects_other_layouts():
+    w = from_gguf_blocks("Q5_0", _q5_0_blocks(8, 64, seed=1))
+    assert is_q5_0(w)
+    q8 = from_gguf_blocks("Q8_0", gguf.quants.quantize(
+        np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32),
+        gguf.GGMLQuantizationType.Q8_0,
+    ))  # fmt: skip
+    assert not is_q5_0(q8)  # codes beyond -16..15
+
+
+def test_layer_uses_the_kernel_for_decode_rows_in_bf16_only():
+    w = from_gguf_blocks("Q5_0", _q5_0_blocks(48, 128, seed=3))
+    bias = torch.randn(48)
+    ref_w = dequantize(w)
+    bf16 = QuantizedLinear(w, bias.clone())
+    bf16.prepare(torch.bfloat16)
+    assert bf16.kind == "q5_0"
+    x = torch.randn(CPU_PACKED_MAX_ROWS, 128, generator=torch.Generator().manual_seed(4))
+    got = bf16(x.bfloat16())
+    want = _expected(x.bfloat16(), ref_w) + bias.bfloat16().double()
+    assert got.dtype == torch.bfloat16
+    # Two bf16 roundings (the product, then the bias add) of values up to max|want|.
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2**-8 * want.abs().max().item())
+    f32 = QuantizedLinear(w, bias.clone())
+    f32.prepare(torch.float32)
+    assert f32.kind == "dequant"  # float32 is the exact mode: no activation rounding
+    torch.testing.assert_close(f32(x), F.linear(x, ref_w, bias), rtol=1e-6, atol=1e-5)
