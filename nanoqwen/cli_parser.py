@@ -73,7 +73,9 @@ def _engine_flags() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "none", "int8", "int4"],
         help="weight-only quantized linear layers; auto: a .gguf stays quantized (int8 per "
-        "channel, its Q4_K tensors int4), other checkpoints load as they are",
+        "channel, its Q4_K tensors int4, Q5_0 kept on an AVX512-VNNI CPU), and without --model "
+        "the CPU runs the default model's GGUF unless --dtype is float32; other checkpoints "
+        "load as they are; none: float weights",
     )
     g.add_argument(
         "--attention-backend",
