@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512VNNI__) || !defined(__F16C__)
@@ -67,7 +68,8 @@ static inline __m512i two_blocks(const uint8_t* qs, const uint32_t* qh) {
     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo_b lo_b1 hi_b hi_b1
     c = _mm512_shuffle_i64x2(c, c, _MM_SHUFFLE(3, 1, 2, 0));
-    uint64_t high = (uint64_t)qh[0] | (uint64_t)qh[1] << 32;
+    uint64_t high;
+    memcpy(&high, qh, 8);
     return _mm512_mask_add_epi8(c, (__mmask64)high, c, _mm512_set1_epi8(16));
 }
 
@@ -87,16 +89,20 @@ static inline __attribute__((always_inline)) void dot_row(
     const uint16_t* d, const int8_t* xq, const float* dx, const float* off, float* y) {
     const int64_t nb = K / 32;
     qs += n * nb * 16, qh += n * nb, d += n * nb;
-    float scale[M][nb];  // d_w * d_x of each block and row
-    float corr[M];
-    for (int m = 0; m < M; m++) corr[m] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        float dw = _cvtsh_ss(d[b]);
+    float scale[M][nb + 16];  // room for the masked stores past nb
+    __m512 corr16[M];
+    for (int m = 0; m < M; m++) corr16[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 16) {
+        __mmask16 live = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
+        __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + b));
         for (int m = 0; m < M; m++) {
-            scale[m][b] = dw * dx[m * nb + b];
-            corr[m] += dw * off[m * nb + b];
+            __m512 dxm = _mm512_maskz_loadu_ps(live, dx + m * nb + b);
+            _mm512_storeu_ps(&scale[m][b], _mm512_mul_ps(dw, dxm));
+            corr16[m] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(live, off + m * nb + b), corr16[m]);
         }
     }
+    float corr[M];
+    for (int m = 0; m < M; m++) corr[m] = _mm512_reduce_add_ps(corr16[m]);
     __m512 acc[M];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
