@@ -93,13 +93,18 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
     return values.view(n, k).to(dtype)
 
 
-def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+def quantize_int8(
+    w: torch.Tensor, group_size: int | None = None, float16_scales: bool = False
+) -> QuantizedWeight:
     """Symmetric int8, one scale per group of `group_size` (None: per output channel); codes
-    in -127..127 so that the scale is max|w| / 127 and zero is exact."""
+    in -127..127 so that the scale is max|w| / 127 and zero is exact. float16_scales: scales
+    rounded to float16, as GGUF's Q8_0 keeps them (group_size=32 is then Q8_0's form)."""
     n, k = w.shape
     g = k if group_size is None else group_size
     groups = w.detach().to(torch.float32).reshape(n, k // g, g)
     scale = groups.abs().amax(-1) / 127
+    if float16_scales:
+        scale = scale.half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(groups / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(q.view(n, k), scale.contiguous(), None, g, 8)

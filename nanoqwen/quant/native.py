@@ -1,9 +1,10 @@
-"""The C kernel q5_gemv.c: GGUF Q5_0 weights kept as they are in the file (5.5 bits a weight,
-against 8 for torch's per-channel int8 kernel) for the few-row CPU matmuls of decode.
+"""The C kernels of gguf_gemv.c: GGUF Q5_0 and Q8_0 weights kept as they are in the file for
+the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight, against 8 for torch's per-channel
+int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8 requantizes, and faster).
 
-It is compiled at first use with the system C compiler (-march=native, OpenMP) into a cache
+They are compiled at first use with the system C compiler (-march=native, OpenMP) into a cache
 directory and called through ctypes; where there is no compiler or the CPU lacks AVX512-VNNI
-the build fails once and `q5_kernel()` returns None, and the layers keep torch's kernels.
+the build fails once and `gguf_kernel()` returns None, and the layers keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 from nanoqwen.quant.format import QuantizedWeight
 
-SOURCE = Path(__file__).with_name("q5_gemv.c")
-MAX_ROWS = 8  # MAX_ROWS in q5_gemv.c
+SOURCE = Path(__file__).with_name("gguf_gemv.c")
+MAX_ROWS = 8  # MAX_ROWS in gguf_gemv.c
 _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -49,43 +50,53 @@ def _build(source: Path, target: Path) -> None:
 
 
 @cache
-def q5_kernel() -> ctypes.CDLL | None:
+def gguf_kernel() -> ctypes.CDLL | None:
     """The loaded library, or None (with one note on stderr) when it cannot be built here.
     NANOQWEN_NATIVE=0 turns it off."""
     if os.environ.get("NANOQWEN_NATIVE", "1") == "0":
         return None
     code = SOURCE.read_bytes()
     key = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:16]
-    target = cache_dir() / f"q5_gemv-{key}.so"
+    target = cache_dir() / f"gguf_gemv-{key}.so"
     try:
         if not target.is_file():
             _build(SOURCE, target)
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         print(
-            f"[nanoqwen] Q5_0 CPU kernel unavailable, using torch's int8 kernel: {e}",
+            f"[nanoqwen] GGUF CPU kernels unavailable, using torch's int8 kernel: {e}",
             file=sys.stderr,
         )
         return None
-    lib.q5_gemv.restype = ctypes.c_int
-    # x, is_bf16, M, K, qs, qh, d, N, y, threads
+    # x, is_bf16, M, K, qs, [qh,] d, N, y, threads
     lib.q5_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 3, _c_int64]
     lib.q5_gemv.argtypes += [_ptr, ctypes.c_int]
+    lib.q8_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 2, _c_int64]
+    lib.q8_gemv.argtypes += [_ptr, ctypes.c_int]
+    lib.q5_gemv.restype = lib.q8_gemv.restype = ctypes.c_int
     return lib
 
 
-def is_q5_0(w: QuantizedWeight) -> bool:
-    """Whether w is a Q5_0 tensor's exact canonical form: int8 codes -16..15 in groups of 32,
-    one float16-representable scale each, no offset."""
+def _blocks_of_32(w: QuantizedWeight) -> bool:
+    """int8 codes in groups of 32, one float16-representable scale each, no offset: the form
+    GGUF's Q8_0 and Q5_0 blocks take (nanoqwen.quant.gguf_blocks)."""
     if w.bits != 8 or w.group_size != 32 or w.offset is not None or w.q.device.type != "cpu":
-        return False
-    if int(w.q.min()) < -16 or int(w.q.max()) > 15:
         return False
     return bool(torch.equal(w.scale.half().float(), w.scale))
 
 
-def pack_q5_0(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(qs uint8 [N, K/32, 16], qh int32 [N, K/32], d float16 [N, K/32]): q5_gemv.c's layout."""
+def is_q5_0(w: QuantizedWeight) -> bool:
+    """Whether w is exactly a Q5_0 tensor: blocks of 32 with codes in -16..15."""
+    return _blocks_of_32(w) and int(w.q.min()) >= -16 and int(w.q.max()) <= 15
+
+
+def is_q8_0(w: QuantizedWeight) -> bool:
+    """Whether w is exactly a Q8_0 tensor (which every Q5_0 tensor also is)."""
+    return _blocks_of_32(w)
+
+
+def pack_q5_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """(qs uint8 [N, K/32, 16], qh int32 [N, K/32], d float16 [N, K/32]): Q5_0's own bytes."""
     n, k = w.shape
     codes = (w.q.to(torch.int16) + 16).view(n, k // 32, 32)
     low = (codes & 15).to(torch.uint8)
@@ -95,18 +106,26 @@ def pack_q5_0(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return qs.contiguous(), qh.contiguous(), w.scale.half().contiguous()
 
 
-def q5_matmul(
-    x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (bfloat16 or float32, contiguous) @ W.T -> float32 [M, N]."""
-    qs, qh, d = packed
+def pack_q8_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """(qs uint8 [N, K/32, 32] = code + 128, d float16 [N, K/32])."""
+    n, k = w.shape
+    qs = (w.q.to(torch.int16) + 128).to(torch.uint8).view(n, k // 32, 32)
+    return qs.contiguous(), w.scale.half().contiguous()
+
+
+def gguf_matmul(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (bfloat16 or float32, contiguous) @ W.T -> float32 [M, N], W
+    packed by pack_q5_0 (three tensors) or pack_q8_0 (two)."""
     rows, k = x.shape
-    out = torch.empty(rows, qs.shape[0], dtype=torch.float32)
-    status = q5_kernel().q5_gemv(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), rows, k,
-        qs.data_ptr(), qh.data_ptr(), d.data_ptr(), qs.shape[0], out.data_ptr(),
+    n = packed[0].shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    lib = gguf_kernel()
+    fn = lib.q5_gemv if len(packed) == 3 else lib.q8_gemv
+    args = [t.data_ptr() for t in packed]
+    status = fn(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), rows, k, *args, n, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if status:
-        raise RuntimeError(f"q5_gemv failed (status {status}) for x {tuple(x.shape)}")
+        raise RuntimeError(f"gguf_gemv failed (status {status}) for x {tuple(x.shape)}")
     return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int4, quantize_int8
-from nanoqwen.quant.native import is_q5_0
+from nanoqwen.quant.native import is_q8_0
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -21,14 +21,15 @@ class Scheme:
     group_size: int | None  # None: per output channel
     # Also keep int4 weights in groups of 32 as they are (a GGUF's Q4_K tensors).
     keep_int4: bool = False
-    # Also keep GGUF Q5_0 tensors as they are (the CPU's Q5_0 kernel reads them, bf16/fp16).
-    keep_q5_0: bool = False
+    # Also keep GGUF Q5_0/Q8_0 tensors as they are (the CPU's GGUF kernels read them), and
+    # give int8 weights float16 scales (with group_size 32: Q8_0's form).
+    keep_gguf_blocks: bool = False
 
     def fits(self, w: QuantizedWeight) -> bool:
         """Whether w already has this layout (then it is kept as is, without loss)."""
         if self.keep_int4 and w.bits == 4 and w.group_size == 32:
             return True
-        if self.keep_q5_0 and is_q5_0(w):
+        if self.keep_gguf_blocks and is_q8_0(w):  # Q5_0 included
             return True
         group = w.shape[1] if self.group_size is None else self.group_size
         return (
@@ -43,7 +44,7 @@ class Scheme:
                 return w
             w = dequantize(w)
         if self.bits == 8:
-            return quantize_int8(w, self.group_size)
+            return quantize_int8(w, self.group_size, float16_scales=self.keep_gguf_blocks)
         return quantize_int4(w, self.group_size or w.shape[1])
 
 
@@ -51,18 +52,19 @@ SCHEMES = {
     "int8": Scheme(8, None),
     "int4": Scheme(4, 32),
     "gguf": Scheme(8, None, keep_int4=True),
-    "gguf-q5": Scheme(8, None, keep_int4=True, keep_q5_0=True),
+    "gguf-blocks": Scheme(8, 32, keep_int4=True, keep_gguf_blocks=True),
 }
-# What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4, and Q5_0
-# kept as it is where the CPU's Q5_0 kernel runs (bf16/fp16 activations on an AVX512-VNNI
-# CPU). All-int4 (Q5_0/Q6_K/Q8_0 requantized to int4) agreed with the float32 dequantized
-# model's argmax at only 93% of the fidelity test's positions (BENCHMARKS.md).
-AUTO_GGUF, AUTO_GGUF_Q5 = "gguf", "gguf-q5"
+# What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4; where the
+# CPU's GGUF kernels run (bf16/fp16 activations on an AVX512-VNNI CPU) Q5_0 and Q8_0 kept as
+# they are instead and the rest (Q6_K) requantized to Q8_0's form, not per channel. All-int4
+# (Q5_0/Q6_K/Q8_0 requantized to int4) agreed with the float32 dequantized model's argmax at
+# only 93% of the fidelity test's positions (BENCHMARKS.md).
+AUTO_GGUF, AUTO_GGUF_BLOCKS = "gguf", "gguf-blocks"
 
 
-def resolve_scheme(quantization: str, from_gguf: bool, q5_kernel: bool = False) -> Scheme | None:
-    """None: float weights. auto keeps a GGUF quantized (as AUTO_GGUF, or AUTO_GGUF_Q5 when
-    `q5_kernel` says the Q5_0 kernel will run) and a float checkpoint float."""
+def resolve_scheme(quantization: str, from_gguf: bool, gguf_kernels: bool = False) -> Scheme | None:
+    """None: float weights. auto keeps a GGUF quantized (as AUTO_GGUF, or AUTO_GGUF_BLOCKS
+    when `gguf_kernels` says the CPU's GGUF kernels will run) and a float checkpoint float."""
     if quantization == "auto":
-        return SCHEMES[AUTO_GGUF_Q5 if q5_kernel else AUTO_GGUF] if from_gguf else None
+        return SCHEMES[AUTO_GGUF_BLOCKS if gguf_kernels else AUTO_GGUF] if from_gguf else None
     return SCHEMES.get(quantization)

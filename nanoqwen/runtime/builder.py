@@ -14,7 +14,7 @@ from nanoqwen.model.parallel import check_tensor_parallel
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
 from nanoqwen.quant.apply import describe, quantize_loaded
-from nanoqwen.quant.native import q5_kernel
+from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
 from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
@@ -169,8 +169,8 @@ def build_engine(
         tokenizer = None if worker else Tokenizer(path)
         stored = checkpoint_dtype(path)
     torch_dtype = resolve_dtype(dtype, dev, stored)
-    q5 = dev.type == "cpu" and torch_dtype != torch.float32 and gguf is not None
-    scheme = resolve_scheme(quantization, gguf is not None, q5 and q5_kernel() is not None)
+    blocks = dev.type == "cpu" and torch_dtype != torch.float32 and gguf is not None
+    scheme = resolve_scheme(quantization, gguf is not None, blocks and gguf_kernel() is not None)
     workers = None
     if tensor_parallel_size > 1:
         check_tensor_parallel(cfg, tensor_parallel_size)  # before any process starts

@@ -8,7 +8,7 @@ import torch
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.quant.linear import QuantizedLinear
-from nanoqwen.quant.native import q5_kernel
+from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.runtime.builder import _default_is_quantized, cpu_has_bf16
 from nanoqwen.weights.hub import ModelNotFoundError
 from nanoqwen.weights.tokenizer import Tokenizer
@@ -57,7 +57,7 @@ def test_default_runs_the_gguf_quantized(real_model_dir, gguf_path):
     kinds = {m.kind for m in llm.runner.model.modules() if isinstance(m, QuantizedLinear)}
     assert isinstance(llm.runner.model.lm_head, QuantizedLinear)
     assert "int4pack" in kinds  # the file's Q4_K tensors, as they are
-    if q5_kernel() is not None:
+    if gguf_kernel() is not None:
         assert "q5_0" in kinds  # and its Q5_0 ones
     text = "def reverse(s):"
     assert llm.tokenizer.encode(text) == Tokenizer(real_model_dir).encode(text)

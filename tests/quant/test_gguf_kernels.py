@@ -1,6 +1,7 @@
-"""The CPU Q5_0 kernel (nanoqwen/quant/q5_gemv.c): it reads a GGUF Q5_0 tensor's own blocks and
-computes what llama.cpp's Q5_0 x Q8_0 dot product computes: activations rounded to int8 per
-block of 32 (scale max|x| / 127), exact integer block sums, float32 scaling."""
+"""The CPU GGUF kernels (nanoqwen/quant/gguf_gemv.c): they read a Q5_0 or Q8_0 tensor's own
+blocks and compute what llama.cpp's Q5_0/Q8_0 x Q8_0 dot products compute: activations
+rounded to int8 per block of 32 (scale max|x| / 127), exact integer block sums, float32
+scaling."""
 
 from __future__ import annotations
 
@@ -9,24 +10,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.quant.format import dequantize
+from nanoqwen.quant.format import dequantize, quantize_int8
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
 from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
-from nanoqwen.quant.native import MAX_ROWS, is_q5_0, pack_q5_0, q5_kernel, q5_matmul
+from nanoqwen.quant.native import (
+    MAX_ROWS,
+    gguf_kernel,
+    gguf_matmul,
+    is_q5_0,
+    is_q8_0,
+    pack_q5_0,
+    pack_q8_0,
+)
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(
-    q5_kernel() is None, reason="no C compiler or no AVX512-VNNI: the Q5_0 kernel is not built"
+    gguf_kernel() is None, reason="no C compiler or no AVX512-VNNI: the GGUF kernels are not built"
 )
+PACK = {"Q5_0": pack_q5_0, "Q8_0": pack_q8_0}
 
 
-def _q5_0_blocks(n: int, k: int, seed: int) -> np.ndarray:
+def _blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
 
 
 def _expected(x: torch.Tensor, w_float: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in float64: x rounded per block to int8 (times the float32
+    """The kernels' arithmetic in float64: x rounded per block to int8 (times the float32
     reciprocal of the scale, ties to even: bf16 inputs do hit ties), then exact sums."""
     rows, k = x.shape
     blocks = x.float().view(rows, k // 32, 32)
@@ -36,48 +46,55 @@ def _expected(x: torch.Tensor, w_float: torch.Tensor) -> torch.Tensor:
     return x_rounded @ w_float.double().T
 
 
-def test_packed_layout_is_the_files_own_bytes():
-    raw = _q5_0_blocks(64, 256, seed=0)
-    w = from_gguf_blocks("Q5_0", raw)
-    assert is_q5_0(w)
-    qs, qh, d = pack_q5_0(w)
+def test_packed_layouts_are_the_files_own_bytes():
+    raw = _blocks("Q5_0", 64, 256, seed=0)
+    qs, qh, d = pack_q5_0(from_gguf_blocks("Q5_0", raw))
     blocks = raw.reshape(64, 8, 22)
     assert np.array_equal(d.view(torch.uint8).numpy().reshape(64, 8, 2), blocks[..., 0:2])
     assert np.array_equal(qh.view(torch.uint8).numpy().reshape(64, 8, 4), blocks[..., 2:6])
     assert np.array_equal(qs.numpy(), blocks[..., 6:22])
+    raw = _blocks("Q8_0", 64, 256, seed=1)
+    qs, d = pack_q8_0(from_gguf_blocks("Q8_0", raw))
+    blocks = raw.reshape(64, 8, 34)
+    assert np.array_equal(d.view(torch.uint8).numpy().reshape(64, 8, 2), blocks[..., 0:2])
+    codes = (qs.numpy().astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+    assert np.array_equal(codes, blocks[..., 2:34])
 
 
+@pytest.mark.parametrize("type_name", list(PACK))
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 96])  # 96: an odd number of blocks (the one-block tail)
-def test_kernel_equals_int8_activation_reference(rows, k):
-    w = from_gguf_blocks("Q5_0", _q5_0_blocks(80, k, seed=rows))
+def test_kernel_equals_int8_activation_reference(type_name, rows, k):
+    w = from_gguf_blocks(type_name, _blocks(type_name, 80, k, seed=rows))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero block: scale 0
     ref = _expected(x.bfloat16(), dequantize(w))
     for xin in (x.bfloat16(), x.bfloat16().float()):  # both input types, same values
-        got = q5_matmul(xin, pack_q5_0(w))
+        got = gguf_matmul(xin, PACK[type_name](w))
         assert got.shape == (rows, 80) and got.dtype == torch.float32
         # Integer sums are exact; float32 scaling and accumulation of k / 32 block terms.
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 
 
-def test_is_q5_0_rejects_other_layouts():
-    w = from_gguf_blocks("Q5_0", _q5_0_blocks(8, 64, seed=1))
-    assert is_q5_0(w)
-    q8 = from_gguf_blocks("Q8_0", gguf.quants.quantize(
-        np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32),
-        gguf.GGMLQuantizationType.Q8_0,
-    ))  # fmt: skip
-    assert not is_q5_0(q8)  # codes beyond -16..15
+def test_layouts_are_told_apart():
+    q5 = from_gguf_blocks("Q5_0", _blocks("Q5_0", 8, 64, seed=1))
+    q8 = from_gguf_blocks("Q8_0", _blocks("Q8_0", 8, 64, seed=2))
+    assert is_q5_0(q5) and is_q8_0(q5)  # Q5_0's codes are Q8_0 codes too
+    assert is_q8_0(q8) and not is_q5_0(q8)  # codes beyond -16..15
+    w = torch.randn(8, 64)
+    assert not is_q8_0(quantize_int8(w, 16))  # groups of 16 (Q6_K's)
+    assert not is_q8_0(quantize_int8(w))  # one scale per row
+    assert not is_q8_0(quantize_int8(w, 32))  # scales that float16 would round
 
 
-def test_layer_uses_the_kernel_for_decode_rows_in_bf16_only():
-    w = from_gguf_blocks("Q5_0", _q5_0_blocks(48, 128, seed=3))
+@pytest.mark.parametrize(("type_name", "kind"), [("Q5_0", "q5_0"), ("Q8_0", "q8_0")])
+def test_layer_uses_the_kernel_for_decode_rows_in_bf16_only(type_name, kind):
+    w = from_gguf_blocks(type_name, _blocks(type_name, 48, 128, seed=3))
     bias = torch.randn(48)
     ref_w = dequantize(w)
     bf16 = QuantizedLinear(w, bias.clone())
     bf16.prepare(torch.bfloat16)
-    assert bf16.kind == "q5_0"
+    assert bf16.kind == kind
     x = torch.randn(CPU_PACKED_MAX_ROWS, 128, generator=torch.Generator().manual_seed(4))
     got = bf16(x.bfloat16())
     want = _expected(x.bfloat16(), ref_w) + bias.bfloat16().double()

@@ -1,13 +1,14 @@
-// Few-row matmul over GGUF Q5_0 blocks (AVX512-VNNI), built at first use by
+// Few-row matmuls over GGUF Q5_0 and Q8_0 blocks (AVX512-VNNI), built at first use by
 // nanoqwen/quant/native.py and called through ctypes.
 //
-// A weight row is K/32 blocks; block b of row n holds 32 five-bit codes c (0..31) as
-//   qs[n][b][16]: byte j = low nibble of c[j] | low nibble of c[j + 16] << 4   (ggml's order)
-//   qh[n][b]:     bit j = bit 4 of c[j]
-//   d[n][b]:      float16 scale
-// and w[n][32 b + j] = d * (c[j] - 16), Q5_0 exactly. The activations are quantized per block
-// of 32 to int8 (scale max|x| / 127), as llama.cpp does for its Q5_0 x Q8_0 dot product, so
-// each block is one unsigned x signed byte dot product (vpdpbusd).
+// A weight row is K/32 blocks of 32 unsigned codes c and a float16 scale d[n][b]:
+//   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16), stored as the file has them:
+//     qs[n][b][16]: byte j = low nibble of c[j] | low nibble of c[j + 16] << 4
+//     qh[n][b]:     bit j = bit 4 of c[j]
+//   Q8_0 (q8_gemv): qs[n][b][32] = c = the file's int8 code + 128, w = d * (c - 128).
+// The activations are quantized per block of 32 to int8 (scale max|x| / 127), as llama.cpp
+// does for its Q5_0/Q8_0 x Q8_0 dot products, so each block is one unsigned x signed byte dot
+// product (vpdpbusd) and the codes' offset one term per block: zero * d_x * sum(x_q).
 
 #include <immintrin.h>
 #include <math.h>
@@ -17,7 +18,7 @@
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "q5_gemv needs AVX512 F/BW/VL/VNNI and F16C"
+#error "gguf_gemv.c needs AVX512 F/BW/VL/VNNI and F16C"
 #endif
 
 #define MAX_ROWS 8
@@ -28,9 +29,9 @@ static inline float bf16_to_float(uint16_t v) {
 }
 
 // One activation row of K values (bfloat16 or float32) to int8 blocks: xq, per-block scale
-// dx and 16 * dx * sum(xq) (the term that the codes' offset of 16 contributes).
-static void quantize_row(const void* x, int is_bf16, int64_t K, int8_t* xq, float* dx,
-                         float* offset_term) {
+// dx and zero * dx * sum(xq) (the term that the codes' offset `zero` contributes).
+static void quantize_row(const void* x, int is_bf16, int64_t K, float zero, int8_t* xq,
+                         float* dx, float* offset_term) {
     for (int64_t b = 0; b < K / 32; b++) {
         float v[32];
         float amax = 0.0f;
@@ -48,7 +49,7 @@ static void quantize_row(const void* x, int is_bf16, int64_t K, int8_t* xq, floa
             sum += q;
         }
         dx[b] = d;
-        offset_term[b] = 16.0f * d * (float)sum;
+        offset_term[b] = zero * d * (float)sum;
     }
 }
 
@@ -82,13 +83,16 @@ static inline __m256i one_block(const uint8_t* qs, uint32_t qh) {
     return _mm256_mask_add_epi8(c, (__mmask32)qh, c, _mm256_set1_epi8(16));
 }
 
-// Row n of the output for M activation rows; M is a compile-time constant at each call site
-// so that the accumulators stay in registers.
+// Row n of the output for M activation rows; M and bits (5 or 8) are compile-time constants
+// at each call site so that the accumulators stay in registers.
 static inline __attribute__((always_inline)) void dot_row(
-    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* qs, const uint32_t* qh,
-    const uint16_t* d, const int8_t* xq, const float* dx, const float* off, float* y) {
+    const int M, const int bits, int64_t n, int64_t N, int64_t K, const uint8_t* qs,
+    const uint32_t* qh, const uint16_t* d, const int8_t* xq, const float* dx, const float* off,
+    float* y) {
     const int64_t nb = K / 32;
-    qs += n * nb * 16, qh += n * nb, d += n * nb;
+    const int64_t block_bytes = bits == 5 ? 16 : 32;
+    qs += n * nb * block_bytes, d += n * nb;
+    if (bits == 5) qh += n * nb;
     float scale[M][nb + 16];  // room for the masked stores past nb
     __m512 corr16[M];
     for (int m = 0; m < M; m++) corr16[m] = _mm512_setzero_ps();
@@ -108,7 +112,8 @@ static inline __attribute__((always_inline)) void dot_row(
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        __m512i c = two_blocks(qs + 16 * b, qh + b);
+        __m512i c = bits == 5 ? two_blocks(qs + 16 * b, qh + b)
+                              : _mm512_loadu_si512((const void*)(qs + 32 * b));
         for (int m = 0; m < M; m++) {
             __m512i xv = _mm512_loadu_si512((const void*)(xq + m * K + 32 * b));
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
@@ -120,7 +125,8 @@ static inline __attribute__((always_inline)) void dot_row(
     float tail[M];
     for (int m = 0; m < M; m++) tail[m] = 0.0f;
     if (b < nb) {
-        __m256i c = one_block(qs + 16 * b, qh[b]);
+        __m256i c = bits == 5 ? one_block(qs + 16 * b, qh[b])
+                              : _mm256_loadu_si256((const __m256i*)(qs + 32 * b));
         for (int m = 0; m < M; m++) {
             __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * K + 32 * b));
             __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xv);
@@ -130,16 +136,17 @@ static inline __attribute__((always_inline)) void dot_row(
     for (int m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]) + tail[m] - corr[m];
 }
 
-#define ROWS_CASE(R)                                                           \
-    case R:                                                                    \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")      \
-        for (int64_t n = 0; n < N; n++) dot_row(R, n, N, K, qs, qh, d, xq, dx, off, y); \
+#define ROWS_CASE(R, BITS)                                                          \
+    case R:                                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")           \
+        for (int64_t n = 0; n < N; n++)                                             \
+            dot_row(R, BITS, n, N, K, qs, qh, d, xq, dx, off, y);                   \
         break;
 
 // y[m][n] = sum_k x[m][k] * w[n][k] for m < M <= MAX_ROWS; x is bfloat16 when is_bf16, else
 // float32; y is float32 [M][N]. Returns 0, or nonzero for arguments it does not take.
-int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-            const uint32_t* qh, const uint16_t* d, int64_t N, float* y, int threads) {
+static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+                const uint32_t* qh, const uint16_t* d, int64_t N, float* y, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 32) return 1;
     const int64_t nb = K / 32;
     int8_t* xq = malloc((size_t)(M * K));
@@ -150,13 +157,31 @@ int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
         return 2;
     }
     const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
+    const float zero = bits == 5 ? 16.0f : 128.0f;
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char*)x + m * x_row, is_bf16, K, xq + m * K, dx + m * nb,
+        quantize_row((const char*)x + m * x_row, is_bf16, K, zero, xq + m * K, dx + m * nb,
                      off + m * nb);
-    switch (M) {
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-        ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+    if (bits == 5) {
+        switch (M) {
+            ROWS_CASE(1, 5) ROWS_CASE(2, 5) ROWS_CASE(3, 5) ROWS_CASE(4, 5)
+            ROWS_CASE(5, 5) ROWS_CASE(6, 5) ROWS_CASE(7, 5) ROWS_CASE(8, 5)
+        }
+    } else {
+        switch (M) {
+            ROWS_CASE(1, 8) ROWS_CASE(2, 8) ROWS_CASE(3, 8) ROWS_CASE(4, 8)
+            ROWS_CASE(5, 8) ROWS_CASE(6, 8) ROWS_CASE(7, 8) ROWS_CASE(8, 8)
+        }
     }
     free(xq), free(dx), free(off);
     return 0;
+}
+
+int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+            const uint32_t* qh, const uint16_t* d, int64_t N, float* y, int threads) {
+    return gemv(5, x, is_bf16, M, K, qs, qh, d, N, y, threads);
+}
+
+int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+            const uint16_t* d, int64_t N, float* y, int threads) {
+    return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, threads);
 }
