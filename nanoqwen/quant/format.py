@@ -120,3 +120,24 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((groups - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
     return QuantizedWeight(q.to(torch.uint8).view(n, k), scale.contiguous(), lo.contiguous(), g, 4)
+
+
+def requantize_per_channel(w: QuantizedWeight, rows_at_once: int = 16384) -> QuantizedWeight:
+    """quantize_int8(dequantize(w)) (one scale per output row), computed from the codes of a
+    symmetric int8 weight in a few passes and a slice of rows at a time; other layouts go
+    through the float weight."""
+    if w.bits != 8 or w.offset is not None:
+        return quantize_int8(dequantize(w))
+    n, k = w.shape
+    g = w.group_size
+    codes, scales = [], []
+    for start in range(0, n, rows_at_once):
+        q = w.q[start : start + rows_at_once].view(-1, k // g, g)
+        s = w.scale[start : start + rows_at_once]
+        # max|q * s| per row is the groups' max|q| times their |s| (GGUF's s may be negative)
+        row = (q.abs().amax(-1).float() * s.abs()).amax(-1) / 127
+        factor = s / torch.where(row > 0, row, torch.ones_like(row)).unsqueeze(-1)
+        x = q.float().mul_(factor.unsqueeze(-1))
+        codes.append(x.round_().clamp_(-127, 127).to(torch.int8).view(-1, k))
+        scales.append(row.unsqueeze(-1))
+    return QuantizedWeight(torch.cat(codes), torch.cat(scales), None, k, 8)

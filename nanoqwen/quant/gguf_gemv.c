@@ -185,3 +185,31 @@ int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint16_t* d, int64_t N, float* y, int threads) {
     return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, threads);
 }
+
+// Per-channel int8 of a symmetric int8 weight in groups of g (codes q [N][K], float32 scales
+// s [N][K/g]): row scale r[n] = max |q * s| / 127 and codes round(q * s / r[n]) (ties to
+// even), what the int8 x int8 prefill matmul takes.
+void requantize_rows(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t g,
+                     int8_t* out, float* r, int threads) {
+    const int64_t ng = K / g;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* qn = q + n * K;
+        const float* sn = s + n * ng;
+        float amax = 0.0f;
+        for (int64_t b = 0; b < ng; b++) {
+            int m = 0;
+            for (int64_t j = 0; j < g; j++) m = abs(qn[b * g + j]) > m ? abs(qn[b * g + j]) : m;
+            amax = fmaxf(amax, (float)m * fabsf(sn[b]));  // GGUF scales may be negative
+        }
+        float row = amax / 127.0f;
+        r[n] = row;
+        for (int64_t b = 0; b < ng; b++) {
+            float f = row > 0.0f ? sn[b] / row : 0.0f;
+            for (int64_t j = 0; j < g; j++) {
+                float v = nearbyintf((float)qn[b * g + j] * f);
+                out[n * K + b * g + j] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
+            }
+        }
+    }
+}

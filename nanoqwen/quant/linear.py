@@ -23,8 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int8
-from nanoqwen.quant.native import gguf_kernel, gguf_matmul, is_q5_0, is_q8_0, pack_q5_0, pack_q8_0
+from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
+from nanoqwen.quant.native import (
+    gguf_kernel,
+    gguf_matmul,
+    is_q5_0,
+    is_q8_0,
+    pack_q5_0,
+    pack_q8_0,
+    requantize_rows,
+)
 
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
@@ -84,7 +92,9 @@ class QuantizedLinear(nn.Module):
             self.kind = "dequant"  # no kernel for this layout; float32 stays exact
         if dtype != torch.float32:
             # rounding far finer than any layout above (one scale per row, 255 levels)
-            per_channel = exact8 or quantize_int8(dequantize(w))
+            per_channel = exact8 or (
+                requantize_rows(w) if self.kind in ("q5_0", "q8_0") else requantize_per_channel(w)
+            )
             self._int8 = (per_channel.q, per_channel.scale.view(-1))
             if self.kind == "unprepared":
                 self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.quant.format import dequantize, quantize_int8
+from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
 from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
 from nanoqwen.quant.native import (
@@ -21,6 +21,7 @@ from nanoqwen.quant.native import (
     is_q8_0,
     pack_q5_0,
     pack_q8_0,
+    requantize_rows,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -105,3 +106,16 @@ def test_layer_uses_the_kernel_for_decode_rows_in_bf16_only(type_name, kind):
     f32.prepare(torch.float32)
     assert f32.kind == "dequant"  # float32 is the exact mode: no activation rounding
     torch.testing.assert_close(f32(x), F.linear(x, ref_w, bias), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", list(PACK))
+def test_per_channel_copy_for_prefill(type_name):
+    """The per-channel int8 copy the many-row matmul reads: C and torch agree exactly, and both
+    are the float weight quantized per row (a code may differ by one at a rounding tie)."""
+    w = from_gguf_blocks(type_name, _blocks(type_name, 40, 256, seed=5))
+    fast, slow = requantize_rows(w), requantize_per_channel(w)
+    assert torch.equal(fast.q, slow.q) and torch.equal(fast.scale, slow.scale)
+    assert fast.per_channel and fast.bits == 8
+    ref = quantize_int8(dequantize(w))
+    assert torch.equal(fast.scale, ref.scale)
+    assert (fast.q.int() - ref.q.int()).abs().max() <= 1
