@@ -50,14 +50,22 @@ def _build(source: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
 @cache
 def gguf_kernel() -> ctypes.CDLL | None:
     """The loaded library, or None (with one note on stderr) when it cannot be built here.
     NANOQWEN_NATIVE=0 turns it off."""
     if os.environ.get("NANOQWEN_NATIVE", "1") == "0":
         return None
-    code = SOURCE.read_bytes()
-    key = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:16]
+    # -march=native: a library built on one CPU is kept for that CPU only (shared home dirs).
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / f"gguf_gemv-{key}.so"
     try:
         if not target.is_file():

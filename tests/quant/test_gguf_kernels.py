@@ -5,6 +5,10 @@ scaling."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -119,3 +123,25 @@ def test_per_channel_copy_for_prefill(type_name):
     ref = quantize_int8(dequantize(w))
     assert torch.equal(fast.scale, ref.scale)
     assert (fast.q.int() - ref.q.int()).abs().max() <= 1
+
+
+def test_without_a_compiler_the_layers_keep_torchs_kernels(tmp_path):
+    """A failed build is one note on stderr; Q5_0 layers then run torch's per-channel int8."""
+    script = (
+        "import torch, numpy as np, gguf\n"
+        "from nanoqwen.quant.gguf_blocks import from_gguf_blocks\n"
+        "from nanoqwen.quant.linear import QuantizedLinear\n"
+        "from nanoqwen.quant.native import gguf_kernel\n"
+        "w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)\n"
+        "raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)\n"
+        "layer = QuantizedLinear(from_gguf_blocks('Q5_0', raw), None)\n"
+        "layer.prepare(torch.bfloat16)\n"
+        "print(gguf_kernel(), layer.kind)\n"
+    )
+    env = {**os.environ, "CC": "false", "NANOQWEN_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "int8pack"]
+    assert "GGUF CPU kernels unavailable, using torch's int8 kernel" in done.stderr
