@@ -129,8 +129,10 @@ def pack_q8_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
 
 
 def gguf_matmul(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (bfloat16 or float32, contiguous) @ W.T -> float32 [M, N], W
-    packed by pack_q5_0 (three tensors) or pack_q8_0 (two)."""
+    """x [M <= MAX_ROWS, K] (contiguous) @ W.T -> float32 [M, N], W packed by pack_q5_0
+    (three tensors) or pack_q8_0 (two)."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()  # float16: the kernels read bf16 or float32
     rows, k = x.shape
     n = packed[0].shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
