@@ -39,8 +39,10 @@ def engine_flags() -> argparse.ArgumentParser:
         "--quantization",
         default="auto",
         choices=["auto", "none", "int8", "int4"],
-        help="weight-only quantized linear layers; auto: a .gguf stays quantized (int8 per "
-        "channel, its Q4_K tensors int4), other checkpoints load as they are",
+        help="weight-only quantized linear layers; auto: a .gguf stays quantized (its Q4_K "
+        "tensors int4; Q5_0/Q8_0 as they are on an AVX512-VNNI CPU with bf16 activations, "
+        "else int8 per channel), and without --model the CPU runs the default model's GGUF "
+        "unless --dtype is float32; other checkpoints load as they are; none: float weights",
     )
     g.add_argument(
         "--attention-backend",

@@ -93,13 +93,18 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.
     return values.view(n, k).to(dtype)
 
 
-def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+def quantize_int8(
+    w: torch.Tensor, group_size: int | None = None, float16_scales: bool = False
+) -> QuantizedWeight:
     """Symmetric int8, one scale per group of `group_size` (None: per output channel); codes
-    in -127..127 so that the scale is max|w| / 127 and zero is exact."""
+    in -127..127 so that the scale is max|w| / 127 and zero is exact. float16_scales: scales
+    rounded to float16, as GGUF's Q8_0 keeps them (group_size=32 is then Q8_0's form)."""
     n, k = w.shape
     g = k if group_size is None else group_size
     groups = w.detach().to(torch.float32).reshape(n, k // g, g)
     scale = groups.abs().amax(-1) / 127
+    if float16_scales:
+        scale = scale.half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(groups / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(q.view(n, k), scale.contiguous(), None, g, 8)
@@ -115,3 +120,24 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((groups - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
     return QuantizedWeight(q.to(torch.uint8).view(n, k), scale.contiguous(), lo.contiguous(), g, 4)
+
+
+def requantize_per_channel(w: QuantizedWeight, rows_at_once: int = 16384) -> QuantizedWeight:
+    """quantize_int8(dequantize(w)) (one scale per output row), computed from the codes of a
+    symmetric int8 weight in a few passes and a slice of rows at a time; other layouts go
+    through the float weight."""
+    if w.bits != 8 or w.offset is not None:
+        return quantize_int8(dequantize(w))
+    n, k = w.shape
+    g = w.group_size
+    codes, scales = [], []
+    for start in range(0, n, rows_at_once):
+        q = w.q[start : start + rows_at_once].view(-1, k // g, g)
+        s = w.scale[start : start + rows_at_once]
+        # max|q * s| per row is the groups' max|q| times their |s| (GGUF's s may be negative)
+        row = (q.abs().amax(-1).float() * s.abs()).amax(-1) / 127
+        factor = s / torch.where(row > 0, row, torch.ones_like(row)).unsqueeze(-1)
+        x = q.float().mul_(factor.unsqueeze(-1))
+        codes.append(x.round_().clamp_(-127, 127).to(torch.int8).view(-1, k))
+        scales.append(row.unsqueeze(-1))
+    return QuantizedWeight(torch.cat(codes), torch.cat(scales), None, k, 8)

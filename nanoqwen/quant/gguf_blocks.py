@@ -42,8 +42,7 @@ def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
 def _q5_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     b = _blocks(data, 22)
     d = _f16(b[..., 0:2])
-    qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [rows, blocks, 1]
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # bit j: value j
+    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit j of qh: value j
     qs = b[..., 6:22]
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # values 0..15 then 16..31
     q = (low | (high << 4)).astype(np.int8) - np.int8(16)

@@ -5,7 +5,9 @@ kernels of the device it lives on:
 
 - CPU, few rows (decode): torch's packed kernels, which read the codes and dequantize inside
   the matmul: aten._weight_int4pack_mm_for_cpu (int4, groups of 32..256) and
-  aten._weight_int8pack_mm (int8, one scale per output channel).
+  aten._weight_int8pack_mm (int8, one scale per output channel); GGUF Q5_0 and Q8_0 tensors,
+  with bf16/fp16 activations, through nanoqwen.quant.native's C kernels, which read the
+  file's own blocks (Q5_0: 5.5 bits a weight, where the int8 kernel would need 8).
 - CPU, many rows (prefill): those kernels are GEMV-shaped and slow past a few rows, and
   dequantizing the weight in torch costs more than the matmul. With bf16/fp16 activations
   the rows are quantized to int8 (one scale per row) and multiplied with per-channel int8
@@ -21,7 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int8
+from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
+from nanoqwen.quant.native import (
+    gguf_kernel,
+    gguf_matmul,
+    is_q5_0,
+    is_q8_0,
+    pack_q5_0,
+    pack_q8_0,
+    requantize_rows,
+)
 
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
@@ -73,11 +84,17 @@ class QuantizedLinear(nn.Module):
             self._decode, self.kind = (packed, scales_zeros.to(dtype)), "int4pack"
         elif exact8 is not None:
             self._decode, self.kind = (w.q, w.scale.view(-1).to(dtype)), "int8pack"
+        elif dtype != torch.float32 and is_q8_0(w) and gguf_kernel() is not None:
+            q5 = is_q5_0(w)
+            self._decode = pack_q5_0(w) if q5 else pack_q8_0(w)
+            self.kind = "q5_0" if q5 else "q8_0"
         elif dtype == torch.float32:
             self.kind = "dequant"  # no kernel for this layout; float32 stays exact
         if dtype != torch.float32:
             # rounding far finer than any layout above (one scale per row, 255 levels)
-            per_channel = exact8 or quantize_int8(dequantize(w))
+            per_channel = exact8 or (
+                requantize_rows(w) if self.kind in ("q5_0", "q8_0") else requantize_per_channel(w)
+            )
             self._int8 = (per_channel.q, per_channel.scale.view(-1))
             if self.kind == "unprepared":
                 self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"
@@ -113,6 +130,8 @@ class QuantizedLinear(nn.Module):
             if self._int8 is None or x.dtype == torch.float32:
                 return F.linear(x, dequantize(self.weight, x.dtype), self.bias)
             y = _int8_matmul(x2, *self._int8)
+        elif self.kind in ("q5_0", "q8_0"):
+            y = gguf_matmul(x2.contiguous(), self._decode).to(x.dtype)
         elif self.kind == "int4pack":
             packed, scales_zeros = self._decode
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int4, quantize_int8
+from nanoqwen.quant.native import is_q8_0
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -20,10 +21,15 @@ class Scheme:
     group_size: int | None  # None: per output channel
     # Also keep int4 weights in groups of 32 as they are (a GGUF's Q4_K tensors).
     keep_int4: bool = False
+    # Also keep GGUF Q5_0/Q8_0 tensors as they are (the CPU's GGUF kernels read them), and
+    # give int8 weights float16 scales (with group_size 32: Q8_0's form).
+    keep_gguf_blocks: bool = False
 
     def fits(self, w: QuantizedWeight) -> bool:
         """Whether w already has this layout (then it is kept as is, without loss)."""
         if self.keep_int4 and w.bits == 4 and w.group_size == 32:
+            return True
+        if self.keep_gguf_blocks and is_q8_0(w):  # Q5_0 included
             return True
         group = w.shape[1] if self.group_size is None else self.group_size
         return (
@@ -38,28 +44,37 @@ class Scheme:
                 return w
             w = dequantize(w)
         if self.bits == 8:
-            return quantize_int8(w, self.group_size)
+            return quantize_int8(w, self.group_size, float16_scales=self.keep_gguf_blocks)
         return quantize_int4(w, self.group_size or w.shape[1])
 
 
-SCHEMES = {"int8": Scheme(8, None), "int4": Scheme(4, 32), "gguf": Scheme(8, None, True)}
-# What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4. All-int4
+SCHEMES = {
+    "int8": Scheme(8, None),
+    "int4": Scheme(4, 32),
+    "gguf": Scheme(8, None, keep_int4=True),
+    "gguf-blocks": Scheme(8, 32, keep_int4=True, keep_gguf_blocks=True),
+}
+# What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4; where the
+# CPU's GGUF kernels run (bf16/fp16 activations on an AVX512-VNNI CPU) Q5_0 and Q8_0 kept as
+# they are instead and the rest (Q6_K) requantized to Q8_0's form, not per channel. All-int4
 # (Q5_0/Q6_K/Q8_0 requantized to int4) agreed with the float32 dequantized model's argmax at
 # only 93% of the fidelity test's positions (BENCHMARKS.md).
-AUTO_GGUF = "gguf"
+AUTO_GGUF, AUTO_GGUF_BLOCKS = "gguf", "gguf-blocks"
 
 
 # On a GPU, int4 comes in groups of 128: the tensor-core GEMV (kernels/quant_gemv_mma.py)
 # takes groups of whole 128-column panels, and groups of 32 with offsets read 1.5x the bytes
-# of the codes alone (BENCHMARKS.md, "GPU: int4 batch-1 decode on the tensor cores").
+# of the codes alone (BENCHMARKS.md, "int4 batch-1 decode on the tensor cores").
 CUDA_SCHEMES = {"int4": Scheme(4, 128)}
 
 
-def resolve_scheme(quantization: str, from_gguf: bool, device_type: str = "cpu") -> Scheme | None:
-    """None: float weights. auto keeps a GGUF quantized (as AUTO_GGUF) and a float
-    checkpoint float."""
+def resolve_scheme(
+    quantization: str, from_gguf: bool, device_type: str = "cpu", gguf_kernels: bool = False
+) -> Scheme | None:
+    """None: float weights. auto keeps a GGUF quantized (as AUTO_GGUF, or AUTO_GGUF_BLOCKS
+    when `gguf_kernels` says the CPU's GGUF kernels will run) and a float checkpoint float."""
     if quantization == "auto":
-        return SCHEMES[AUTO_GGUF] if from_gguf else None
+        return SCHEMES[AUTO_GGUF_BLOCKS if gguf_kernels else AUTO_GGUF] if from_gguf else None
     if device_type == "cuda" and quantization in CUDA_SCHEMES:
         return CUDA_SCHEMES[quantization]
     return SCHEMES.get(quantization)

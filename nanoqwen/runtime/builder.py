@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from nanoqwen.model.parallel import check_tensor_parallel
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
 from nanoqwen.quant.apply import describe, quantize_loaded
+from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
 from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
@@ -26,7 +28,7 @@ from nanoqwen.validation import boolean, check_engine_args, choice, integer, inv
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.gguf import is_gguf
 from nanoqwen.weights.gguf_loader import load_gguf, open_gguf
-from nanoqwen.weights.hub import resolve_model
+from nanoqwen.weights.hub import default_model_dir, resolve_default_gguf, resolve_model
 from nanoqwen.weights.loader import checkpoint_dtype, load_weights
 from nanoqwen.weights.tokenizer import Tokenizer
 
@@ -77,6 +79,23 @@ def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype) -> torc
             return stored
         return torch.bfloat16 if stored != torch.float32 and cpu_has_bf16() else torch.float32
     return DTYPES[choice("dtype", dtype, ["auto", *DTYPES])]
+
+
+def _default_is_quantized(dev: torch.device, dtype: str, quantization: str, tp: int) -> bool:
+    """Whether no --model means the default model's GGUF, quantized: on the CPU with
+    quantization="auto" and bf16/fp16 activations (float32, the token-exact mode, and the
+    GPU run the float checkpoint, as do tensor-parallel runs, which take no quantized
+    weights)."""
+    if dev.type != "cpu" or quantization != "auto" or tp != 1:
+        return False
+    return resolve_dtype(dtype, dev, torch.bfloat16) != torch.float32
+
+
+def default_tokenizer_dir() -> Path | None:
+    """The float checkpoint's directory when it is built (its tokenizer is the one made from
+    the GGUF's metadata, and serve and the CLI read it too); None: the GGUF's metadata."""
+    path = default_model_dir()
+    return path if (path / "tokenizer.json").is_file() else None
 
 
 def log(message: str) -> None:
@@ -136,6 +155,11 @@ def build_engine(
     path = gguf = None
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
+    elif model is None and _default_is_quantized(dev, dtype, quantization, tensor_parallel_size):
+        gguf, cfg, tokenizer = open_gguf(resolve_default_gguf(), default_tokenizer_dir())
+        stored = torch.bfloat16
+        if progress:
+            log(f"model: {gguf.path} (quantized; --quantization none: the float checkpoint)")
     elif is_gguf(model):
         gguf, cfg, tokenizer = open_gguf(model)
         stored = torch.bfloat16
@@ -145,7 +169,10 @@ def build_engine(
         tokenizer = None if worker else Tokenizer(path)
         stored = checkpoint_dtype(path)
     torch_dtype = resolve_dtype(dtype, dev, stored)
-    scheme = resolve_scheme(quantization, gguf is not None, dev.type)
+    blocks = dev.type == "cpu" and torch_dtype != torch.float32 and gguf is not None
+    scheme = resolve_scheme(
+        quantization, gguf is not None, dev.type, blocks and gguf_kernel() is not None
+    )
     workers = None
     if tensor_parallel_size > 1:
         check_tensor_parallel(cfg, tensor_parallel_size)  # before any process starts

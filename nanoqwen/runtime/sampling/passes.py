@@ -30,13 +30,13 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Prepared:
-    """Per row of a batch: the processed logits z (penalties, bans, temperature applied;
-    only when asked for), their max m and sum of exp(z - m), the argmax of z (the greedy
-    token) and, when asked for, a sample from softmax(z) with no filter."""
+    """Per row of a batch: the processed logits z (penalties, bans, temperature applied) and
+    the sum of exp(z - m) (both only when asked for), their max m, the argmax of z (the
+    greedy token) and, when asked for, a sample from softmax(z) with no filter."""
 
     z: torch.Tensor | None
     m: torch.Tensor
-    s: torch.Tensor
+    s: torch.Tensor | None
     greedy: torch.Tensor
     sampled: torch.Tensor | None
 
@@ -66,9 +66,9 @@ class TorchPasses:
             active = ((i[:, I_FLAGS] & FLAG_BAN) != 0) & (state.out_pos[slots] < i[:, I_MIN_TOKENS])
             x = x.masked_fill(state.ban_mask[slots] & active[:, None], NEG_INF)
         z = x / f[:, F_TEMPERATURE, None]
-        m = z.amax(dim=1)
-        greedy = z.argmax(dim=1)
-        s = torch.exp(z - m[:, None]).sum(dim=1)
+        m, greedy = z.max(dim=1)  # one pass; z.argmax alone is 3x slower on the CPU
+        # The sum of exponentials only feeds the filters' thresholds (write_z).
+        s = torch.exp(z - m[:, None]).sum(dim=1) if write_z else None
         sampled = None
         if sample:
             sampled = self._gumbel_argmax(z, slots, state) if state.any_sampled else greedy

@@ -1,0 +1,215 @@
+// Few-row matmuls over GGUF Q5_0 and Q8_0 blocks (AVX512-VNNI), built at first use by
+// nanoqwen/quant/native.py and called through ctypes.
+//
+// A weight row is K/32 blocks of 32 unsigned codes c and a float16 scale d[n][b]:
+//   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16), stored as the file has them:
+//     qs[n][b][16]: byte j = low nibble of c[j] | low nibble of c[j + 16] << 4
+//     qh[n][b]:     bit j = bit 4 of c[j]
+//   Q8_0 (q8_gemv): qs[n][b][32] = c = the file's int8 code + 128, w = d * (c - 128).
+// The activations are quantized per block of 32 to int8 (scale max|x| / 127), as llama.cpp
+// does for its Q5_0/Q8_0 x Q8_0 dot products, so each block is one unsigned x signed byte dot
+// product (vpdpbusd) and the codes' offset one term per block: zero * d_x * sum(x_q).
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
+    !defined(__AVX512VNNI__) || !defined(__F16C__)
+#error "gguf_gemv.c needs AVX512 F/BW/VL/VNNI and F16C"
+#endif
+
+#define MAX_ROWS 8
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } c = {(uint32_t)v << 16};
+    return c.f;
+}
+
+// One activation row of K values (bfloat16 or float32) to int8 blocks: xq, per-block scale
+// dx and zero * dx * sum(xq) (the term that the codes' offset `zero` contributes).
+static void quantize_row(const void* x, int is_bf16, int64_t K, float zero, int8_t* xq,
+                         float* dx, float* offset_term) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float v[32];
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            v[j] = is_bf16 ? bf16_to_float(((const uint16_t*)x)[32 * b + j])
+                           : ((const float*)x)[32 * b + j];
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        float d = amax / 127.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int q = (int)nearbyintf(v[j] * id);
+            xq[32 * b + j] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d;
+        offset_term[b] = zero * d * (float)sum;
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Codes of blocks b and b + 1 as 64 unsigned bytes in x's order: [lo_b | hi_b | lo_b1 | hi_b1],
+// the high bits added from the two 32-bit masks.
+static inline __m512i two_blocks(const uint8_t* qs, const uint32_t* qh) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i packed = _mm256_loadu_si256((const __m256i*)qs);
+    __m256i lo = _mm256_and_si256(packed, low4);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo_b lo_b1 hi_b hi_b1
+    c = _mm512_shuffle_i64x2(c, c, _MM_SHUFFLE(3, 1, 2, 0));
+    uint64_t high;
+    memcpy(&high, qh, 8);
+    return _mm512_mask_add_epi8(c, (__mmask64)high, c, _mm512_set1_epi8(16));
+}
+
+static inline __m256i one_block(const uint8_t* qs, uint32_t qh) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m128i packed = _mm_loadu_si128((const __m128i*)qs);
+    __m128i lo = _mm_and_si128(packed, low4);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
+    __m256i c = _mm256_set_m128i(hi, lo);
+    return _mm256_mask_add_epi8(c, (__mmask32)qh, c, _mm256_set1_epi8(16));
+}
+
+// Row n of the output for M activation rows; M and bits (5 or 8) are compile-time constants
+// at each call site so that the accumulators stay in registers.
+static inline __attribute__((always_inline)) void dot_row(
+    const int M, const int bits, int64_t n, int64_t N, int64_t K, const uint8_t* qs,
+    const uint32_t* qh, const uint16_t* d, const int8_t* xq, const float* dx, const float* off,
+    float* y) {
+    const int64_t nb = K / 32;
+    const int64_t block_bytes = bits == 5 ? 16 : 32;
+    qs += n * nb * block_bytes, d += n * nb;
+    if (bits == 5) qh += n * nb;
+    float scale[M][nb + 16];  // room for the masked stores past nb
+    __m512 corr16[M];
+    for (int m = 0; m < M; m++) corr16[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 16) {
+        __mmask16 live = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
+        __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + b));
+        for (int m = 0; m < M; m++) {
+            __m512 dxm = _mm512_maskz_loadu_ps(live, dx + m * nb + b);
+            _mm512_storeu_ps(&scale[m][b], _mm512_mul_ps(dw, dxm));
+            corr16[m] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(live, off + m * nb + b), corr16[m]);
+        }
+    }
+    float corr[M];
+    for (int m = 0; m < M; m++) corr[m] = _mm512_reduce_add_ps(corr16[m]);
+    __m512 acc[M];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512i c = bits == 5 ? two_blocks(qs + 16 * b, qh + b)
+                              : _mm512_loadu_si512((const void*)(qs + 32 * b));
+        for (int m = 0; m < M; m++) {
+            __m512i xv = _mm512_loadu_si512((const void*)(xq + m * K + 32 * b));
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
+            __m512 s = _mm512_permutexvar_ps(
+                pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)&scale[m][b]))));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m]);
+        }
+    }
+    float tail[M];
+    for (int m = 0; m < M; m++) tail[m] = 0.0f;
+    if (b < nb) {
+        __m256i c = bits == 5 ? one_block(qs + 16 * b, qh[b])
+                              : _mm256_loadu_si256((const __m256i*)(qs + 32 * b));
+        for (int m = 0; m < M; m++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * K + 32 * b));
+            __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xv);
+            tail[m] = hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[m][b])));
+        }
+    }
+    for (int m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]) + tail[m] - corr[m];
+}
+
+#define ROWS_CASE(R, BITS)                                                          \
+    case R:                                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")           \
+        for (int64_t n = 0; n < N; n++)                                             \
+            dot_row(R, BITS, n, N, K, qs, qh, d, xq, dx, off, y);                   \
+        break;
+
+// y[m][n] = sum_k x[m][k] * w[n][k] for m < M <= MAX_ROWS; x is bfloat16 when is_bf16, else
+// float32; y is float32 [M][N]. Returns 0, or nonzero for arguments it does not take.
+static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+                const uint32_t* qh, const uint16_t* d, int64_t N, float* y, int threads) {
+    if (M < 1 || M > MAX_ROWS || K % 32) return 1;
+    const int64_t nb = K / 32;
+    int8_t* xq = malloc((size_t)(M * K));
+    float* dx = malloc(sizeof(float) * M * nb);
+    float* off = malloc(sizeof(float) * M * nb);
+    if (!xq || !dx || !off) {
+        free(xq), free(dx), free(off);
+        return 2;
+    }
+    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
+    const float zero = bits == 5 ? 16.0f : 128.0f;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char*)x + m * x_row, is_bf16, K, zero, xq + m * K, dx + m * nb,
+                     off + m * nb);
+    if (bits == 5) {
+        switch (M) {
+            ROWS_CASE(1, 5) ROWS_CASE(2, 5) ROWS_CASE(3, 5) ROWS_CASE(4, 5)
+            ROWS_CASE(5, 5) ROWS_CASE(6, 5) ROWS_CASE(7, 5) ROWS_CASE(8, 5)
+        }
+    } else {
+        switch (M) {
+            ROWS_CASE(1, 8) ROWS_CASE(2, 8) ROWS_CASE(3, 8) ROWS_CASE(4, 8)
+            ROWS_CASE(5, 8) ROWS_CASE(6, 8) ROWS_CASE(7, 8) ROWS_CASE(8, 8)
+        }
+    }
+    free(xq), free(dx), free(off);
+    return 0;
+}
+
+int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+            const uint32_t* qh, const uint16_t* d, int64_t N, float* y, int threads) {
+    return gemv(5, x, is_bf16, M, K, qs, qh, d, N, y, threads);
+}
+
+int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+            const uint16_t* d, int64_t N, float* y, int threads) {
+    return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, threads);
+}
+
+// Per-channel int8 of a symmetric int8 weight in groups of g (codes q [N][K], float32 scales
+// s [N][K/g]): row scale r[n] = max |q * s| / 127 and codes round(q * s / r[n]) (ties to
+// even), what the int8 x int8 prefill matmul takes.
+void requantize_rows(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t g,
+                     int8_t* out, float* r, int threads) {
+    const int64_t ng = K / g;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* qn = q + n * K;
+        const float* sn = s + n * ng;
+        float amax = 0.0f;
+        for (int64_t b = 0; b < ng; b++) {
+            int m = 0;
+            for (int64_t j = 0; j < g; j++) m = abs(qn[b * g + j]) > m ? abs(qn[b * g + j]) : m;
+            amax = fmaxf(amax, (float)m * fabsf(sn[b]));  // GGUF scales may be negative
+        }
+        float row = amax / 127.0f;
+        r[n] = row;
+        for (int64_t b = 0; b < ng; b++) {
+            float f = row > 0.0f ? sn[b] / row : 0.0f;
+            for (int64_t j = 0; j < g; j++) {
+                float v = nearbyintf((float)qn[b * g + j] * f);
+                out[n * K + b * g + j] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
+            }
+        }
+    }
+}

@@ -1,0 +1,161 @@
+"""The C kernels of gguf_gemv.c: GGUF Q5_0 and Q8_0 weights kept as they are in the file for
+the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight, against 8 for torch's per-channel
+int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8 requantizes, and faster).
+
+They are compiled at first use with the system C compiler (-march=native, OpenMP) into a cache
+directory and called through ctypes; where there is no compiler or the CPU lacks AVX512-VNNI
+the build fails once and `gguf_kernel()` returns None, and the layers keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanoqwen.quant.format import QuantizedWeight
+
+SOURCE = Path(__file__).with_name("gguf_gemv.c")
+MAX_ROWS = 8  # MAX_ROWS in gguf_gemv.c
+_c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("NANOQWEN_CACHE") or os.environ.get("XDG_CACHE_HOME")
+    return Path(root or Path.home() / ".cache") / "nanoqwen"
+
+
+def _build(source: Path, target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written aside and renamed: test processes may build at the same time.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise OSError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+@cache
+def gguf_kernel() -> ctypes.CDLL | None:
+    """The loaded library, or None (with one note on stderr) when it cannot be built here.
+    NANOQWEN_NATIVE=0 turns it off."""
+    if os.environ.get("NANOQWEN_NATIVE", "1") == "0":
+        return None
+    # -march=native: a library built on one CPU is kept for that CPU only (shared home dirs).
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / f"gguf_gemv-{key}.so"
+    try:
+        if not target.is_file():
+            _build(SOURCE, target)
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        print(
+            f"[nanoqwen] GGUF CPU kernels unavailable, using torch's int8 kernel: {e}",
+            file=sys.stderr,
+        )
+        return None
+    # x, is_bf16, M, K, qs, [qh,] d, N, y, threads
+    lib.q5_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 3, _c_int64]
+    lib.q5_gemv.argtypes += [_ptr, ctypes.c_int]
+    lib.q8_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 2, _c_int64]
+    lib.q8_gemv.argtypes += [_ptr, ctypes.c_int]
+    lib.q5_gemv.restype = lib.q8_gemv.restype = ctypes.c_int
+    # q, s, N, K, g, out, r, threads
+    lib.requantize_rows.argtypes = [_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, ctypes.c_int]
+    lib.requantize_rows.restype = None
+    return lib
+
+
+def _blocks_of_32(w: QuantizedWeight) -> bool:
+    """int8 codes in groups of 32, one float16-representable scale each, no offset: the form
+    GGUF's Q8_0 and Q5_0 blocks take (nanoqwen.quant.gguf_blocks)."""
+    if w.bits != 8 or w.group_size != 32 or w.offset is not None or w.q.device.type != "cpu":
+        return False
+    return bool(torch.equal(w.scale.half().float(), w.scale))
+
+
+def is_q5_0(w: QuantizedWeight) -> bool:
+    """Whether w is exactly a Q5_0 tensor: blocks of 32 with codes in -16..15."""
+    return _blocks_of_32(w) and int(w.q.min()) >= -16 and int(w.q.max()) <= 15
+
+
+def is_q8_0(w: QuantizedWeight) -> bool:
+    """Whether w is exactly a Q8_0 tensor (which every Q5_0 tensor also is)."""
+    return _blocks_of_32(w)
+
+
+def pack_q5_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """(qs uint8 [N, K/32, 16], qh int32 [N, K/32], d float16 [N, K/32]): Q5_0's own bytes."""
+    n, k = w.shape
+    codes = (w.q.numpy().astype(np.int16) + 16).astype(np.uint8).reshape(n, k // 32, 32)
+    low = codes & 15
+    qs = low[..., :16] | (low[..., 16:] << 4)
+    qh = np.packbits((codes >> 4) & 1, axis=-1, bitorder="little").view(np.int32)[..., 0]
+    return (
+        torch.from_numpy(np.ascontiguousarray(qs)),
+        torch.from_numpy(np.ascontiguousarray(qh)),
+        w.scale.half().contiguous(),
+    )
+
+
+def pack_q8_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """(qs uint8 [N, K/32, 32] = code + 128, d float16 [N, K/32])."""
+    n, k = w.shape
+    qs = (w.q.to(torch.int16) + 128).to(torch.uint8).view(n, k // 32, 32)
+    return qs.contiguous(), w.scale.half().contiguous()
+
+
+def gguf_matmul(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (contiguous) @ W.T -> float32 [M, N], W packed by pack_q5_0
+    (three tensors) or pack_q8_0 (two)."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()  # float16: the kernels read bf16 or float32
+    rows, k = x.shape
+    n = packed[0].shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    lib = gguf_kernel()
+    fn = lib.q5_gemv if len(packed) == 3 else lib.q8_gemv
+    args = [t.data_ptr() for t in packed]
+    status = fn(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), rows, k, *args, n, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError(f"gguf_gemv failed (status {status}) for x {tuple(x.shape)}")
+    return out
+
+
+def requantize_rows(w: QuantizedWeight) -> QuantizedWeight:
+    """format.requantize_per_channel of a symmetric int8 weight, in C (a pass over the codes,
+    where torch takes several over float32 copies: seconds at load for the 0.5B model)."""
+    n, k = w.shape
+    q, s = w.q.contiguous(), w.scale.contiguous()
+    out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
+    gguf_kernel().requantize_rows(
+        q.data_ptr(), s.data_ptr(), n, k, w.group_size, out.data_ptr(), row.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return QuantizedWeight(out, row, None, k, 8)

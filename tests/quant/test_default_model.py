@@ -1,0 +1,65 @@
+"""No --model on the CPU: the default model runs from its GGUF file, quantized, unless the
+float checkpoint is asked for (quantization="none", or float32, the token-exact mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.quant.linear import QuantizedLinear
+from nanoqwen.quant.native import gguf_kernel
+from nanoqwen.runtime.builder import _default_is_quantized, cpu_has_bf16
+from nanoqwen.weights.hub import ModelNotFoundError
+from nanoqwen.weights.tokenizer import Tokenizer
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "quantization", "tp", "quantized"),
+    [
+        (CPU, "bfloat16", "auto", 1, True),
+        (CPU, "float16", "auto", 1, True),
+        (CPU, "float32", "auto", 1, False),  # the token-exact tests' mode
+        (CPU, "bfloat16", "none", 1, False),
+        (CPU, "bfloat16", "int8", 1, False),  # the float checkpoint quantized on load
+        (CPU, "bfloat16", "auto", 2, False),  # tensor parallelism takes no quantized weights
+        (CUDA, "bfloat16", "auto", 1, False),  # the GPU default is unchanged
+    ],
+)
+def test_which_default(device, dtype, quantization, tp, quantized):
+    assert _default_is_quantized(device, dtype, quantization, tp) is quantized
+
+
+def test_dtype_auto_follows_the_cpus_bf16_support():
+    assert _default_is_quantized(CPU, "auto", "auto", 1) is cpu_has_bf16()
+
+
+def test_missing_default_gguf_is_one_clear_error(tmp_path, monkeypatch):
+    from nanoqwen.weights import hub
+
+    monkeypatch.setattr(hub, "default_model_dir", lambda: tmp_path / "Qwen")
+    with pytest.raises(ModelNotFoundError) as info:
+        LLM(device="cpu", dtype="bfloat16", progress=False)
+    message = str(info.value)
+    assert "\n" not in message
+    gguf = tmp_path / ".cache" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    assert message.startswith(
+        f"no --model given and the default model's GGUF file is not at {gguf}"
+    )
+    assert "python tools/make_qwen_coder.py" in message and "--quantization none" in message
+
+
+@pytest.mark.real_model
+def test_default_runs_the_gguf_quantized(real_model_dir, gguf_path):
+    llm = LLM(device="cpu", dtype="bfloat16", num_kv_blocks=4, swap_space=0, progress=False)
+    kinds = {m.kind for m in llm.runner.model.modules() if isinstance(m, QuantizedLinear)}
+    assert isinstance(llm.runner.model.lm_head, QuantizedLinear)
+    assert "int4pack" in kinds  # the file's Q4_K tensors, as they are
+    if gguf_kernel() is not None:
+        assert "q5_0" in kinds  # and its Q5_0 ones
+    text = "def reverse(s):"
+    assert llm.tokenizer.encode(text) == Tokenizer(real_model_dir).encode(text)
+    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert len(out.token_ids) == 8 and out.text.strip()

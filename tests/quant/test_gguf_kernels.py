@@ -1,0 +1,147 @@
+"""The CPU GGUF kernels (nanoqwen/quant/gguf_gemv.c): they read a Q5_0 or Q8_0 tensor's own
+blocks and compute what llama.cpp's Q5_0/Q8_0 x Q8_0 dot products compute: activations
+rounded to int8 per block of 32 (scale max|x| / 127), exact integer block sums, float32
+scaling."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
+from nanoqwen.quant.gguf_blocks import from_gguf_blocks
+from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
+from nanoqwen.quant.native import (
+    MAX_ROWS,
+    gguf_kernel,
+    gguf_matmul,
+    is_q5_0,
+    is_q8_0,
+    pack_q5_0,
+    pack_q8_0,
+    requantize_rows,
+)
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(
+    gguf_kernel() is None, reason="no C compiler or no AVX512-VNNI: the GGUF kernels are not built"
+)
+PACK = {"Q5_0": pack_q5_0, "Q8_0": pack_q8_0}
+
+
+def _blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+
+
+def _expected(x: torch.Tensor, w_float: torch.Tensor) -> torch.Tensor:
+    """The kernels' arithmetic in float64: x rounded per block to int8 (times the float32
+    reciprocal of the scale, ties to even: bf16 inputs do hit ties), then exact sums."""
+    rows, k = x.shape
+    blocks = x.float().view(rows, k // 32, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(blocks * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx)))
+    x_rounded = (xq * dx).view(rows, k).double()
+    return x_rounded @ w_float.double().T
+
+
+def test_packed_layouts_are_the_files_own_bytes():
+    raw = _blocks("Q5_0", 64, 256, seed=0)
+    qs, qh, d = pack_q5_0(from_gguf_blocks("Q5_0", raw))
+    blocks = raw.reshape(64, 8, 22)
+    assert np.array_equal(d.view(torch.uint8).numpy().reshape(64, 8, 2), blocks[..., 0:2])
+    assert np.array_equal(qh.view(torch.uint8).numpy().reshape(64, 8, 4), blocks[..., 2:6])
+    assert np.array_equal(qs.numpy(), blocks[..., 6:22])
+    raw = _blocks("Q8_0", 64, 256, seed=1)
+    qs, d = pack_q8_0(from_gguf_blocks("Q8_0", raw))
+    blocks = raw.reshape(64, 8, 34)
+    assert np.array_equal(d.view(torch.uint8).numpy().reshape(64, 8, 2), blocks[..., 0:2])
+    codes = (qs.numpy().astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+    assert np.array_equal(codes, blocks[..., 2:34])
+
+
+@pytest.mark.parametrize("type_name", list(PACK))
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("k", [256, 96])  # 96: an odd number of blocks (the one-block tail)
+def test_kernel_equals_int8_activation_reference(type_name, rows, k):
+    w = from_gguf_blocks(type_name, _blocks(type_name, 80, k, seed=rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # an all-zero block: scale 0
+    ref = _expected(x.bfloat16(), dequantize(w))
+    for xin in (x.bfloat16(), x.bfloat16().float(), x.bfloat16().half()):  # same values
+        got = gguf_matmul(xin, PACK[type_name](w))
+        assert got.shape == (rows, 80) and got.dtype == torch.float32
+        # Integer sums are exact; float32 scaling and accumulation of k / 32 block terms.
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_layouts_are_told_apart():
+    q5 = from_gguf_blocks("Q5_0", _blocks("Q5_0", 8, 64, seed=1))
+    q8 = from_gguf_blocks("Q8_0", _blocks("Q8_0", 8, 64, seed=2))
+    assert is_q5_0(q5) and is_q8_0(q5)  # Q5_0's codes are Q8_0 codes too
+    assert is_q8_0(q8) and not is_q5_0(q8)  # codes beyond -16..15
+    w = torch.randn(8, 64)
+    assert not is_q8_0(quantize_int8(w, 16))  # groups of 16 (Q6_K's)
+    assert not is_q8_0(quantize_int8(w))  # one scale per row
+    assert not is_q8_0(quantize_int8(w, 32))  # scales that float16 would round
+
+
+@pytest.mark.parametrize(("type_name", "kind"), [("Q5_0", "q5_0"), ("Q8_0", "q8_0")])
+def test_layer_uses_the_kernel_for_decode_rows_in_bf16_only(type_name, kind):
+    w = from_gguf_blocks(type_name, _blocks(type_name, 48, 128, seed=3))
+    bias = torch.randn(48)
+    ref_w = dequantize(w)
+    bf16 = QuantizedLinear(w, bias.clone())
+    bf16.prepare(torch.bfloat16)
+    assert bf16.kind == kind
+    x = torch.randn(CPU_PACKED_MAX_ROWS, 128, generator=torch.Generator().manual_seed(4))
+    got = bf16(x.bfloat16())
+    want = _expected(x.bfloat16(), ref_w) + bias.bfloat16().double()
+    assert got.dtype == torch.bfloat16
+    # Two bf16 roundings (the product, then the bias add) of values up to max|want|.
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2**-8 * want.abs().max().item())
+    f32 = QuantizedLinear(w, bias.clone())
+    f32.prepare(torch.float32)
+    assert f32.kind == "dequant"  # float32 is the exact mode: no activation rounding
+    torch.testing.assert_close(f32(x), F.linear(x, ref_w, bias), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", list(PACK))
+def test_per_channel_copy_for_prefill(type_name):
+    """The per-channel int8 copy the many-row matmul reads: C and torch agree exactly, and both
+    are the float weight quantized per row (a code may differ by one at a rounding tie)."""
+    w = from_gguf_blocks(type_name, _blocks(type_name, 40, 256, seed=5))
+    fast, slow = requantize_rows(w), requantize_per_channel(w)
+    assert torch.equal(fast.q, slow.q) and torch.equal(fast.scale, slow.scale)
+    assert fast.per_channel and fast.bits == 8
+    ref = quantize_int8(dequantize(w))
+    assert torch.equal(fast.scale, ref.scale)
+    assert (fast.q.int() - ref.q.int()).abs().max() <= 1
+
+
+def test_without_a_compiler_the_layers_keep_torchs_kernels(tmp_path):
+    """A failed build is one note on stderr; Q5_0 layers then run torch's per-channel int8."""
+    script = (
+        "import torch, numpy as np, gguf\n"
+        "from nanoqwen.quant.gguf_blocks import from_gguf_blocks\n"
+        "from nanoqwen.quant.linear import QuantizedLinear\n"
+        "from nanoqwen.quant.native import gguf_kernel\n"
+        "w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)\n"
+        "raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)\n"
+        "layer = QuantizedLinear(from_gguf_blocks('Q5_0', raw), None)\n"
+        "layer.prepare(torch.bfloat16)\n"
+        "print(gguf_kernel(), layer.kind)\n"
+    )
+    env = {**os.environ, "CC": "false", "NANOQWEN_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "int8pack"]
+    assert "GGUF CPU kernels unavailable, using torch's int8 kernel" in done.stderr
