@@ -6,7 +6,7 @@ import argparse
 
 from nanoqwen.cli_errors import ArgumentError
 from nanoqwen.runtime.attention import BACKENDS
-from nanoqwen.runtime.builder import DTYPES
+from nanoqwen.runtime.device_choice import DTYPES
 
 
 class Parser(argparse.ArgumentParser):

@@ -9,7 +9,7 @@ from nanoqwen.model.shapes import SHAPES
 from nanoqwen.quant.scheme import QUANTIZATIONS
 from nanoqwen.runtime.attention import BACKENDS
 from nanoqwen.runtime.bench_workloads import PRESET_HELP, preset
-from nanoqwen.runtime.builder import DTYPES, resolve_device
+from nanoqwen.runtime.device_choice import DTYPES, resolve_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

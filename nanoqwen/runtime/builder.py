@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.parallel import check_tensor_parallel
@@ -16,10 +14,17 @@ from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
 from nanoqwen.quant.apply import describe, quantize_loaded
 from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
-from nanoqwen.runtime.attention import BACKENDS, AttentionMetadata, create_backend
+from nanoqwen.runtime.attention import BACKENDS, create_backend
 from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.device_choice import (
+    DTYPES,
+    default_is_quantized,
+    resolve_device,
+    resolve_dtype,
+)
 from nanoqwen.runtime.host_pool import HostKVCache
 from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv_sizing import agree_on_fewest, fitting_num_blocks
 from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.parallel.group import ParallelContext, leave_group
 from nanoqwen.runtime.sampling.sampler import Sampler
@@ -28,12 +33,9 @@ from nanoqwen.validation import boolean, check_engine_args, choice, integer, inv
 from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.gguf import is_gguf
 from nanoqwen.weights.gguf_loader import load_gguf, open_gguf
-from nanoqwen.weights.hub import default_model_dir, resolve_default_gguf, resolve_model
+from nanoqwen.weights.hub import default_tokenizer_dir, resolve_default_gguf, resolve_model
 from nanoqwen.weights.loader import checkpoint_dtype, load_weights
 from nanoqwen.weights.tokenizer import Tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_BUDGET_BYTES = 1 << 30
 
 
 @dataclass
@@ -45,57 +47,6 @@ class EngineParts:
     runner: ModelRunner
     max_model_len: int
     eos_token_ids: frozenset[int]
-
-
-def resolve_device(device: str) -> torch.device:
-    allowed = "cpu, cuda, cuda:N"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise invalid("device", device, "is unknown", allowed) from None
-    if dev.type not in ("cpu", "cuda"):
-        raise invalid("device", device, "is not supported", allowed)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise invalid("device", device, "but CUDA is not available on this machine", "cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise invalid(
-            "device", device, "does not exist", f"cuda:0..cuda:{torch.cuda.device_count() - 1}"
-        )
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU does bf16 arithmetic natively (AVX512-BF16 or AMX), as torch sees it."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
-    """auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where the CPU has bf16
-    instructions, except for float32 checkpoints, which stay float32 as on CUDA."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return stored
-        return torch.bfloat16 if stored != torch.float32 and cpu_has_bf16() else torch.float32
-    return DTYPES[choice("dtype", dtype, ["auto", *DTYPES])]
-
-
-def _default_is_quantized(dev: torch.device, dtype: str, quantization: str, tp: int) -> bool:
-    """Whether no --model means the default model's GGUF, quantized: on the CPU with
-    quantization="auto" and bf16/fp16 activations (float32, the token-exact mode, and the
-    GPU run the float checkpoint, as do tensor-parallel runs, which take no quantized
-    weights)."""
-    if dev.type != "cpu" or quantization != "auto" or tp != 1:
-        return False
-    return resolve_dtype(dtype, dev, torch.bfloat16) != torch.float32
-
-
-def default_tokenizer_dir() -> Path | None:
-    """The float checkpoint's directory when it is built (its tokenizer is the one made from
-    the GGUF's metadata, and serve and the CLI read it too); None: the GGUF's metadata."""
-    path = default_model_dir()
-    return path if (path / "tokenizer.json").is_file() else None
 
 
 def log(message: str) -> None:
@@ -155,7 +106,7 @@ def build_engine(
     path = gguf = None
     if random_shape is not None:
         cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
-    elif model is None and _default_is_quantized(dev, dtype, quantization, tensor_parallel_size):
+    elif model is None and default_is_quantized(dev, dtype, quantization, tensor_parallel_size):
         gguf, cfg, tokenizer = open_gguf(resolve_default_gguf(), default_tokenizer_dir())
         stored = torch.bfloat16
         if progress:
@@ -241,17 +192,12 @@ def _assemble(
     sampler = None if worker else Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
     per_block = KVCache.bytes_per_block(net.config, block_size, torch_dtype)
     if num_kv_blocks is None:
-        if dev.type == "cpu":
-            num_kv_blocks = max(1, CPU_KV_BUDGET_BYTES // per_block)
-        else:
-            tokens = min(kw["max_num_batched_tokens"], max_model_len or cfg.max_position_embeddings)
-            peak = _profile_forward(net, tokens, min(max_num_seqs, tokens), block_size)
-            util = kw["gpu_memory_utilization"]
-            num_kv_blocks = _gpu_num_blocks(dev, per_block, peak, util)
+        tokens = min(kw["max_num_batched_tokens"], max_model_len or cfg.max_position_embeddings)
+        num_kv_blocks = fitting_num_blocks(
+            net, per_block, block_size, tokens, max_num_seqs, kw["gpu_memory_utilization"]
+        )
     if parallel is not None:  # every rank holds the same blocks: the fewest any can
-        agreed = torch.tensor([num_kv_blocks])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=parallel.control)
-        num_kv_blocks = int(agreed)
+        num_kv_blocks = agree_on_fewest(num_kv_blocks, parallel.control)
     limit = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
     if max_model_len is not None and max_model_len > limit:
         why = (
@@ -311,51 +257,3 @@ def _assemble(
             runner, max_len, variants, progress=progress, cascade_from=backend.cascade_from
         )
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
-
-
-@torch.inference_mode()
-def _profile_forward(net: Qwen2ForCausalLM, tokens: int, logit_rows: int, block_size: int) -> int:
-    """Peak bytes of a prefill as large as the scheduler can ever send, weights included."""
-    dev = net.embed_tokens.device
-    blocks = -(-tokens // block_size)
-    kv = KVCache.allocate(net.config, blocks, block_size, net.embed_tokens.dtype, dev)
-    net.bind_kv_cache(kv.k, kv.v)
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    i32 = dict(dtype=torch.int32, device=dev)
-    meta = AttentionMetadata(
-        is_prefill=True,
-        positions=torch.arange(tokens, device=dev),
-        slot_mapping=torch.arange(tokens, device=dev),
-        context_lens=torch.tensor([tokens], **i32),
-        block_tables=torch.arange(blocks, **i32).unsqueeze(0),
-        cu_seqlens_q=torch.tensor([0, tokens], **i32),
-        max_seqlen_q=tokens,
-        max_seqlen_k=tokens,
-        cu_seqlens_k=torch.tensor([0, tokens], **i32),
-    )
-    ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
-    x, residual = net(ids, meta)
-    net.compute_logits((x[-logit_rows:], residual[-logit_rows:]))
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev)
-    del kv, x, residual
-    net.bind_kv_cache([torch.empty(0)] * len(net.layers), [torch.empty(0)] * len(net.layers))
-    torch.cuda.empty_cache()
-    return peak
-
-
-def _gpu_num_blocks(dev: torch.device, per_block: int, peak: int, utilization: float) -> int:
-    free, total = torch.cuda.mem_get_info(dev)
-    other_processes = total - free - torch.cuda.memory_reserved(dev)
-    # Room for the captured graphs' activations and allocator fragmentation.
-    headroom = 512 << 20
-    usable = total * utilization - peak - other_processes - headroom
-    if usable < per_block:
-        raise InvalidInputError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: "
-            f"weights and activations peak at {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; "
-            "allowed a larger gpu_memory_utilization or a smaller model",
-            param="gpu_memory_utilization",
-        )
-    return int(usable // per_block)

@@ -93,3 +93,10 @@ def _from_hub(repo_id: str) -> Path:
             f"{repo_id} is not in the local Hugging Face cache and the hub could not be reached "
             f"({type(e).__name__}): download it with {get}"
         ) from None
+
+
+def default_tokenizer_dir() -> Path | None:
+    """The float checkpoint's directory when it is built (its tokenizer is the one made from
+    the GGUF's metadata, and serve and the CLI read it too); None: the GGUF's metadata."""
+    path = default_model_dir()
+    return path if (path / "tokenizer.json").is_file() else None

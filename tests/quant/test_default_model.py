@@ -9,7 +9,7 @@ import torch
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.quant.linear import QuantizedLinear
 from nanoqwen.quant.native import gguf_kernel
-from nanoqwen.runtime.builder import _default_is_quantized, cpu_has_bf16
+from nanoqwen.runtime.device_choice import cpu_has_bf16, default_is_quantized
 from nanoqwen.weights.hub import ModelNotFoundError
 from nanoqwen.weights.tokenizer import Tokenizer
 
@@ -29,11 +29,11 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
     ],
 )
 def test_which_default(device, dtype, quantization, tp, quantized):
-    assert _default_is_quantized(device, dtype, quantization, tp) is quantized
+    assert default_is_quantized(device, dtype, quantization, tp) is quantized
 
 
 def test_dtype_auto_follows_the_cpus_bf16_support():
-    assert _default_is_quantized(CPU, "auto", "auto", 1) is cpu_has_bf16()
+    assert default_is_quantized(CPU, "auto", "auto", 1) is cpu_has_bf16()
 
 
 def test_missing_default_gguf_is_one_clear_error(tmp_path, monkeypatch):
