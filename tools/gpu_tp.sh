@@ -23,7 +23,7 @@ env | grep -E 'NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE
 bench() {  # bench TP NAME ARGS...: one run, its log and JSON under $OUT
   local tp=$1 name=$2; shift 2
   python3 -m nanoqwen.runtime.bench --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
-    2>&1 | grep -v $'\r' | tee "$OUT/$name.log"
+    2>&1 | grep --line-buffered -v $'\r' | tee "$OUT/$name.log"
 }
 if [[ $what == custom || $what == all ]]; then
   timeout 540 python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
