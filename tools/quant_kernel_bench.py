@@ -206,24 +206,18 @@ def stack(model: str, built: dict[str, Shape]) -> None:
     for name, shape in built.items():
         x = shape.x(1)
         per = {}
+        # gate_up runs with SiLU·up fused, as the engine runs it
+        pays = gemv_pays(shape.bf16[0])
         if name == "gate_up":
-            if gemv_pays(shape.bf16[0]):
-                per["bf16"] = timed(over(gemv_silu_mul, x, shape.bf16))
-            else:
-                per["bf16"] = timed(over(silu_linear, x, shape.bf16))
-            for fmt, ws in shape.quant.items():
-                per[fmt] = timed(over(quant_linear_silu_mul, x, ws))
-                if fmt in CUDA_CORE_TOO:
-                    cfg = gemv_config(shape.n, shape.k, 4, sm_count(DEV))
-                    per[f"{fmt}-cc"] = timed(over(quant_linear_silu_mul, x, ws, config=cfg))
+            dense, quant = (gemv_silu_mul if pays else silu_linear), quant_linear_silu_mul
         else:
-            fn = gemv if gemv_pays(shape.bf16[0]) else F.linear
-            per["bf16"] = timed(over(fn, x, shape.bf16))
-            for fmt, ws in shape.quant.items():
-                per[fmt] = timed(over(quant_linear, x, ws))
-                if fmt in CUDA_CORE_TOO:
-                    cfg = gemv_config(shape.n, shape.k, 4, sm_count(DEV))
-                    per[f"{fmt}-cc"] = timed(over(quant_linear, x, ws, config=cfg))
+            dense, quant = (gemv if pays else F.linear), quant_linear
+        per["bf16"] = timed(over(dense, x, shape.bf16))
+        for fmt, ws in shape.quant.items():
+            per[fmt] = timed(over(quant, x, ws))
+            if fmt in CUDA_CORE_TOO:
+                cfg = gemv_config(shape.n, shape.k, 4, sm_count(DEV))
+                per[f"{fmt}-cc"] = timed(over(quant, x, ws, config=cfg))
         times = 1 if name == "lm_head" else layers
         for k, v in per.items():
             totals[k] = totals.get(k, 0.0) + times * v
