@@ -4,12 +4,7 @@
 #   bash tools/gpu_check.sh [tests|bench|all|kernels|profile|prefill] [args...]
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [[ ${FLASH_ATTN:-1} != 0 ]]; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/gpu_env.sh"
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

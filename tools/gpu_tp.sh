@@ -9,12 +9,7 @@
 # gives up after NANOQWEN_ALL_REDUCE_TIMEOUT_S, pytest after 9 minutes); allreduce: its cost
 # next to NCCL's per shape and over message sizes.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [[ ${FLASH_ATTN:-1} != 0 ]]; then
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/gpu_env.sh"
 what=${1:-all}
 export NANOQWEN_ALL_REDUCE_TIMEOUT_S=${NANOQWEN_ALL_REDUCE_TIMEOUT_S:-30}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
