@@ -29,8 +29,6 @@ class AttentionMetadata:
     max_seqlen_k: int
     # Prefill only: key offsets over the cached context of each sequence.
     cu_seqlens_k: torch.Tensor | None = None
-    # Decode only: tokens each sequence had cached before this step (context_lens - 1).
-    cache_seqlens: torch.Tensor | None = None
     # Decode only: KV splits per sequence and KV head; 0 lets the backend choose.
     num_splits: int = 0
     # Decode only, cascade (attention/cascade.py): the first prefix_len[0] keys of every

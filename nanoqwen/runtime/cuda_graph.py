@@ -22,7 +22,7 @@ class _HostMirror:
 
     int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
     previous step's output that holds it, and each row's sampler slot. int32 part:
-    context_lens, cache_seqlens, tables, then the cascade's suffix_lens, prefix_len and
+    context_lens, tables, then the cascade's suffix_lens, prefix_len and
     suffix_tables (attention/cascade.py). Both parts live in one buffer (t), so a step's
     inputs are one copy, and with tensor parallelism one broadcast.
     """
@@ -34,16 +34,16 @@ class _HostMirror:
         h64, h32 = self.t64.numpy(), self.t32.numpy()
         self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
         self.sources, self.sampler_slots = h64[3 * n : 4 * n], h64[4 * n :]
-        self.ctx, self.cached = h32[:n], h32[n : 2 * n]
-        end = 2 * n + n * width
-        self.tables = h32[2 * n : end].reshape(n, width)
+        self.ctx = h32[:n]
+        end = n + n * width
+        self.tables = h32[n:end].reshape(n, width)
         self.suffix_lens, self.prefix_len = h32[end : end + n], h32[end + n : end + n + 1]
         self.suffix_tables = h32[end + n + 1 : end + n + 1 + n * width].reshape(n, width)
 
 
 def int32_entries(n: int, width: int) -> int:
-    """context_lens, cache_seqlens, tables, suffix_lens, prefix_len, suffix_tables."""
-    return 3 * n + 1 + 2 * n * width
+    """context_lens, tables, suffix_lens, prefix_len, suffix_tables."""
+    return 2 * n + 1 + 2 * n * width
 
 
 class CUDAGraphRunner:
@@ -92,7 +92,6 @@ class CUDAGraphRunner:
         m.pos[start:end] = 0
         m.slots[start:end] = scratch * self.kv.block_size
         m.ctx[start:end] = 1
-        m.cached[start:end] = 0
         m.tables[start:end] = scratch
         m.suffix_tables[start:end] = scratch
         m.suffix_lens[start:end] = 1
@@ -102,17 +101,16 @@ class CUDAGraphRunner:
         n, d64, d32, w = self.max_bs, self.dev64, self.dev32, self.width
         max_len, num_splits = self.variants[variant]
         width = -(-max_len // self.kv.block_size)
-        end = 2 * n + n * w
+        end = n + n * w
         meta = AttentionMetadata(
             is_prefill=False,
             positions=d64[n : n + bs],
             slot_mapping=d64[2 * n : 2 * n + bs],
             context_lens=d32[:bs],
-            block_tables=d32[2 * n : end].view(n, w)[:bs, :width],
+            block_tables=d32[n:end].view(n, w)[:bs, :width],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             max_seqlen_q=1,
             max_seqlen_k=max_len,
-            cache_seqlens=d32[n : n + bs],
             num_splits=num_splits,
         )
         if cascade:
@@ -201,7 +199,6 @@ class CUDAGraphRunner:
         m.sampler_slots[:n] = runner.sampler.slots(seqs)
         m.pos[:n] = lens - 1
         m.ctx[:n] = lens
-        m.cached[:n] = lens - 1
         # Columns past a sequence's own blocks keep stale ids; every kernel stops reading at
         # the context length, so they are never used.
         for i, s in enumerate(seqs):

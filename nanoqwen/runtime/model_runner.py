@@ -90,8 +90,6 @@ class ModelRunner:
         )
         if inputs.is_prefill:
             meta.cu_seqlens_k = self._tensor(inputs.cu_seqlens_k, torch.int32)
-        else:
-            meta.cache_seqlens = self._tensor([c - 1 for c in inputs.context_lens], torch.int32)
         ids = self._tensor(inputs.ids, torch.int64)
         if inputs.sources is not None:
             ids = self.fill_placeholders(ids, self._tensor(inputs.sources, torch.int64))

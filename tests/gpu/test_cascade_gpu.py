@@ -39,7 +39,7 @@ def test_cascade_equals_attention_over_the_whole_context(heads, kv_heads, head_d
     meta = AttentionMetadata(
         is_prefill=False, positions=lens.long() - 1, slot_mapping=lens.long() * 0,
         context_lens=lens, block_tables=tables.cuda(), cu_seqlens_q=lens * 0, max_seqlen_q=1,
-        max_seqlen_k=int(lens.max()), cache_seqlens=lens - 1,
+        max_seqlen_k=int(lens.max()),
         prefix_len=torch.tensor([shared * page], dtype=torch.int32, device="cuda"),
         suffix_tables=suffix.cuda(), suffix_lens=lens - shared * page,
     )  # fmt: skip

@@ -34,7 +34,6 @@ def _meta(ctx_before: list[int], new: list[int], tables: torch.Tensor, prefill: 
         max_seqlen_q=max(new),
         max_seqlen_k=max(ctx),
         cu_seqlens_k=torch.tensor(cu_k, **i32),
-        cache_seqlens=torch.tensor(ctx_before, **i32),
     )
 
 

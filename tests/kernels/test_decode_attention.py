@@ -45,7 +45,6 @@ def _decode_step(lengths, heads, kv_heads, head_dim, page, dtype, seed=0):
         cu_seqlens_q=torch.arange(len(lengths) + 1, dtype=torch.int32),
         max_seqlen_q=1,
         max_seqlen_k=max(lengths),
-        cache_seqlens=ctx - 1,
     )
     return qkv, k_cache, v_cache, meta
 

@@ -21,8 +21,11 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-# Two engines share the GPU: the server's and the reference.
-ENGINE = ["--random-shape", "0.5B", "--device", "cuda", "--gpu-memory-utilization", "0.4"]
+# Two engines share the GPU: the server's and the reference. gpu_memory_utilization caps
+# the whole GPU's use (other processes count), so the reference, started second, asks for
+# the server's share plus its own.
+ENGINE = ["--random-shape", "0.5B", "--device", "cuda", "--gpu-memory-utilization", "0.3"]
+REFERENCE_UTILIZATION = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,12 @@ def server(tmp_path_factory):
 
 
 def test_sequential_greedy_requests_match_generate(server):
-    llm = LLM(random_shape="0.5B", device="cuda", gpu_memory_utilization=0.4, progress=False)
+    llm = LLM(
+        random_shape="0.5B",
+        device="cuda",
+        gpu_memory_utilization=REFERENCE_UTILIZATION,
+        progress=False,
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(10000) for _ in range(rng.randint(20, 300))] for _ in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -107,7 +107,6 @@ def unpack(h: list[int], payload: torch.Tensor):
         max_seqlen_q=h[Field.MAX_Q],
         max_seqlen_k=h[Field.MAX_K],
         cu_seqlens_k=cu_k,
-        cache_seqlens=None if prefill else ctx - 1,
     )
     return ids, meta, rows if prefill else None, sources
 
