@@ -47,6 +47,7 @@ def spawn(fn, *args) -> None:
 
 def join(rank: int, port: int) -> tuple[torch.device, CustomAllReduce]:
     os.environ[TIMEOUT_ENV] = "20"
+    os.environ[SWITCH_ENV] = "1"
     keep_multicast_off()
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)

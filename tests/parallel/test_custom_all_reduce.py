@@ -50,10 +50,14 @@ def test_ranks_that_cannot_map_each_other_keep_nccl(infos, reason):
     assert reason in refusal(infos)
 
 
-def test_not_created_on_the_cpu_or_when_switched_off(monkeypatch):
-    # Both return before any collective or CUDA call: no group is needed.
+def test_not_created_on_the_cpu_or_unless_switched_on(monkeypatch):
+    # Each returns before any collective or CUDA call: no group is needed.
+    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "1")
     assert create(0, 2, torch.device("cpu"), None) is None
-    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "0")
+    for off in ("0", "", "yes"):
+        monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, off)
+        assert create(0, 2, torch.device("cuda", 0), None) is None
+    monkeypatch.delenv(custom_all_reduce.SWITCH_ENV)  # off by default, until measured
     assert create(0, 2, torch.device("cuda", 0), None) is None
 
 

@@ -2,13 +2,19 @@
 buffers every rank maps from every other (CUDA IPC), instead of NCCL's ~16 µs per call.
 
 Each rank allocates its buffers, shares their IPC handles over the gloo control group and
-opens the others' (torch opens them with lazy peer access). The kernel and its protocol are
-in kernels/all_reduce.py. Messages over max_bytes, other dtypes, and ranks that cannot map
-each other's memory (several machines, no peer access) keep NCCL.
+opens the others' in its own device's context. The kernel and its protocol are in
+kernels/all_reduce.py. Messages over max_bytes, other dtypes, and ranks that cannot map each
+other's memory (several machines, no peer access) keep NCCL.
+
+Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1: its first run on two H200s (session 6) ended in an
+illegal memory access, torch having opened the peers' handles in the peers' device contexts
+(fixed below, _OpenHere); it becomes the default once its GPU tests pass and
+tools/allreduce_bench.py shows it ahead of NCCL.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import socket
@@ -20,8 +26,9 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions ForkingPickler uses)
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "0": NCCL for every all-reduce
+SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "1": on; otherwise NCCL for every all-reduce
 TIMEOUT_ENV = "NANOQWEN_ALL_REDUCE_TIMEOUT_S"
 MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_MAX_BYTES"  # the limit below, overridden
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # as NCCL's, for ranks that start far apart
@@ -89,6 +96,28 @@ def timeout_from_env() -> timedelta:
     return timedelta(seconds=float(value)) if value else DEFAULT_TIMEOUT
 
 
+class _OpenHere(pickle.Unpickler):
+    """Unpickles a peer's shared tensors with their CUDA IPC handles opened in this rank's
+    device context (cudaIpcOpenMemHandle with lazy peer access, under that device), where
+    the kernel reads and writes them. torch would open them under the peer's device index,
+    a context this rank's kernels have no peer mapping from: an illegal address on the GPU.
+    The tensors then name this rank's device; only their addresses are used."""
+
+    def __init__(self, blob: bytes, device: torch.device) -> None:
+        super().__init__(io.BytesIO(blob))
+        self.device = device
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return self._rebuild_here
+        return super().find_class(module, name)
+
+    def _rebuild_here(self, *args):
+        args = list(args)
+        args[6] = self.device.index  # storage_device
+        return rebuild_cuda_tensor(*args)
+
+
 class CustomAllReduce:
     """Sums a tensor over the ranks in place (__call__), when it fits; built collectively by
     every rank of the group. Falls back on nothing itself: TensorParallel.all_reduce does."""
@@ -145,7 +174,7 @@ class CustomAllReduce:
                 peers.append((self.data, self.flags))
                 continue
             try:
-                peers.append(pickle.loads(blob))
+                peers.append(_OpenHere(blob, self.device).load())
             except Exception as e:  # noqa: BLE001
                 failure = failure or f"rank {self.rank} could not open rank {q}'s buffers ({e})"
         failures: list[str | None] = [None] * self.world
@@ -201,7 +230,7 @@ def create(
 ) -> CustomAllReduce | None:
     """The group's custom all-reduce (a collective over the gloo group), or None where it
     cannot run or is switched off; rank 0 says which on stderr."""
-    if world < 2 or device.type != "cuda" or os.environ.get(SWITCH_ENV) == "0":
+    if world < 2 or device.type != "cuda" or os.environ.get(SWITCH_ENV) != "1":
         return None
     infos: list[RankInfo | None] = [None] * world
     dist.all_gather_object(infos, RankInfo.local(device), group=group)
