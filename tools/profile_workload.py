@@ -5,9 +5,10 @@ Usage (device, .peer and .whl carried, flash-attn installed):
     python3 tools/profile_workload.py --engine nano-vllm --shape 7B --workload throughput
 
 Runs the workload once unprofiled (warm-up, and the wall time without the profiler's cost),
-then once under torch.profiler recording CUDA kernels only. Prints the wall time, the summed
-kernel time, and kernel time by kind (GEMM, attention, norm, sampling, ...) and by name, so
-two engines' tables can be set side by side.
+then once under torch.profiler recording CUDA kernels only, with every token id shifted by
+one so that neither engine's prefix cache serves the second run from the first. Prints the
+wall time, the summed kernel time, and kernel time by kind (GEMM, attention, norm, sampling,
+...) and by name, so two engines' tables can be set side by side.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main() -> None:
         f"{args.engine} {args.shape} {args.workload}: {wall:.3f} s unprofiled, "
         f"{sum(outs) / wall:,.1f} output tok/s"
     )
+    prompts = [[(t + 1) % 10_001 for t in p] for p in prompts]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         llm.generate(prompts, sps, use_tqdm=False)
