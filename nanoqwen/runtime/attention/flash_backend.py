@@ -38,9 +38,9 @@ class FlashAttention:
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, _ = split_qkv(qkv, k_cache)
-        # Not flash_attn_with_kvcache's own rotary and K/V append in decode: its Append_KV
-        # kernel made every decode attention call ~30% slower at 7B, batch 256
-        # (BENCHMARKS.md, session 6), as each KV split's program rotates q again.
+        # Not flash_attn_with_kvcache's own rotary and K/V append in decode: profiled over
+        # the 7B throughput workload, its calls with them took 119 µs each against 90 µs for
+        # nano-vllm's calls without them (BENCHMARKS.md, session 6).
         rope_and_store(
             q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
             meta.slot_mapping, k_cache, v_cache,
