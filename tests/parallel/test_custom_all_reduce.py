@@ -7,6 +7,7 @@ carries the CUDA IPC handles on GPUs. tests/gpu/test_custom_all_reduce_gpu.py ru
 from __future__ import annotations
 
 import os
+import pickle
 from datetime import timedelta
 
 import pytest
@@ -59,6 +60,33 @@ def test_not_created_on_the_cpu_or_unless_switched_on(monkeypatch):
         assert create(0, 2, torch.device("cuda", 0), None) is None
     monkeypatch.delenv(custom_all_reduce.SWITCH_ENV)  # off by default, until measured
     assert create(0, 2, torch.device("cuda", 0), None) is None
+
+
+class _SharedCudaTensor:
+    """Pickles the way torch shares a CUDA tensor of cuda:1: a call of
+    torch.multiprocessing.reductions.rebuild_cuda_tensor with its 15 arguments."""
+
+    ARGS = ("cls", (4,), (1,), 0, "storage", "dtype", 1, b"handle", 16, 0, False, "ref", 0,
+            b"event", True)  # fmt: skip
+
+    def __reduce__(self):
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor, self.ARGS
+
+
+def test_peer_buffers_open_under_this_ranks_device(monkeypatch):
+    """A peer's IPC handle opened under the peer's device index left rank 0's kernels with no
+    mapping of it (an illegal address on two H200s): every argument passes through but
+    storage_device, which becomes this rank's."""
+    opened = []
+    monkeypatch.setattr(custom_all_reduce, "rebuild_cuda_tensor", lambda *a: opened.append(a))
+    blob = pickle.dumps([_SharedCudaTensor(), torch.arange(3)])
+    _, plain = custom_all_reduce._OpenHere(blob, torch.device("cuda", 0)).load()
+    want = list(_SharedCudaTensor.ARGS)
+    want[6] = 0
+    assert opened == [tuple(want)]
+    assert torch.equal(plain, torch.arange(3))  # everything else unpickles as usual
 
 
 def test_the_size_limit_shrinks_as_ranks_add_reads_and_can_be_set(monkeypatch):
