@@ -15,7 +15,7 @@ import sys
 import torch
 
 from nanoqwen import LLM
-from nanoqwen.runtime.bench_hf import hf_model_from
+from nanoqwen.runtime.bench.hf import hf_model_from
 
 NEW = 48
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -214,7 +214,7 @@ def sweep_configs(head_dim: int):
 
 def engine(args) -> dict:
     from nanoqwen import LLM
-    from nanoqwen.runtime.bench_runs import latency_run, throughput_run
+    from nanoqwen.runtime.bench.runs import latency_run, throughput_run
 
     runs = [(b, False) for b in (int(x) for x in args.block_sizes.split(","))]
     if flash_attn_available() and 256 in [b for b, _ in runs]:

@@ -15,16 +15,16 @@ from nanoqwen.quant.apply import describe, quantize_loaded
 from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
 from nanoqwen.runtime.attention import BACKENDS, create_backend
-from nanoqwen.runtime.block_manager import BlockManager
 from nanoqwen.runtime.device_choice import (
     DTYPES,
     default_is_quantized,
     resolve_device,
     resolve_dtype,
 )
-from nanoqwen.runtime.host_pool import HostKVCache
-from nanoqwen.runtime.kv_cache import KVCache
-from nanoqwen.runtime.kv_sizing import agree_on_fewest, fitting_num_blocks
+from nanoqwen.runtime.kv.block_manager import BlockManager
+from nanoqwen.runtime.kv.cache import KVCache
+from nanoqwen.runtime.kv.host_pool import HostKVCache
+from nanoqwen.runtime.kv.sizing import agree_on_fewest, fitting_num_blocks
 from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.parallel.group import ParallelContext, leave_group
 from nanoqwen.runtime.sampling.sampler import Sampler

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.runtime.attention.cascade import shared_prefix_blocks
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.cache import KVCache
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

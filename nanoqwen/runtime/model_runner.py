@@ -15,8 +15,8 @@ import torch
 
 from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
-from nanoqwen.runtime.block_manager import BlockManager
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.block_manager import BlockManager
+from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sampling_params import SamplingParams

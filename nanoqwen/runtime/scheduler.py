@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.sequence import Sequence, SequenceStatus
 
 PREEMPTION_MODES = ("swap", "recompute")

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nanoqwen.runtime.block_manager import BlockManager
-    from nanoqwen.runtime.kv_cache import KVCache
+    from nanoqwen.runtime.kv.block_manager import BlockManager
+    from nanoqwen.runtime.kv.cache import KVCache
     from nanoqwen.runtime.scheduler import Batch
     from nanoqwen.runtime.sequence import Sequence
 

@@ -46,7 +46,7 @@ def make_workload(
     seed: int = 0,
 ) -> Workload:
     """All prompts drawn first, then all output lengths: with the defaults the same requests
-    as nanoqwen.runtime.bench_workloads.throughput_workload."""
+    as nanoqwen.runtime.bench.workloads.throughput_workload."""
     rng = random.Random(seed)
     prompts = [
         [rng.randint(0, max_token_id) for _ in range(rng.randint(*prompt_lens))]

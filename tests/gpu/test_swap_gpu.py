@@ -11,8 +11,8 @@ from conftest import write_tiny_model
 from stress_workload import compare, make_workload, run
 
 from nanoqwen import LLM
-from nanoqwen.runtime.host_pool import HostKVCache
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.cache import KVCache
+from nanoqwen.runtime.kv.host_pool import HostKVCache
 
 VOCAB = 512
 NEAR_TIE = 1e-4  # float32 on the GPU, TF32 off

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 

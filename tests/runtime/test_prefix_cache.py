@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nanoqwen.runtime import block_pool
-from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.kv import block_pool
+from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 
@@ -72,7 +72,7 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
 
 
 def test_hash_collisions_are_misses(monkeypatch):
-    monkeypatch.setattr("nanoqwen.runtime.block_manager.block_hash", lambda parent, tokens: 42)
+    monkeypatch.setattr("nanoqwen.runtime.kv.block_manager.block_hash", lambda parent, tokens: 42)
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     computed(bm, seq_of(range(9)))
     b = seq_of([7, 7, 7, 7, 7, 7, 7, 7, 7])  # same (fake) key, other tokens

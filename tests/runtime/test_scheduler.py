@@ -10,7 +10,7 @@ import random
 import pytest
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.block_manager import BlockManager
+from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 from nanoqwen.runtime.sequence import Sequence, SequenceStatus
 

@@ -16,7 +16,7 @@ from conftest import write_tiny_model
 from stress_workload import Request, compare, make_workload, run
 
 from nanoqwen import LLM
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.cache import KVCache
 
 NUM_REQUESTS = 1000
 VOCAB = 512

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.block_manager import BlockManager
-from nanoqwen.runtime.host_pool import HostKVCache, consecutive_runs
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.block_manager import BlockManager
+from nanoqwen.runtime.kv.cache import KVCache
+from nanoqwen.runtime.kv.host_pool import HostKVCache, consecutive_runs
 from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
 from nanoqwen.runtime.sequence import Sequence, SequenceStatus
 
@@ -35,7 +35,7 @@ def test_consecutive_runs():
 
 @pytest.mark.parametrize("staging_bytes", [1 << 20, 1], ids=["one-batch", "block-by-block"])
 def test_blocks_go_out_and_come_back_whole(monkeypatch, staging_bytes):
-    monkeypatch.setattr("nanoqwen.runtime.host_pool.STAGING_BYTES", staging_bytes)
+    monkeypatch.setattr("nanoqwen.runtime.kv.host_pool.STAGING_BYTES", staging_bytes)
     kv, host = pools()
     before = [block(kv, b) for b in (5, 2, 3)]
     host.copy_out([5, 2, 3], [0, 1, 6])  # two runs of host blocks

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from nanoqwen.runtime.bench_workloads import throughput_workload
+from nanoqwen.runtime.bench.workloads import throughput_workload
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.serve.bench import arrival_times, make_workload
 from nanoqwen.serve.protocol import (

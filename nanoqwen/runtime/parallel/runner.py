@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from nanoqwen.runtime.host_pool import HostKVCache
+from nanoqwen.runtime.kv.host_pool import HostKVCache
 from nanoqwen.runtime.launched_step import LaunchedStep
 from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.parallel.group import TensorParallelError, leave_group

@@ -10,8 +10,8 @@ import sys
 import torch
 
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.runtime.host_pool import HostKVCache
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.cache import KVCache
+from nanoqwen.runtime.kv.host_pool import HostKVCache
 from nanoqwen.runtime.parallel.group import (
     ParallelContext,
     TensorParallelError,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.cache import KVCache
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 

@@ -1,8 +1,5 @@
-"""`nanoqwen bench`: decode latency and serving throughput, optionally side by side with HF.
-
-Also `python -m nanoqwen.runtime.bench`. The flags are bench_args.py's, the measurements
-bench_runs.py's, the tables bench_report.py's; this module runs them in order.
-"""
+"""`nanoqwen bench`: runs the measurements (runs.py) that the flags (args.py) ask for, in
+order, and prints their tables (report.py)."""
 
 from __future__ import annotations
 
@@ -13,18 +10,16 @@ import sys
 
 import torch
 
-from nanoqwen.runtime.bench_args import add_arguments, check_args
-from nanoqwen.runtime.bench_report import THROUGHPUT_COLUMNS, latency_columns, print_table
-from nanoqwen.runtime.bench_runs import (
+from nanoqwen.runtime.bench.args import check_args
+from nanoqwen.runtime.bench.report import THROUGHPUT_COLUMNS, latency_columns, print_table
+from nanoqwen.runtime.bench.runs import (
     copy_ceiling_gbps,
     latency_run,
     throughput_run,
     weight_bytes,
 )
-from nanoqwen.runtime.bench_workloads import prefix_workload, preset, throughput_workload
+from nanoqwen.runtime.bench.workloads import prefix_workload, preset, throughput_workload
 from nanoqwen.runtime.engine import LLM
-
-__all__ = ["add_arguments", "run"]  # what `nanoqwen bench` (cli_parser.BENCH_MODULE) calls
 
 
 def _engine(args: argparse.Namespace) -> LLM:
@@ -69,7 +64,7 @@ def _setup(args: argparse.Namespace, llm: LLM) -> dict:
 
 
 def _latency(args, llm: LLM, setup: dict, hf, rng: random.Random, results: dict) -> None:
-    from nanoqwen.runtime.bench_hf import hf_latency
+    from nanoqwen.runtime.bench.hf import hf_latency
 
     presets = args.sampling.split(",")
     for name in presets:
@@ -99,7 +94,7 @@ def _latency(args, llm: LLM, setup: dict, hf, rng: random.Random, results: dict)
 
 
 def _throughput(args, llm: LLM, hf, results: dict) -> None:
-    from nanoqwen.runtime.bench_hf import hf_throughput
+    from nanoqwen.runtime.bench.hf import hf_throughput
 
     workload, title = None, "prompts and outputs uniform in [100, 1024]"
     if args.workload == "prefix":
@@ -129,7 +124,7 @@ def _throughput(args, llm: LLM, hf, results: dict) -> None:
 
 
 def run(args) -> int:
-    from nanoqwen.runtime.bench_hf import hf_model_from
+    from nanoqwen.runtime.bench.hf import hf_model_from
 
     check_args(args)
     llm = _engine(args)
@@ -146,9 +141,3 @@ def run(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m nanoqwen.runtime.bench")
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))

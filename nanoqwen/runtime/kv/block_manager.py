@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoqwen.runtime.block_pool import ROOT_HASH, BlockPool, block_hash, token_bytes
+from nanoqwen.runtime.kv.block_pool import ROOT_HASH, BlockPool, block_hash, token_bytes
 from nanoqwen.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
-    from nanoqwen.runtime.host_pool import HostKVCache
+    from nanoqwen.runtime.kv.host_pool import HostKVCache
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from nanoqwen.quant.apply import quantized_bytes
-from nanoqwen.runtime.bench_workloads import throughput_workload
+from nanoqwen.runtime.bench.workloads import throughput_workload
 from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
 

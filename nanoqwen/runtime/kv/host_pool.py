@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoqwen.runtime.kv_cache import KVCache
+from nanoqwen.runtime.kv.cache import KVCache
 
 # Blocks move in batches of at most this many bytes, so the device-side staging buffer of a
 # long sequence's swap stays small next to the memory the KV pool was sized to leave free.

@@ -8,7 +8,7 @@ from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.shapes import SHAPES
 from nanoqwen.quant.scheme import QUANTIZATIONS
 from nanoqwen.runtime.attention import BACKENDS
-from nanoqwen.runtime.bench_workloads import PRESET_HELP, preset
+from nanoqwen.runtime.bench.workloads import PRESET_HELP, preset
 from nanoqwen.runtime.device_choice import DTYPES, resolve_device
 
 
