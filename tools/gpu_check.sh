@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install the flash-attn wheel, run the GPU tests, then the benchmarks.
 # Usage (device tool, carry .whl):
-#   bash tools/gpu_check.sh [tests|bench|all|kernels|profile|prefill] [args...]
+#   bash tools/gpu_check.sh [tests|bench|all|kernels|profile|prefill|workload] [args...]
+# workload [SHAPE] [WORKLOAD]: tools/profile_workload.py for nanoqwen and nano-vllm (carry
+# .peer too), 7B throughput by default.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -30,4 +32,12 @@ fi
 if [[ $what == prefill ]]; then  # prefill kernels [--sweep] | prefill engine --shape 7B
   python3 tools/prefill_bench.py "$@" --json "$OUT/prefill_$1.json" 2>&1 | grep -v '\r' \
     | tee -a "$OUT/prefill_$1.log"
+fi
+if [[ $what == workload ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
+  for engine in nanoqwen nano-vllm; do
+    python3 tools/profile_workload.py --engine "$engine" --shape "${1:-7B}" \
+      --workload "${2:-throughput}" 2>&1 | grep --line-buffered -v $'\r' \
+      | tee "$OUT/profile_workload_$engine.log"
+  done
 fi

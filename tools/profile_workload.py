@@ -104,8 +104,6 @@ def main() -> None:
     print("kernels:")
     for name, us in by_name.most_common(args.top):
         print(f"  {us / 1e6:8.3f} s {calls[name]:8d} calls  {name[:150]}")
-    if hasattr(llm, "exit"):
-        llm.exit()
 
 
 if __name__ == "__main__":
