@@ -114,7 +114,7 @@ def completion_response(
     )
 
 
-async def completion_stream(
+def completion_stream(
     gen: Generation,
     model: str,
     token_text: TokenText,
@@ -123,29 +123,49 @@ async def completion_stream(
 ) -> AsyncIterator[str]:
     base = dict(id=new_id("cmpl"), created=int(time.time()), model=model)
     encode = ChunkEncoder(CompletionChunk(**base, choices=[]), include_usage)
-    offsets = [0] * gen.num_choices
+    offsets = [0] * gen.num_choices  # characters each choice sent: its logprobs' text_offset
+
+    def event(i: int, part: ChoiceOutput, ids: list[int] | None) -> str:
+        offset = offsets[i]
+        offsets[i] += len(part.text)
+        if part.logprobs is None:
+            return encode.completion(i, part.text, part.finish_reason, ids)
+        logprobs = completion_logprobs(part.logprobs, token_text, offset)
+        choice = CompletionChoice(
+            index=i, text=part.text, logprobs=logprobs, finish_reason=part.finish_reason,
+            token_ids=ids,
+        )  # fmt: skip
+        return encode.model(CompletionChunk(**base, choices=[choice]))
+
+    return _stream(gen, CompletionChunk, base, return_token_ids, include_usage, event)
+
+
+async def _stream(
+    gen: Generation,
+    chunk: type[CompletionChunk] | type[ChatCompletionChunk],
+    base: dict,
+    return_token_ids: bool,
+    include_usage: bool,
+    event: Callable[[int, ChoiceOutput, list[int] | None], str],
+    opening: Callable[[], str] | None = None,
+) -> AsyncIterator[str]:
+    """The events of one stream: opening()'s, then event(choice, part, token ids) for each
+    part a client can see, batched per delivery; then usage and [DONE]."""
     completion_tokens = 0
     try:
         # Started here, not in the handler: a client gone before the stream begins then costs
         # nothing (a generator that never ran has no `finally` to abort it).
         gen.start()
+        if opening is not None:
+            yield opening()
         while gen.unfinished:
             events = []
             for i, part in (await gen.next_batch()).items():
                 completion_tokens += len(part.token_ids)
                 ids = part.token_ids if return_token_ids else None
-                if not (part.text or part.finish_reason or ids or part.logprobs):
-                    continue  # nothing a client can see (text held back for UTF-8 or a stop)
-                if part.logprobs is None:
-                    events.append(encode.completion(i, part.text, part.finish_reason, ids))
-                else:
-                    logprobs = completion_logprobs(part.logprobs, token_text, offsets[i])
-                    choice = CompletionChoice(
-                        index=i, text=part.text, logprobs=logprobs,
-                        finish_reason=part.finish_reason, token_ids=ids,
-                    )  # fmt: skip
-                    events.append(encode.model(CompletionChunk(**base, choices=[choice])))
-                offsets[i] += len(part.text)
+                if part.text or part.finish_reason or ids or part.logprobs:
+                    events.append(event(i, part, ids))
+                # else nothing a client can see (text held back for UTF-8 or a stop string)
             if events:
                 yield "".join(events)
     except APIError as e:  # the engine failed mid-stream: the status line went out already
@@ -155,7 +175,7 @@ async def completion_stream(
     finally:
         gen.abort()
     if include_usage:
-        yield sse(CompletionChunk(**base, choices=[], usage=usage(gen, completion_tokens)))
+        yield sse(chunk(**base, choices=[], usage=usage(gen, completion_tokens)))
     yield DONE
 
 
@@ -186,7 +206,7 @@ def chat_response(
     )
 
 
-async def chat_stream(
+def chat_stream(
     gen: Generation,
     model: str,
     token_text: TokenText,
@@ -195,42 +215,26 @@ async def chat_stream(
 ) -> AsyncIterator[str]:
     base = dict(id=new_id("chatcmpl"), created=int(time.time()), model=model)
     encode = ChunkEncoder(ChatCompletionChunk(**base, choices=[]), include_usage)
-    # As OpenAI does: each choice opens with the role and empty content.
-    opening = [
-        ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))
-        for i in range(gen.num_choices)
-    ]
-    completion_tokens = 0
-    try:
-        gen.start()
-        yield "".join(encode.model(ChatCompletionChunk(**base, choices=[c])) for c in opening)
-        while gen.unfinished:
-            events = []
-            for i, part in (await gen.next_batch()).items():
-                completion_tokens += len(part.token_ids)
-                ids = part.token_ids if return_token_ids else None
-                if not (part.text or part.finish_reason or ids or part.logprobs):
-                    continue
-                if part.logprobs is None:
-                    events.append(encode.chat(i, part.text, part.finish_reason, ids))
-                else:
-                    choice = ChatStreamChoice(
-                        index=i, delta=Delta(content=part.text),
-                        logprobs=chat_logprobs(part.logprobs, token_text),
-                        finish_reason=part.finish_reason, token_ids=ids,
-                    )  # fmt: skip
-                    events.append(encode.model(ChatCompletionChunk(**base, choices=[choice])))
-            if events:
-                yield "".join(events)
-    except APIError as e:
-        yield sse(error_body(e.status, e.message))
-        yield DONE
-        return
-    finally:
-        gen.abort()
-    if include_usage:
-        yield sse(ChatCompletionChunk(**base, choices=[], usage=usage(gen, completion_tokens)))
-    yield DONE
+
+    def opening() -> str:  # as OpenAI does: each choice opens with the role and empty content
+        return "".join(
+            encode.model(ChatCompletionChunk(**base, choices=[
+                ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))
+            ]))
+            for i in range(gen.num_choices)
+        )  # fmt: skip
+
+    def event(i: int, part: ChoiceOutput, ids: list[int] | None) -> str:
+        if part.logprobs is None:
+            return encode.chat(i, part.text, part.finish_reason, ids)
+        choice = ChatStreamChoice(
+            index=i, delta=Delta(content=part.text),
+            logprobs=chat_logprobs(part.logprobs, token_text),
+            finish_reason=part.finish_reason, token_ids=ids,
+        )  # fmt: skip
+        return encode.model(ChatCompletionChunk(**base, choices=[choice]))
+
+    return _stream(gen, ChatCompletionChunk, base, return_token_ids, include_usage, event, opening)
 
 
 class ChunkEncoder:
