@@ -7,9 +7,9 @@ kernels/all_reduce.py. Messages over max_bytes, other dtypes, and ranks that can
 other's memory (several machines, no peer access) keep NCCL.
 
 Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1: its first run on two H200s (session 6) ended in an
-illegal memory access, torch having opened the peers' handles in the peers' device contexts
-(fixed below, _OpenHere); it becomes the default once its GPU tests pass and
-tools/allreduce_bench.py shows it ahead of NCCL.
+illegal memory access, most likely because torch had opened the peers' handles in the peers'
+device contexts (_OpenHere below opens them in this rank's); it becomes the default once its
+GPU tests pass and tools/allreduce_bench.py shows it ahead of NCCL.
 """
 
 from __future__ import annotations
