@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """How far nanoqwen's and HF's bf16 logits each lie from the float32 model (HF in float32, the
 same weights), per attention setup: the yardstick for the bf16 fidelity test's thresholds.
+HF is measured three ways (sdpa prefill, eager prefill, its decode): how far HF's own bf16
+variants spread is the noise a random-weight model amplifies from one-ulp differences.
 
     python3 tools/fidelity_probe.py --shape 1.5B     # on a GPU, flash-attn wheel installed
+    python3 tools/fidelity_probe.py --shape 1.5B     # on a CPU: the torch backend, bf16
 """
 
 from __future__ import annotations
@@ -50,11 +53,21 @@ def _models(shape: str, block_size: int, flash: bool):
     return llm, hf, copy.deepcopy(hf).float()
 
 
+def _eager(hf):
+    """A copy of the bf16 HF model with its eager attention instead of SDPA."""
+    eager = copy.deepcopy(hf)
+    eager.config._attn_implementation = "eager"
+    for layer in eager.model.layers:
+        layer.self_attn.config._attn_implementation = "eager"
+    return eager
+
+
 @torch.no_grad()
 def probe(shape: str, block_size: int, flash: bool) -> None:
     llm, hf, hf32 = _models(shape, block_size, flash)
+    hf_eager = _eager(hf)
     rng = random.Random(1)
-    rows = {"ours": [], "hf bf16 prefill": [], "hf bf16 decode": []}
+    rows = {"ours": [], "hf bf16 prefill": [], "hf bf16 eager": [], "hf bf16 decode": []}
     for _ in range(4):
         prompt = [rng.randrange(10000) for _ in range(rng.randint(8, 200))]
         ids = torch.tensor([prompt], device=DEVICE)
@@ -72,6 +85,8 @@ def probe(shape: str, block_size: int, flash: bool) -> None:
         ours = llm.runner.prompt_logits(seq[0].tolist(), last=NEW)
         rows["ours"].append(gap_stats(ours, ref))
         rows["hf bf16 prefill"].append(gap_stats(hf(seq).logits[0, len(prompt) - 1 :].float(), ref))
+        eager = hf_eager(seq).logits[0, len(prompt) - 1 :].float()
+        rows["hf bf16 eager"].append(gap_stats(eager, ref))
         rows["hf bf16 decode"].append(gap_stats(torch.cat(out.logits).float(), ref))
     name = f"{shape} block{block_size} {'flash-attn' if flash else 'no-flash-attn'}"
     for who, stats in rows.items():
@@ -79,7 +94,7 @@ def probe(shape: str, block_size: int, flash: bool) -> None:
             f"{name:32s} {who:16s} max gap vs fp32 {max(s[0] for s in stats):.4f}  "
             f"flips {sum(s[1] for s in stats)}/{4 * NEW}  clear flips {sum(s[2] for s in stats)}"
         )
-    del llm, hf, hf32
+    del llm, hf, hf32, hf_eager
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     sys.modules.pop("flash_attn", None)
