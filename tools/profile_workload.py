@@ -23,9 +23,10 @@ import time
 import torch
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".peer")
-KINDS = [  # first match wins: flash-attn's names contain "cutlass" too
+KINDS = [  # first match wins: flash-attn's names contain "cutlass" and "Flash_fwd_kernel_traits"
+    # too; its paged prefill (varlen with a block table) also runs the splitkv kernel
+    ("attention splitkv", r"splitkv|flash_fwd_split|decode_attention|combine|merge_attention"),
     ("attention prefill", r"flash_fwd_kernel|prefill_attention"),
-    ("attention decode", r"splitkv|flash_fwd_split|decode_attention|combine|merge_attention"),
     ("gemv (triton)", r"gemv"),
     ("gemm", r"gemm|xmma|cutlass|cublas|nvjet"),
     ("norm", r"rms|norm|mean_mul_pow_rsqrt"),

@@ -6,10 +6,12 @@ opens the others' in its own device's context. The kernel and its protocol are i
 kernels/all_reduce.py. Messages over max_bytes, other dtypes, and ranks that cannot map each
 other's memory (several machines, no peer access) keep NCCL.
 
-Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1: its first run on two H200s (session 6) ended in an
-illegal memory access, most likely because torch had opened the peers' handles in the peers'
-device contexts (_OpenHere below opens them in this rank's); it becomes the default once its
-GPU tests pass and tools/allreduce_bench.py shows it ahead of NCCL.
+Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1. On two H200s (session 7), with the peers' handles
+opened in this rank's device context (_OpenHere below; torch opened them in the peers', an
+illegal address in session 6), eager calls are right (sizes to the limit, 1,000 queued
+calls), but the CUDA-graph replay test hung past its kernel's 20 s timeout, and so did the
+tp=2 engine with it switched on. It becomes the default once its GPU tests pass and
+tools/allreduce_bench.py shows it ahead of NCCL.
 """
 
 from __future__ import annotations
