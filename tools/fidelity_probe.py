@@ -6,6 +6,8 @@ variants spread is the noise a random-weight model amplifies from one-ulp differ
 
     python3 tools/fidelity_probe.py --shape 1.5B     # on a GPU, flash-attn wheel installed
     python3 tools/fidelity_probe.py --shape 1.5B     # on a CPU: the torch backend, bf16
+    python3 tools/fidelity_probe.py --shape 1.5B --prompts 16   # 768 positions: stable means
+    FIDELITY_UNFUSED=RMSNorm,MLP python3 tools/fidelity_probe.py   # torch ops, not Triton
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def _models(shape: str, block_size: int, flash: bool):
     hf = hf_model_from(llm)
     # FIDELITY_UNFUSED=RMSNorm,MLP: those modules in plain torch ops instead of their Triton
     # kernels (a bisection of where ours departs from HF on the GPU)
+    unfused = os.environ.get("FIDELITY_UNFUSED", "").split(",")
     for module in llm.runner.model.modules():
-        if type(module).__name__ in os.environ.get("FIDELITY_UNFUSED", "").split(","):
+        if type(module).__name__ in unfused:
             module.fused = False
     return llm, hf, copy.deepcopy(hf).float()
 
