@@ -80,11 +80,16 @@ def test_bf16_fidelity(shape, block_size, monkeypatch):
             f"{noise.max():.4f}), min margin {margin.min():.4f}, clear {int(clear.sum())}/"
             f"{NEW_TOKENS}"
         )
-        # Top-5 membership by value, so that a tie at the 5th place counts as inside.
+        # Each one's top token in the other's top 5, by value, where tokens that beat it by
+        # less than CLEAR_MARGIN do not count: on a flat top (random weights) more than five
+        # logits can lie within bf16 rounding of each other.
         our_5th, hf_5th = ours.topk(5).values[:, -1], hf_logits.topk(5).values[:, -1]
         for t, tok in enumerate(hf_tokens):
             ours_top1 = int(our_top5[t, 0])
-            if ours[t, tok] < our_5th[t] or hf_logits[t, ours_top1] < hf_5th[t]:
+            if (
+                ours[t, tok] + CLEAR_MARGIN < our_5th[t]
+                or hf_logits[t, ours_top1] + CLEAR_MARGIN < hf_5th[t]
+            ):
                 rank = int((ours[t] > ours[t, tok]).sum())
                 failures.append(
                     f"prompt {p} step {t}: HF token rank {rank} in nanoqwen, "
