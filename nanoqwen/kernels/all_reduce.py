@@ -7,8 +7,17 @@ Memory layout, per rank (runtime/parallel/custom_all_reduce.py allocates and map
   peers' program j only ever read, the region j of a parity, whatever the message size.
 - flags: int64 [G_MAX, WORLD]; flags[j, q] is the last epoch rank q's program j announced
   to this rank. Peers write them (remote atomics); this rank polls its own.
-- state (local only): int64 [G_MAX + 1]: each program's epoch (how many calls it took part
-  in, the same on every rank since every rank makes the same calls), then a failed word.
+- state (local only): int64 [2 * G_MAX + 1]: each program's epoch (how many calls it took
+  part in, the same on every rank since every rank makes the same calls), a failed word, then
+  each program's verdict word (how its wait loop's give-up decision reaches all its warps).
+
+Every value that decides a branch around a barrier must be the same in all the warps of a
+program (a warp that leaves the wait loop while another keeps spinning pairs their
+bar.syncs wrongly: undefined, a hang that no timeout ends). Triton lowers a scalar atomic to
+one thread's atomic whose result reaches every thread through shared memory after a barrier,
+so the epoch, the failed word and the give-up verdict are read with scalar atomics, never
+with per-thread loads (thread 0's store of the epoch raced with a late warp's load; each
+thread read its own %globaltimer and the host's status word at its own time).
 
 Why one wait per call is enough: a program writes its region of parity e % 2 in epoch e only
 after its previous kernel ended, and that kernel waited for every peer's program j of epoch
@@ -37,9 +46,10 @@ def _one_shot_all_reduce_kernel(
     REGION: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    epoch = tl.load(state_ptr + pid) + 1
-    tl.store(state_ptr + pid, epoch)
-    failed = tl.load(state_ptr + G_MAX).to(tl.int32)  # int32 like gave_up's literals
+    # Scalar atomics: one thread's result, broadcast to every warp (see the docstring).
+    epoch = tl.atomic_add(state_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
+    failed = tl.atomic_add(state_ptr + G_MAX, 0, sem="relaxed", scope="gpu").to(tl.int32)
+    verdict = state_ptr + G_MAX + 1 + pid
     dtype = x_ptr.dtype.element_ty
     region = ((epoch % 2) * G_MAX + pid) * REGION
     start = pid.to(tl.int64) * chunk
@@ -69,15 +79,20 @@ def _one_shot_all_reduce_kernel(
         waiting = tl.sum(((seen < epoch) & live).to(tl.int32), axis=0)
         spins += 1
         if spins % 64 == 0:
+            mine = 0  # this thread's view; only thread 0's counts (the verdict word below)
             status = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int32))
             # status[0] (ABORT): the host has given up on a peer: stop waiting, code ABORTED
             if tl.load(status + 0, volatile=True) != 0:
-                gave_up = 2
+                mine = 2
             if USE_CLOCK:
                 if globaltimer() - t0 > timeout:
-                    gave_up = 1  # TIMED_OUT
+                    mine = 1  # TIMED_OUT
             elif spins > timeout:
-                gave_up = 1
+                mine = 1
+            # Thread 0 writes its view and reads it back: every warp gets the same verdict and
+            # leaves the loop in the same iteration.
+            tl.atomic_xchg(verdict, mine.to(tl.int64), sem="relaxed", scope="gpu")
+            gave_up = tl.atomic_add(verdict, 0, sem="relaxed", scope="gpu").to(tl.int32)
     if gave_up != failed:
         status = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int32))
         tl.store(status + 1, gave_up.to(tl.int32))  # status[1] (ERROR), read by the host

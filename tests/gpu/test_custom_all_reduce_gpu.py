@@ -9,6 +9,7 @@ these tests instead of hanging the GPUs.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from datetime import timedelta
 
@@ -46,6 +47,9 @@ def spawn(fn, *args) -> None:
 
 
 def join(rank: int, port: int) -> tuple[torch.device, CustomAllReduce]:
+    # A rank stuck anywhere (a kernel, a barrier mismatch, an NCCL call its failed peer never
+    # makes) prints every thread's stack and exits, so mp.spawn reports it instead of hanging.
+    faulthandler.dump_traceback_later(120, exit=True)
     os.environ[TIMEOUT_ENV] = "20"
     os.environ[SWITCH_ENV] = "1"
     keep_multicast_off()
@@ -53,7 +57,7 @@ def join(rank: int, port: int) -> tuple[torch.device, CustomAllReduce]:
     torch.cuda.set_device(dev)
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        device_id=dev, timeout=timedelta(seconds=120),
+        device_id=dev, timeout=timedelta(seconds=60),
     )  # fmt: skip
     custom = create(rank, WORLD, dev, dist.new_group(backend="gloo"))
     assert custom is not None, "the custom all-reduce was refused on this machine"
@@ -150,6 +154,10 @@ def graph_rank(rank: int, port: int) -> None:
         for x in inputs:
             x.copy_(torch.randn(x.numel(), generator=gen, device=dev))
         graph.replay()
+        torch.cuda.synchronize()
+        # Before any NCCL check: a kernel that gave up says so here, on both ranks alike,
+        # instead of failing one rank's assertion while the other waits in NCCL.
+        assert custom.error() is None, custom.error()
         for inp, out in zip(inputs[:3], outputs[:3]):
             check(inp, out)
         nccl = inputs[3].clone()

@@ -145,7 +145,8 @@ class CustomAllReduce:
         self.region_bytes = -(-max_bytes // programs // unit) * unit
         self.data = torch.empty(2 * programs * self.region_bytes, dtype=torch.uint8, device=device)
         self.flags = torch.zeros(programs * world, dtype=torch.int64, device=device)
-        self.state = torch.zeros(programs + 1, dtype=torch.int64, device=device)
+        # epochs, the failed word, verdicts (kernels/all_reduce.py)
+        self.state = torch.zeros(2 * programs + 1, dtype=torch.int64, device=device)
         # ABORT (the host asks spinning kernels to stop) and ERROR (a kernel gave up), in
         # host memory the GPU writes and reads directly, so neither side waits for the other.
         self.status = torch.zeros(2, dtype=torch.int32)
