@@ -5,7 +5,7 @@ counts, next to flash_attn_with_kvcache as the flash-attn backend calls it. The 
 read 20 times, so small contexts sit in L2: compare kernels here, and confirm a choice with
 tools/profile_decode.py, which times the kernels inside the real decode graph.
 
-Usage: python tools/kernel_bench.py [--shapes 0.5B,7B]
+Usage: python tools/kernel_bench.py [--shapes 0.5B,7B] [--large]
 """
 
 from __future__ import annotations
@@ -29,35 +29,36 @@ def attention(shape: str, batch_sizes, contexts, sweep: bool) -> None:
 
 
 def attention_case(shape: str, bs: int, ctx: int, sweep: bool) -> None:
+    """ctx 0: every sequence's context drawn from U[100, 2048] (the throughput workload's
+    spread), else all equal."""
     from flash_attn import flash_attn_with_kvcache
 
     cfg = shape_config(shape)
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev, dtype = torch.device("cuda"), torch.bfloat16
     rotary = RotaryEmbedding(d, 40960, cfg.rope_theta, dev)
-    cos, sin = rotary.cos_half.to(dtype), rotary.sin_half.to(dtype)
-    width = -(-ctx // PAGE)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lens = torch.randint(100, 2049, (bs,), generator=gen) if ctx == 0 else torch.full((bs,), ctx)
+    width = -(-int(lens.max()) // PAGE)
     blocks = bs * width + 1
     k_cache = torch.randn(blocks, PAGE, kvh, d, device=dev, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(blocks - 1, device=dev).to(torch.int32).view(bs, width)
     qkv = torch.randn(bs, (h + 2 * kvh) * d, device=dev, dtype=dtype)
-    ctx_t = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+    ctx_t = lens.to(device=dev, dtype=torch.int32)
     pos = (ctx_t - 1).long()
-    slots = tables[:, (ctx - 1) // PAGE].long() * PAGE + (ctx - 1) % PAGE
-    q, k, v = qkv.split([h * d, kvh * d, kvh * d], -1)
-    q, k, v = q.view(bs, 1, h, d), k.reshape(bs, 1, kvh, d), v.reshape(bs, 1, kvh, d)
-    # The flash-attn backend's graphs: a 2,048-token table with one split, else the
-    # full 32k table with flash-attn's own split heuristic.
-    fa_width, fa_splits = (8, 1) if ctx <= 2048 else (128, 0)
-    fa_tables = torch.zeros(bs, fa_width, dtype=torch.int32, device=dev)
+    rows = torch.arange(bs, device=dev)
+    slots = tables[rows, pos // PAGE].long() * PAGE + pos % PAGE
+    q = qkv[:, : h * d].reshape(bs, 1, h, d)
+    # The flash-attn backend's decode: RoPE and the K/V write done (rope_and_store), then
+    # attention alone over a table as wide as the model's (the graph's).
+    fa_tables = torch.zeros(bs, max(width, 16), dtype=torch.int32, device=dev)
     fa_tables[:, :width] = tables
 
-    def fa(splits=fa_splits, t=fa_tables):
+    def fa(splits):
         flash_attn_with_kvcache(
-            q, k_cache, v_cache, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
-            cache_seqlens=ctx_t - 1, block_table=t, causal=True,
-            rotary_interleaved=False, num_splits=splits,
+            q, k_cache, v_cache, cache_seqlens=ctx_t, block_table=fa_tables,
+            softmax_scale=d**-0.5, causal=True, num_splits=splits,
         )  # fmt: skip
 
     def tr(splits=0):
@@ -66,22 +67,34 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool) -> None:
             k_cache, v_cache, d**-0.5, num_splits=splits,
         )  # fmt: skip
 
-    row = {"flash-attn (backend)": graph_us(fa)}
-    if ctx <= 2048:
-        row["flash-attn splits=heuristic"] = graph_us(lambda: fa(0))
+    # KV bytes read per call: what a memory-bound kernel's time is measured against
+    kv_bytes = int(lens.sum()) * kvh * d * 2 * k_cache.element_size()
+    row = {f"flash splits={s}": graph_us(lambda s=s: fa(s)) for s in (0, 1, 2, 3, 4)}
     row["triton default"] = graph_us(tr)
     if sweep:
-        for tile, warps, splits in itertools.product((32, 64, 128), (2, 4), (4, 8, 16, 32)):
-            da.TILE, da.NUM_WARPS = tile, warps
-            row[f"triton tile={tile} warps={warps} splits={splits}"] = graph_us(
-                lambda s=splits: tr(s)
-            )
-        da.TILE, da.NUM_WARPS = 64, 4
-    best = min((v, k) for k, v in row.items() if k.startswith("triton"))
+        for tile, warps, stages, splits in itertools.product(
+            (32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4)
+        ):
+            da.TILE = da.LARGE_TILE = tile
+            da.NUM_WARPS, da.NUM_STAGES = warps, stages
+            try:
+                us = graph_us(lambda s=splits: tr(s))
+            except Exception as e:  # out of shared memory at large tiles and stages
+                print(f"  tile={tile} warps={warps} stages={stages}: {type(e).__name__}")
+                continue
+            row[f"triton tile={tile} warps={warps} stages={stages} splits={splits}"] = us
+        da.TILE, da.LARGE_TILE, da.NUM_WARPS, da.NUM_STAGES = 64, 128, 4, 2
+    best_fa = min((v, k) for k, v in row.items() if k.startswith("flash"))
+    best = sorted((v, k) for k, v in row.items() if k.startswith("triton"))[:4]
+    label = "U[100,2048]" if ctx == 0 else str(ctx)
+    fa_rate = kv_bytes / best_fa[0] / 1e6
     print(
-        f"{shape} bs {bs} ctx {ctx}: "
-        + " | ".join(f"{k} {v:.1f}" for k, v in row.items() if not k.startswith("triton "))
-        + f" | triton default {row['triton default']:.1f} | best {best[1]} {best[0]:.1f} µs",
+        f"{shape} bs {bs} ctx {label} ({kv_bytes / 1e6:.0f} MB of KV): "
+        + " | ".join(f"{k} {v:.1f}" for k, v in row.items() if k.startswith("flash"))
+        + f" | triton default {row['triton default']:.1f} µs"
+        + f"\n    best flash {best_fa[1]} {best_fa[0]:.1f} µs ({fa_rate:.2f} TB/s);"
+        + " best triton: "
+        + "; ".join(f"{k[7:]} {v:.1f} ({kv_bytes / v / 1e6:.2f} TB/s)" for v, k in best),
         flush=True,
     )
 
@@ -89,8 +102,12 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="0.5B,7B")
+    p.add_argument("--large", action="store_true", help="large decode batches, swept")
     args = p.parse_args()
     for shape in args.shapes.split(","):
+        if args.large:  # the throughput workload's decode batches
+            attention(shape, [64, 128, 256], [0, 1024], sweep=True)
+            continue
         attention(shape, [1], [384, 4096], sweep=True)
         attention(shape, [8, 32, 128], [384, 1024], sweep=False)
 

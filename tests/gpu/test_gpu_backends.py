@@ -37,8 +37,8 @@ def _meta(ctx_before: list[int], new: list[int], tables: torch.Tensor, prefill: 
     )
 
 
-# "wide" is 64 sequences x 2 KV heads: the triton backend decodes it with flash-attn where
-# that is installed, else with its own kernel; "long" prefills 2,100 tokens in two chunks.
+# "wide" is 64 sequences x 2 KV heads: the Triton decode kernel's large-batch tiles (from 128
+# pairs up); "long" prefills 2,100 tokens in two chunks.
 @pytest.mark.parametrize(
     "lengths",
     [[1, 255, 256, 257, 700, 1100], [1, 300] * 32, [2100, 15]],

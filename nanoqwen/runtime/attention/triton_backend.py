@@ -3,14 +3,14 @@
 Prefill: rope_and_store (kernels/rope.py) rotates q and writes the rotated K and V to their
 slots, then the paged prefill kernel (kernels/prefill_attention.py) attends over the cache,
 which holds the cached context too. Decode: one launch of kernels/decode_attention.py rotates
-q and the new key, writes the new K/V and attends, the context split over up to 16 programs
-per KV head; from 128 (sequence, KV head) pairs up it runs one program per pair.
+q and the new key, writes the new K/V and attends, each context split over 4 to 16 programs
+per KV head below 1,024 (sequence, KV head) pairs.
 
-flash-attn is optional. Where it imports and fits (block size a multiple of 256), decode
-batches from 128 (sequence, KV head) pairs up go to flash_attn_with_kvcache, up to 1.2x
-faster there (BENCHMARKS.md); below that the Triton kernel is 1.8-4.5x faster.
-PREFILL_WITH_FLASH_ATTN says whether prefill takes flash_attn_varlen_func where it fits;
-tools/prefill_bench.py measures the two prefills side by side.
+flash-attn is optional. Where it imports and fits (block size a multiple of 256), prefill
+takes flash_attn_varlen_func (PREFILL_WITH_FLASH_ATTN; tools/prefill_bench.py measures the
+two prefills side by side) and a shared-prefix decode its cascade. Plain decode stays on the
+Triton kernel at every batch size: 1.8-4.5x faster than flash_attn_with_kvcache at small
+batches, and 8-17% faster at 64-256 sequences of uneven length (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from nanoqwen.kernels.rope import rope_and_store
 from nanoqwen.model.attention import AttentionMetadata, split_qkv
 from nanoqwen.model.layers import RotaryEmbedding
 
-FLASH_DECODE_FROM = 128  # (sequence, KV head) pairs per decode step
 PREFILL_WITH_FLASH_ATTN = True
 
 
@@ -41,8 +40,8 @@ class TritonAttention:
             self.flash = FlashAttention(rotary, scale)
 
     def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
-        # The Triton kernels read only the live context, whatever the table width, and
-        # flash-attn serves only batches it gives one split anyway: one graph per batch size.
+        # The Triton kernels read only the live context, whatever the table width: one graph
+        # per batch size.
         return [(max_model_len, 0)]
 
     @property
@@ -55,8 +54,6 @@ class TritonAttention:
                 return self.flash.forward(qkv, k_cache, v_cache, meta)
             return self.prefill(qkv, k_cache, v_cache, meta)
         if meta.prefix_len is not None:
-            return self.flash.forward(qkv, k_cache, v_cache, meta)
-        if self.flash is not None and qkv.shape[0] * k_cache.shape[2] >= FLASH_DECODE_FROM:
             return self.flash.forward(qkv, k_cache, v_cache, meta)
         return decode_attention(
             qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
