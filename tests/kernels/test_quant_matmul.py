@@ -120,7 +120,9 @@ def test_fused_gate_up_equals_silu_of_gate_times_up(m):
     x = torch.randn(m, 256)
     gate, up = reference(x, w, None).float().chunk(2, dim=-1)
     y = quant_linear_silu_mul(x, pack_for_triton(q, s, o, 32, 4))
-    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    # float32 sums of 256 products in the kernel's order against the double reference's:
+    # up to ~3e-5 apart on sums near 1 (1e-5 failed one CI run in dozens)
+    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 3])
