@@ -25,7 +25,9 @@ TILE = 64  # keys per inner step
 # From LARGE_BATCH (sequence, KV head) pairs up: longer tiles, and still 4 splits up to 1,024
 # pairs, so that a long context's programs do not finish last while short ones idle. Over
 # the 7B shape's decode batches of 64-256 sequences with contexts in [100, 2048] this ran
-# 8-17% faster than flash-attn's decode (tools/kernel_bench.py --large, BENCHMARKS.md).
+# 8-17% faster than flash-attn's decode (tools/kernel_bench.py --large, BENCHMARKS.md); with
+# every context equal flash-attn's stays up to ~20% faster (a split count chosen from the
+# contexts themselves would close that: not done).
 LARGE_TILE = 128
 LARGE_BATCH = 128
 NUM_WARPS = 4
