@@ -4,7 +4,9 @@
 # all-reduce cost per step, and 32B at tp=2.
 # Usage (device tool, carry .whl as for tools/gpu_check.sh); one part per call keeps each
 # under the 10-minute command limit:
-#   bash tools/gpu_tp.sh custom | tests | allreduce | batch1 | big   (all: every part)
+#   bash tools/gpu_tp.sh probe | custom | tests | allreduce | batch1 | big   (all: every part)
+# probe: one graph replay of the custom all-reduce watched from outside (with and without an
+# NCCL all-reduce in the same graph, then eager), each run ended after 90 s;
 # custom: the custom all-reduce's own GPU tests (run them first: every wait in the kernel
 # gives up after NANOQWEN_ALL_REDUCE_TIMEOUT_S, pytest after 9 minutes); allreduce: its cost
 # next to NCCL's per shape and over message sizes.
@@ -20,6 +22,13 @@ bench() {  # bench TP NAME ARGS...: one run, its log and JSON under $OUT
   python3 -m nanoqwen.runtime.bench --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
     2>&1 | grep --line-buffered -v $'\r' | tee "$OUT/$name.log"
 }
+if [[ $what == probe || $what == all ]]; then
+  for run in "graph nccl" "graph nonccl" "eager nccl"; do
+    echo "== allreduce_probe $run" | tee -a "$OUT/allreduce_probe.log"
+    timeout 90 python3 tools/allreduce_probe.py $run 2>&1 | tee -a "$OUT/allreduce_probe.log"
+    pkill -9 -f allreduce_probe.py; sleep 1  # a rank left spinning would hold its GPU
+  done
+fi
 if [[ $what == custom || $what == all ]]; then
   timeout 540 python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
     -p no:cacheprovider 2>&1 | tee "$OUT/custom_all_reduce_tests.log"
