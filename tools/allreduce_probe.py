@@ -18,15 +18,12 @@ import faulthandler
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoqwen.model.parallel import TensorParallel
-from nanoqwen.runtime.parallel.custom_all_reduce import create, max_bytes_for
-from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
+from nanoqwen.runtime.parallel.custom_all_reduce import max_bytes_for
+from nanoqwen.runtime.parallel.group import free_port, join_group
 
 WORLD = 2
 WATCH_S = 40
@@ -61,15 +58,9 @@ def rank_main(rank: int, port: int, mode: str, with_nccl: bool) -> None:
     faulthandler.dump_traceback_later(100, exit=True)
     os.environ.setdefault("NANOQWEN_ALL_REDUCE_TIMEOUT_S", "10")
     os.environ["NANOQWEN_CUSTOM_ALL_REDUCE"] = "1"
-    keep_multicast_off()
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        device_id=device, timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    custom = create(rank, WORLD, device, dist.new_group(backend="gloo"))
-    tp = TensorParallel(rank, WORLD, None, custom)
+    ctx = join_group(rank, WORLD, torch.device("cuda", rank), f"tcp://127.0.0.1:{port}")
+    device, tp, custom = ctx.device, ctx.tp, ctx.tp.custom_all_reduce
+    assert custom is not None, "the custom all-reduce was refused on this machine"
     sizes = [1, 3584, 7 * 1025] + ([max_bytes_for(WORLD) // 2 + 8] if with_nccl else [])
     inputs = [torch.full((n,), rank + 1.0, dtype=torch.bfloat16, device=device) for n in sizes]
     outputs = [torch.empty_like(x) for x in inputs]

@@ -98,6 +98,19 @@ def _rope_tables(llm, hf) -> str:
     )
 
 
+def _random_prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(10000) for _ in range(rng.randint(8, 200))]
+
+
+def _greedy(hf, prompt: list[int], **kwargs):
+    """HF's greedy continuation of prompt by NEW tokens."""
+    ids = torch.tensor([prompt], device=DEVICE)
+    return hf.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False,
+        max_new_tokens=NEW, min_new_tokens=NEW, **kwargs,
+    )  # fmt: skip
+
+
 def _eager(hf):
     """A copy of the bf16 HF model with its eager attention instead of SDPA."""
     eager = copy.deepcopy(hf)
@@ -114,17 +127,8 @@ def probe(shape: str, block_size: int, flash: bool, prompts: int = 4) -> None:
     rng = random.Random(1)
     rows: dict[str, list] = {}
     for _ in range(prompts):
-        prompt = [rng.randrange(10000) for _ in range(rng.randint(8, 200))]
-        ids = torch.tensor([prompt], device=DEVICE)
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        prompt = _random_prompt(rng)
+        out = _greedy(hf, prompt, output_logits=True, return_dict_in_generate=True)
         seq = out.sequences[:, :-1]
         tail = slice(len(prompt) - 1, None)
         logits = {
@@ -251,12 +255,8 @@ def lens(shape: str, block_size: int, flash: bool, prompts: int) -> None:
     rng = random.Random(1)
     gaps: dict[str, list] = {}
     for _ in range(prompts):
-        prompt = [rng.randrange(10000) for _ in range(rng.randint(8, 200))]
-        ids = torch.tensor([prompt], device=DEVICE)
-        seq = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=NEW, min_new_tokens=NEW,
-        )[:, :-1]  # fmt: skip
+        prompt = _random_prompt(rng)
+        seq = _greedy(hf, prompt)[:, :-1]
         streams = {}
         for who, model in (("ours", llm.runner.model), ("hf", hf.model), ("fp32", hf32.model)):
             store: list = []

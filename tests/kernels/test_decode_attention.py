@@ -56,6 +56,27 @@ def _decode_step(lengths, heads, kv_heads, head_dim, page, dtype, seed=0):
 )
 @pytest.mark.parametrize("splits", [1, 3, 0], ids=["1-split", "3-splits", "auto-splits"])
 def test_matches_torch_backend_and_writes_the_new_kv(heads, kv_heads, head_dim, page, splits):
+    _check_against_torch(heads, kv_heads, head_dim, page, splits)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page"),
+    [(14, 2, 64, 256), (28, 4, 128, 16)],
+    ids=["0.5B-heads", "7B-heads"],
+)
+@pytest.mark.parametrize("splits", [1, 0], ids=["1-split", "auto-splits"])
+def test_large_batch_tiles_match_torch_backend(
+    heads, kv_heads, head_dim, page, splits, monkeypatch
+):
+    """The 128-key tiles that batches from LARGE_BATCH (sequence, KV head) pairs take, here
+    at a small batch."""
+    import nanoqwen.kernels.decode_attention as decode
+
+    monkeypatch.setattr(decode, "LARGE_BATCH", 1)
+    _check_against_torch(heads, kv_heads, head_dim, page, splits)
+
+
+def _check_against_torch(heads, kv_heads, head_dim, page, splits):
     # Contexts of 1 (the new token alone), across tile and page edges, and several pages.
     lengths = [1, 2, 16, 17, 64, 65, 257, 700]
     qkv, k_cache, v_cache, meta = _decode_step(
