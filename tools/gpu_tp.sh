@@ -5,6 +5,7 @@
 # Usage (device tool, carry .whl as for tools/gpu_check.sh); one part per call keeps each
 # under the 10-minute command limit:
 #   bash tools/gpu_tp.sh probe | custom | tests | allreduce | batch1 | big   (all: every part)
+#   bash tools/gpu_tp.sh ncclenv   (NCCL's small all-reduce under protocol/algorithm settings)
 # probe: one graph replay of the custom all-reduce watched from outside (with and without an
 # NCCL all-reduce in the same graph, then eager), each run ended after 90 s;
 # custom: the custom all-reduce's own GPU tests (run them first: every wait in the kernel
@@ -40,6 +41,15 @@ fi
 if [[ $what == allreduce || $what == all ]]; then
   timeout 540 python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B,72B --sweep 2>&1 \
     | tee "$OUT/allreduce.log"
+fi
+if [[ $what == ncclenv ]]; then
+  # NCCL's small-message all-reduce in a graph took ~16 µs (session 5): does forcing its
+  # low-latency protocol or one algorithm cut that? (Set before the communicator exists.)
+  for env in "" "NCCL_PROTO=LL" "NCCL_PROTO=LL NCCL_ALGO=Ring" "NCCL_PROTO=LL128"; do
+    echo "== ${env:-NCCL defaults}" | tee -a "$OUT/allreduce_ncclenv.log"
+    env $env timeout 120 python3 tools/allreduce_bench.py --tp 2 --shapes 7B 2>&1 \
+      | tee -a "$OUT/allreduce_ncclenv.log"
+  done
 fi
 if [[ $what == batch1 || $what == all ]]; then
   for tp in 1 2; do
