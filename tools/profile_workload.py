@@ -3,6 +3,7 @@
 Usage (device, .peer and .whl carried, flash-attn installed):
     python3 tools/profile_workload.py --engine nanoqwen --shape 7B --workload throughput
     python3 tools/profile_workload.py --engine nano-vllm --shape 7B --workload throughput
+    python3 tools/profile_workload.py --max-num-batched-tokens 16384   # nano-vllm's budget
 
 Runs the workload once unprofiled (warm-up, and the wall time without the profiler's cost),
 then once under torch.profiler recording CUDA kernels only, with every token id shifted by
@@ -45,7 +46,7 @@ def kind(name: str) -> str:
     return "other"
 
 
-def make_llm(engine: str, path: str):
+def make_llm(engine: str, path: str, **ours_kwargs):
     if engine == "nano-vllm":
         sys.path.insert(0, PEER)
         from nanovllm import LLM, SamplingParams
@@ -53,7 +54,8 @@ def make_llm(engine: str, path: str):
         return LLM(path, enforce_eager=False, max_model_len=4096), SamplingParams, False
     from nanoqwen import LLM, SamplingParams
 
-    return LLM(path, device="cuda", dtype="bfloat16", progress=False), SamplingParams, True
+    llm = LLM(path, device="cuda", dtype="bfloat16", progress=False, **ours_kwargs)
+    return llm, SamplingParams, True
 
 
 def main() -> None:
@@ -62,11 +64,15 @@ def main() -> None:
     ap.add_argument("--shape", default="7B")
     ap.add_argument("--workload", default="throughput")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--max-num-batched-tokens", type=int, help="nanoqwen's prefill budget")
     args = ap.parse_args()
+    kwargs = {}
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     sys.path.insert(0, PEER)
     from pair import model_dir, workload
 
-    llm, SamplingParams, ours = make_llm(args.engine, model_dir(args.shape))
+    llm, SamplingParams, ours = make_llm(args.engine, model_dir(args.shape), **kwargs)
     prompts, outs = workload(args.workload)
     sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs]
     warm = {} if ours else {"use_tqdm": False}
