@@ -38,12 +38,14 @@ TARGET_PROGRAMS = 256
 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU (at most 16), at
-    least 4 below 1,024 pairs to balance uneven contexts, one from there up."""
+    """Splits per (sequence, KV head): below LARGE_BATCH pairs enough programs to fill the
+    GPU (at most 16); then 4, to balance uneven contexts; one from 1,024 pairs up."""
     pairs = batch * num_kv_heads
     if pairs >= 1024:
         return 1
-    return max(4, min(MAX_SPLITS, TARGET_PROGRAMS // pairs))
+    if pairs >= LARGE_BATCH:
+        return 4
+    return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // pairs))
 
 
 @triton.jit

@@ -3,8 +3,8 @@
 Prefill: rope_and_store (kernels/rope.py) rotates q and writes the rotated K and V to their
 slots, then the paged prefill kernel (kernels/prefill_attention.py) attends over the cache,
 which holds the cached context too. Decode: one launch of kernels/decode_attention.py rotates
-q and the new key, writes the new K/V and attends, each context split over 4 to 16 programs
-per KV head below 1,024 (sequence, KV head) pairs.
+q and the new key, writes the new K/V and attends, each context split over up to 16 programs
+per KV head (4 from 128 (sequence, KV head) pairs, one from 1,024).
 
 flash-attn is optional. Where it imports and fits (block size a multiple of 256), prefill
 takes flash_attn_varlen_func (PREFILL_WITH_FLASH_ATTN; tools/prefill_bench.py measures the
