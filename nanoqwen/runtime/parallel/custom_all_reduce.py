@@ -10,8 +10,11 @@ Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1. On two H200s (session 7), with the peer
 opened in this rank's device context (_OpenHere below; torch opened them in the peers', an
 illegal address in session 6), eager calls are right (sizes to the limit, 1,000 queued
 calls), but the CUDA-graph replay test hung past its kernel's 20 s timeout, and so did the
-tp=2 engine with it switched on. It becomes the default once its GPU tests pass and
-tools/allreduce_bench.py shows it ahead of NCCL.
+tp=2 engine with it switched on. Since then (session 8, not yet run on GPUs) every warp of a
+program reads the epoch and the give-up verdict from one thread's atomic (kernels/
+all_reduce.py says why warps that disagree hang); tools/allreduce_probe.py watches a graph
+replay to tell whether that was the cause. It becomes the default once its GPU tests pass
+and tools/allreduce_bench.py shows it ahead of NCCL.
 """
 
 from __future__ import annotations
