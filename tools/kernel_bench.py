@@ -5,7 +5,7 @@ counts, next to flash_attn_with_kvcache as the flash-attn backend calls it. The 
 read 20 times, so small contexts sit in L2: compare kernels here, and confirm a choice with
 tools/profile_decode.py, which times the kernels inside the real decode graph.
 
-Usage: python tools/kernel_bench.py [--shapes 0.5B,7B] [--large]
+Usage: python tools/kernel_bench.py [--shapes 0.5B,7B] [--large | --balance]
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from nanoqwen.model.shapes import shape_config
 PAGE = 256
 
 
-def attention(shape: str, batch_sizes, contexts, sweep: bool) -> None:
+def attention(shape: str, batch_sizes, contexts, sweep: bool, balance: bool = False) -> None:
     for bs, ctx in itertools.product(batch_sizes, contexts):
-        attention_case(shape, bs, ctx, sweep)
+        attention_case(shape, bs, ctx, sweep, balance)
 
 
-def attention_case(shape: str, bs: int, ctx: int, sweep: bool) -> None:
+def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) -> None:
     """ctx 0: every sequence's context drawn from U[100, 2048] (the throughput workload's
     spread), else all equal."""
     from flash_attn import flash_attn_with_kvcache
@@ -61,16 +61,22 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool) -> None:
             softmax_scale=d**-0.5, causal=True, num_splits=splits,
         )  # fmt: skip
 
-    def tr(splits=0):
+    def tr(splits=0, order=None):
         da.decode_attention(
             qkv, pos, slots, ctx_t, tables, rotary.cos_half, rotary.sin_half,
-            k_cache, v_cache, d**-0.5, num_splits=splits,
+            k_cache, v_cache, d**-0.5, num_splits=splits, order=order,
         )  # fmt: skip
+
+    longest_first = ctx_t.argsort(descending=True).to(torch.int32)
 
     # KV bytes read per call: what a memory-bound kernel's time is measured against
     kv_bytes = int(lens.sum()) * kvh * d * 2 * k_cache.element_size()
     row = {f"flash splits={s}": graph_us(lambda s=s: fa(s)) for s in (0, 1, 2, 3, 4)}
     row["triton default"] = graph_us(tr)
+    if balance:  # split counts, and the longest contexts launched first
+        for splits, first in itertools.product((0, 1, 2, 4, 8), (False, True)):
+            name = f"triton splits={splits or 'default'}" + (" longest-first" if first else "")
+            row[name] = graph_us(lambda s=splits, f=first: tr(s, longest_first if f else None))
     if sweep:
         for tile, warps, stages, splits in itertools.product(
             (32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4)
@@ -85,7 +91,7 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool) -> None:
             row[f"triton tile={tile} warps={warps} stages={stages} splits={splits}"] = us
         da.TILE, da.LARGE_TILE, da.NUM_WARPS, da.NUM_STAGES = 64, 128, 4, 2
     best_fa = min((v, k) for k, v in row.items() if k.startswith("flash"))
-    best = sorted((v, k) for k, v in row.items() if k.startswith("triton"))[:4]
+    best = sorted((v, k) for k, v in row.items() if k.startswith("triton"))[: 8 if balance else 4]
     label = "U[100,2048]" if ctx == 0 else str(ctx)
     fa_rate = kv_bytes / best_fa[0] / 1e6
     print(
@@ -103,8 +109,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="0.5B,7B")
     p.add_argument("--large", action="store_true", help="large decode batches, swept")
+    p.add_argument("--balance", action="store_true", help="split counts and launch order")
     args = p.parse_args()
     for shape in args.shapes.split(","):
+        if args.balance:  # the throughput workload's decode batches, as its batch decays
+            attention(shape, [32, 64, 96, 128, 192, 256], [0, 1024], False, balance=True)
+            continue
         if args.large:  # the throughput workload's decode batches
             attention(shape, [64, 128, 256], [0, 1024], sweep=True)
             continue

@@ -31,6 +31,9 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     # Decode only: KV splits per sequence and KV head; 0 lets the backend choose.
     num_splits: int = 0
+    # Decode only: a permutation of the rows, longest context first, for backends that
+    # launch work per sequence (the Triton decode kernel); None: batch order.
+    decode_order: torch.Tensor | None = None  # [seqs] int32
     # Decode only, cascade (attention/cascade.py): the first prefix_len[0] keys of every
     # sequence are block_tables[0]'s; suffix_tables / suffix_lens hold each one's keys after.
     prefix_len: torch.Tensor | None = None  # [1] int32

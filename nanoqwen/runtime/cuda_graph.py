@@ -23,7 +23,8 @@ class _HostMirror:
     int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
     previous step's output that holds it, and each row's sampler slot. int32 part:
     context_lens, tables, then the cascade's suffix_lens, prefix_len and
-    suffix_tables (attention/cascade.py). Both parts live in one buffer (t), so a step's
+    suffix_tables (attention/cascade.py), then the rows longest context first (the decode
+    kernel's launch order). Both parts live in one buffer (t), so a step's
     inputs are one copy, and with tensor parallelism one broadcast.
     """
 
@@ -39,11 +40,12 @@ class _HostMirror:
         self.tables = h32[n:end].reshape(n, width)
         self.suffix_lens, self.prefix_len = h32[end : end + n], h32[end + n : end + n + 1]
         self.suffix_tables = h32[end + n + 1 : end + n + 1 + n * width].reshape(n, width)
+        self.order = h32[end + n + 1 + n * width : end + 2 * n + 1 + n * width]
 
 
 def int32_entries(n: int, width: int) -> int:
-    """context_lens, tables, suffix_lens, prefix_len, suffix_tables."""
-    return 2 * n + 1 + 2 * n * width
+    """context_lens, tables, suffix_lens, prefix_len, suffix_tables, order."""
+    return 3 * n + 1 + 2 * n * width
 
 
 class CUDAGraphRunner:
@@ -112,6 +114,7 @@ class CUDAGraphRunner:
             max_seqlen_q=1,
             max_seqlen_k=max_len,
             num_splits=num_splits,
+            decode_order=d32[end + n + 1 + n * w :][:bs],
         )
         if cascade:
             meta.suffix_lens = d32[end : end + bs]
@@ -213,6 +216,7 @@ class CUDAGraphRunner:
                 m.suffix_lens[:n] = lens - shared * block_size
                 m.suffix_tables[:n, : self.width - shared] = m.tables[:n, shared:]
         self._fill_padding(m, n, bs)
+        m.order[:bs] = np.argsort(-m.ctx[:bs], kind="stable")
         self.dev.copy_(m.t, non_blocking=True)
         if pending:
             ids, rows = self.dev64[:n], self.dev64[3 * self.max_bs :][:n]

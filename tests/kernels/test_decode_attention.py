@@ -76,7 +76,19 @@ def test_large_batch_tiles_match_torch_backend(
     _check_against_torch(heads, kv_heads, head_dim, page, splits)
 
 
-def _check_against_torch(heads, kv_heads, head_dim, page, splits):
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page"),
+    [(14, 2, 64, 256), (28, 4, 128, 16)],
+    ids=["0.5B-heads", "7B-heads"],
+)
+@pytest.mark.parametrize("splits", [1, 4], ids=["1-split", "4-splits"])
+def test_longest_first_launch_order_matches_torch_backend(heads, kv_heads, head_dim, page, splits):
+    """Sequences launched longest context first (the order the decode graphs pass); with 4
+    splits the short contexts use fewer (one for a context of 1)."""
+    _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=True)
+
+
+def _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=False):
     # Contexts of 1 (the new token alone), across tile and page edges, and several pages.
     lengths = [1, 2, 16, 17, 64, 65, 257, 700]
     qkv, k_cache, v_cache, meta = _decode_step(
@@ -89,6 +101,7 @@ def _check_against_torch(heads, kv_heads, head_dim, page, splits):
     out = decode_attention(
         qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
         rotary.cos_half, rotary.sin_half, k_cache, v_cache, scale, num_splits=splits,
+        order=meta.context_lens.argsort(descending=True) if ordered else None,
     )  # fmt: skip
     assert out.shape == (len(lengths), heads, head_dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

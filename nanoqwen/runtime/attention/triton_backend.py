@@ -4,13 +4,14 @@ Prefill: rope_and_store (kernels/rope.py) rotates q and writes the rotated K and
 slots, then the paged prefill kernel (kernels/prefill_attention.py) attends over the cache,
 which holds the cached context too. Decode: one launch of kernels/decode_attention.py rotates
 q and the new key, writes the new K/V and attends, each context split over up to 16 programs
-per KV head (4 from 128 (sequence, KV head) pairs, one from 1,024).
+per KV head (4 from 128 (sequence, KV head) pairs, 2 from 256, one from 512), the sequences
+launched longest context first (the decode graphs pass that order).
 
 flash-attn is optional. Where it imports and fits (block size a multiple of 256), prefill
 takes flash_attn_varlen_func (PREFILL_WITH_FLASH_ATTN; tools/prefill_bench.py measures the
 two prefills side by side) and a shared-prefix decode its cascade. Plain decode stays on the
 Triton kernel at every batch size: 1.8-4.5x faster than flash_attn_with_kvcache at small
-batches, and 8-17% faster at 64-256 sequences of uneven length (BENCHMARKS.md).
+batches, and 8-25% faster at 32-256 sequences of uneven length (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class TritonAttention:
         return decode_attention(
             qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
             self.rotary.cos_half, self.rotary.sin_half, k_cache, v_cache, self.scale,
-            num_splits=meta.num_splits,
+            num_splits=meta.num_splits, order=meta.decode_order,
         )  # fmt: skip
 
     def prefill(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
