@@ -26,7 +26,7 @@ import torch
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".peer")
 KINDS = [  # first match wins: flash-attn's names contain "cutlass" and "Flash_fwd_kernel_traits"
     # too; its paged prefill (varlen with a block table) also runs the splitkv kernel
-    ("attention splitkv", r"splitkv|flash_fwd_split|decode_attention|combine|merge_attention"),
+    ("attention splitkv", r"splitkv|flash_fwd_split|decode_|combine|merge_"),
     ("attention prefill", r"flash_fwd_kernel|prefill_attention"),
     ("gemv (triton)", r"gemv"),
     ("gemm", r"gemm|xmma|cutlass|cublas|nvjet"),
