@@ -75,6 +75,8 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
     row["triton default"] = graph_us(tr)
     if balance:  # split counts, and the longest contexts launched first
         for splits, first in itertools.product((0, 1, 2, 4, 8), (False, True)):
+            if splits == 0 and not first:  # "triton default" above
+                continue
             name = f"triton splits={splits or 'default'}" + (" longest-first" if first else "")
             row[name] = graph_us(lambda s=splits, f=first: tr(s, longest_first if f else None))
     if sweep:
