@@ -49,6 +49,14 @@ def _decode_step(lengths, heads, kv_heads, head_dim, page, dtype, seed=0):
     return qkv, k_cache, v_cache, meta
 
 
+# The 0.5B and 7B attention shapes, for the tests of one kernel option each.
+real_head_shapes = pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page"),
+    [(14, 2, 64, 256), (28, 4, 128, 16)],
+    ids=["0.5B-heads", "7B-heads"],
+)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "page"),
     [(14, 2, 64, 256), (7, 1, 64, 16), (28, 4, 128, 16), (8, 8, 128, 256)],
@@ -59,11 +67,7 @@ def test_matches_torch_backend_and_writes_the_new_kv(heads, kv_heads, head_dim, 
     _check_against_torch(heads, kv_heads, head_dim, page, splits)
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "page"),
-    [(14, 2, 64, 256), (28, 4, 128, 16)],
-    ids=["0.5B-heads", "7B-heads"],
-)
+@real_head_shapes
 @pytest.mark.parametrize("splits", [1, 0], ids=["1-split", "auto-splits"])
 def test_large_batch_tiles_match_torch_backend(
     heads, kv_heads, head_dim, page, splits, monkeypatch
@@ -76,11 +80,7 @@ def test_large_batch_tiles_match_torch_backend(
     _check_against_torch(heads, kv_heads, head_dim, page, splits)
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "page"),
-    [(14, 2, 64, 256), (28, 4, 128, 16)],
-    ids=["0.5B-heads", "7B-heads"],
-)
+@real_head_shapes
 @pytest.mark.parametrize("splits", [1, 4], ids=["1-split", "4-splits"])
 def test_longest_first_launch_order_matches_torch_backend(heads, kv_heads, head_dim, page, splits):
     """Sequences launched longest context first (the order the decode graphs pass); with 4
