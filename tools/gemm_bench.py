@@ -4,7 +4,7 @@ Prefill steps of different token counts get different cuBLAS kernels; this shows
 prefill budget should aim for. Decode batch sizes are timed as well (bandwidth-bound there).
 
 Usage (device): python3 tools/gemm_bench.py --shape 7B [--m 64,128,256,4096,8192,16384]
-                python3 tools/gemm_bench.py --only gate_up,down --m 4096:16384:512 --data zeros
+                python3 tools/gemm_bench.py --only gate_up,down --m 4096:16384:512 --data halfzero
 --data: the activations' values (randn, or half of each row zeros: the tensor cores' power
 draw, and so the clock under the power cap, depends on the bits they multiply).
 """
@@ -16,20 +16,7 @@ import argparse
 import gpu_timing
 import torch
 import torch.nn.functional as F
-
-from nanoqwen.model.shapes import shape_config
-
-
-def projections(shape: str) -> dict[str, tuple[int, int]]:
-    cfg = shape_config(shape)
-    h, d = cfg.hidden_size, cfg.head_dim
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    return {
-        "qkv": (h, qkv),
-        "o": (cfg.num_attention_heads * d, h),
-        "gate_up": (h, 2 * cfg.intermediate_size),
-        "down": (cfg.intermediate_size, h),
-    }
+from quant_kernel_bench import shapes
 
 
 def kernel_name(fn) -> str:
@@ -54,8 +41,8 @@ def main() -> None:
         ms = [int(v) for v in args.m.split(",")]
     torch.manual_seed(0)
     total: dict[int, float] = {}
-    for name, (k, n) in projections(args.shape).items():
-        if args.only and name not in args.only.split(","):
+    for name, (n, k) in shapes(args.shape).items():
+        if name == "lm_head" or (args.only and name not in args.only.split(",")):
             continue
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16) if name == "qkv" else None
