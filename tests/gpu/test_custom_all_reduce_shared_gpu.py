@@ -1,0 +1,100 @@
+"""The custom all-reduce's protocol on a one-GPU machine: two processes share cuda:0 and map
+each other's buffers over CUDA IPC, as two ranks on two GPUs do (the engine refuses a shared
+GPU, so the ranks build CustomAllReduce themselves, over gloo, with no NCCL).
+
+Without MPS the GPU runs one process's kernel at a time and switches on its time slice, so a
+rank's kernel spins until its peer's context gets the GPU: every call costs about a time
+slice (~2 ms) and nothing here is timed. What it shows on every GPU check, two GPUs or not:
+the barriers and epochs hold for calls queued back to back and for CUDA-graph replays (the
+case that hung on two H200s in session 7), with exact sums and no wait given up.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, max_bytes_for
+from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+WORLD = 2
+HIDDEN = 3584  # 7B: one decode token's all-reduce
+LAYER_CALLS = 57  # a 7B decode step: two per layer and one more
+
+
+def join(rank: int, port: int) -> CustomAllReduce:
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang fails the test, loudly
+    keep_multicast_off()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    programs = torch.cuda.get_device_properties(device).multi_processor_count
+    return CustomAllReduce(
+        rank, WORLD, device, dist.group.WORLD, programs, max_bytes_for(WORLD),
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+
+
+def expected(mine: torch.Tensor) -> torch.Tensor:
+    """Every rank's input summed in float32 in rank order, rounded once (over gloo)."""
+    inputs = [torch.empty(mine.shape) for _ in range(WORLD)]
+    dist.all_gather(inputs, mine.float().cpu())  # bfloat16 to float32 is exact
+    return sum(inputs, torch.zeros(mine.shape)).to(mine.dtype)
+
+
+def protocol_rank(rank: int, port: int) -> None:
+    custom = join(rank, port)
+    device = custom.device
+    gen = torch.Generator().manual_seed(1234 + rank)
+    limit = custom.max_bytes // 2
+
+    def rand(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
+
+    # Queued with no sync between them: a rank may run calls ahead of the other.
+    sizes = [1, 7, 1025, HIDDEN, 7 * HIDDEN + 1, 65537, limit - 1, limit] * 4
+    inputs = [rand(n) for n in sizes]
+    outputs = [x.clone() for x in inputs]
+    for out in outputs:
+        assert custom(out)
+    torch.cuda.synchronize()
+    for inp, out in zip(inputs, outputs):
+        assert torch.equal(out.cpu(), expected(inp)), inp.numel()
+
+    # One 7B decode step's all-reduces captured in a graph, replayed over new inputs.
+    inputs = [torch.zeros(HIDDEN, dtype=torch.bfloat16, device=device) for _ in range(LAYER_CALLS)]
+    outputs = [torch.empty_like(x) for x in inputs]
+
+    def step() -> None:
+        for x, out in zip(inputs, outputs):
+            out.copy_(x)
+            custom(out)
+
+    step()  # compiles the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(10):
+        for x in inputs:
+            x.copy_(rand(HIDDEN))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert custom.error() is None, custom.error()
+        for inp, out in zip(inputs, outputs):
+            assert torch.equal(out.cpu(), expected(inp))
+    assert custom.error() is None, custom.error()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_queued_calls_and_graph_replays_sum_exactly_with_two_processes_on_one_gpu():
+    mp.spawn(protocol_rank, args=(free_port(),), nprocs=WORLD)
