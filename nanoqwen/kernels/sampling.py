@@ -116,20 +116,26 @@ def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_p
 
 @triton.jit
 def _sample_kernel(
-    z_ptr, tau_ptr, slots_ptr, iparams_ptr, out_pos_ptr, part_gval_ptr, part_gidx_ptr,
-    vocab, num_tiles, BLOCK: tl.constexpr,
+    z_ptr, tau_ptr, part_max_ptr, slots_ptr, iparams_ptr, out_pos_ptr, part_gval_ptr,
+    part_gidx_ptr, vocab, num_tiles, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
+    part = row * num_tiles + tile
+    tau = tl.load(tau_ptr + row)
+    if tl.load(part_max_ptr + part) < tau:  # the filters keep nothing here: most tiles
+        tl.store(part_gval_ptr + part, float("-inf"))
+        tl.store(part_gidx_ptr + part, tile * BLOCK)
+        return
     slot = tl.load(slots_ptr + row)
     ip = iparams_ptr + slot * NUM_I
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     inside = offs < vocab
     x = tl.load(z_ptr + row * vocab + offs, mask=inside, other=float("-inf"))
-    keep = inside & (x >= tl.load(tau_ptr + row))
-    _store_draw(x, keep, tl.load(ip + I_FLAGS), ip, out_pos_ptr, slot, offs,
-                row * num_tiles + tile, tile * BLOCK, part_gval_ptr, part_gidx_ptr)  # fmt: skip
+    keep = inside & (x >= tau)
+    _store_draw(x, keep, tl.load(ip + I_FLAGS), ip, out_pos_ptr, slot, offs, part,
+                tile * BLOCK, part_gval_ptr, part_gidx_ptr)  # fmt: skip
 
 
 @triton.jit
@@ -238,8 +244,8 @@ def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: in
     z, tau, parts = filter_thresholds(logits, slots, state, candidates)
     rows, vocab = z.shape
     _sample_kernel[(rows, parts.tiles)](
-        z, tau, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab, parts.tiles,
-        BLOCK=TILE, num_warps=4,
+        z, tau, parts.max, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab,
+        parts.tiles, BLOCK=TILE, num_warps=4,
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
     _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True)

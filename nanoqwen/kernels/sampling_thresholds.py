@@ -6,8 +6,9 @@ sampling._prepare_kernel) into the row's CANDIDATES largest, sorted, and derives
 thresholds from them as the reference's sorted rule does: top-k's is the k-th value; top-p's
 the value where the cumulative renormalised mass first reaches p; min-p's max(z) + log(min_p).
 A row whose boundary lies past the candidates (a larger top-k, a top-p mass they do not reach,
-ties with the k-th beyond them) is flagged, and _finish_kernel finds its thresholds by
-bisection over the whole row; other rows only take the largest of their three.
+ties with the k-th beyond them) is flagged, and _finish_kernel searches its thresholds: over
+the union of every tile's candidates where that holds them, else over the whole row; other
+rows only take the largest of their three.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ F_MIN_P = tl.constexpr(layout.F_MIN_P)
 NUM_F = tl.constexpr(layout.NUM_F)
 I_TOP_K = tl.constexpr(layout.I_TOP_K)
 NUM_I = tl.constexpr(layout.NUM_I)
+PROBES = 8  # thresholds a search pass measures at once
+SEARCH_BLOCK = 2048  # values a search loads at a time
+SEARCH_WARPS = 16
 
 
 @triton.jit
@@ -83,59 +87,116 @@ def _from_ordered(key):
 
 
 @triton.jit
-def _above(z_row, vocab, v, lo, m, MASS: tl.constexpr, BLOCK: tl.constexpr):
-    """Over tokens with z >= max(v, lo): the sum of exp(z - m) (MASS) or their count."""
-    total = 0.0
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(z_row + offs, mask=offs < vocab, other=float("-inf"))
-        keep = (x >= v) & (x >= lo) & (x > float("-inf"))
-        if MASS:
-            total += tl.sum(tl.where(keep, tl.exp(x - m), 0.0), axis=0)
-        else:
-            total += tl.sum(keep.to(tl.float32), axis=0)
-    return total
+def _values(ptr, start, n, floor, bound, BLOCK: tl.constexpr):
+    """ptr[start:start + BLOCK], with -inf for what is past n, at most floor or below bound.
+    The loops below load the next block before they use this one: one program reads a
+    whole row, so it would otherwise wait out a memory latency per block."""
+    offs = start + tl.arange(0, BLOCK)
+    x = tl.load(ptr + offs, mask=offs < n, other=float("-inf"))
+    return tl.where((x > floor) & (x >= bound), x, float("-inf"))
 
 
 @triton.jit
-def _largest_threshold(z_row, vocab, lo, m, target, MASS: tl.constexpr, BLOCK: tl.constexpr):
-    """The largest v with measure(z >= v) >= target, by bisection on the float order (the
-    measure only changes at token values, so the answer keeps exactly the tokens the sorted
-    rule keeps, ties included)."""
-    lo_key = _ordered(lo)
-    hi_key = _ordered(m) + 1
-    while hi_key - lo_key > 1:
-        mid = lo_key + (hi_key - lo_key) // 2
-        if _above(z_row, vocab, _from_ordered(mid), lo, m, MASS, BLOCK) >= target:
-            lo_key = mid
+def _total(ptr, n, floor, bound, m, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Over the values x of ptr[:n] with x > floor and x >= bound: the sum of exp(x - m)
+    (MASS) or their count."""
+    total = tl.zeros([BLOCK], dtype=tl.float32)  # summed across threads once, at the end
+    ahead = _values(ptr, 0, n, floor, bound, BLOCK)
+    for start in range(0, n, BLOCK):
+        x = ahead
+        ahead = _values(ptr, start + BLOCK, n, floor, bound, BLOCK)
+        if MASS:
+            total += tl.exp(x - m)
         else:
-            hi_key = mid
+            total += (x > float("-inf")).to(tl.float32)
+    return tl.sum(total, axis=0)
+
+
+@triton.jit
+def _search(
+    ptr, n, floor, bound, lo_key, hi_key, m, target,
+    MASS: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The largest v in [lo_key, hi_key) (float order keys) with measure(x >= v) >= target,
+    measure as _total's; lo_key when none. Each pass over the values measures PROBES evenly
+    spaced keys at once and keeps the piece between the last that reaches the target and the
+    next: ~32 / log2(PROBES) passes. The measure only changes at values, so the answer keeps
+    exactly the values the sorted rule keeps, ties included."""
+    j = tl.arange(0, PROBES).to(tl.int64)
+    while hi_key - lo_key > 1:
+        step = (hi_key - lo_key + PROBES - 1) // PROBES
+        keys = lo_key + j * step
+        probes = _from_ordered(keys)
+        acc = tl.zeros([PROBES, BLOCK], dtype=tl.float32)
+        ahead = _values(ptr, 0, n, floor, bound, BLOCK)
+        for start in range(0, n, BLOCK):
+            x = ahead
+            ahead = _values(ptr, start + BLOCK, n, floor, bound, BLOCK)
+            keep = (x[None, :] >= probes[:, None]) & (x[None, :] > float("-inf"))
+            if MASS:
+                acc += tl.where(keep, tl.exp(x - m)[None, :], 0.0)
+            else:
+                acc += keep.to(tl.float32)
+        measure = tl.sum(acc, axis=1)  # across threads once a pass, not once a block
+        reached = (measure >= target) & (keys < hi_key)
+        lo_key = tl.max(tl.where(reached, keys, lo_key), axis=0)
+        hi_key = tl.minimum(lo_key + step, hi_key)
     return _from_ordered(lo_key)
 
 
 @triton.jit
 def _finish_kernel(
-    z_ptr, need_ptr, slots_ptr, fparams_ptr, iparams_ptr, tau_k_ptr, tau_p_ptr, tau_min_ptr,
-    m_ptr, tau_ptr, vocab, BLOCK: tl.constexpr,
+    z_ptr, cand_ptr, num_cands, need_ptr, slots_ptr, fparams_ptr, iparams_ptr, tau_k_ptr,
+    tau_p_ptr, tau_min_ptr, m_ptr, s_ptr, tau_ptr, vocab,
+    CAP: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Each row's threshold: the largest of its three, after a bisection over the whole row
-    for a flagged row (need bit 1: top-k, bit 2: top-p)."""
+    """Each row's threshold: the largest of its three, after a search for a flagged row (need
+    bit 1: top-k, bit 2: top-p). The search runs over the union of the tiles' candidates where
+    that holds the answer: every token above c, the largest of the tiles' smallest candidates,
+    is a candidate, so a threshold above c is found among them (a top-p nucleus of hundreds or
+    thousands of tokens, as a trained model's flatter rows have). Otherwise, over the row."""
     row = tl.program_id(0).to(tl.int64)
     need = tl.load(need_ptr + row)
     tau_k = tl.load(tau_k_ptr + row)
     tau_p = tl.load(tau_p_ptr + row)
     if need != 0:
         z_row = z_ptr + row * vocab
+        union = cand_ptr + row * num_cands
+        tiles = tl.arange(0, BLOCK)
+        smallest = tl.load(union + tiles * CAP + CAP - 1, mask=tiles * CAP < num_cands,
+                           other=float("-inf"))  # fmt: skip
+        c = tl.max(smallest, axis=0)
+        above_c = _ordered(c) + 1
         m = tl.load(m_ptr + row)
+        top_key = _ordered(m) + 1
+        no_bound = tl.full((), float("-inf"), tl.float32)
         slot = tl.load(slots_ptr + row)
         if (need & 1) != 0:  # count instead of sort
             k = tl.load(iparams_ptr + slot * NUM_I + I_TOP_K).to(tl.float32)
-            no_bound = tl.full((), float("-inf"), tl.float32)
-            tau_k = _largest_threshold(z_row, vocab, no_bound, m, k, False, BLOCK)
+            if _total(union, num_cands, c, no_bound, m, False, BLOCK) >= k:
+                tau_k = _search(union, num_cands, c, no_bound, above_c, top_key, m, k, False,
+                                PROBES, BLOCK)  # fmt: skip
+            else:
+                below_c = tl.minimum(above_c, top_key)  # the k-th value is c or less
+                tau_k = _search(z_row, vocab, no_bound, no_bound, _ordered(no_bound), below_c,
+                                m, k, False, PROBES, BLOCK)  # fmt: skip
         if (need & 2) != 0:
-            target = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P)
-            target = target * _above(z_row, vocab, tau_k, tau_k, m, True, BLOCK)
-            tau_p = _largest_threshold(z_row, vocab, tau_k, m, target, True, BLOCK)
+            # top-p over the top-k survivors, renormalised: their mass
+            if tau_k > c:
+                kept = _total(union, num_cands, c, tau_k, m, True, BLOCK)
+            elif tau_k == float("-inf"):
+                kept = tl.load(s_ptr + row)
+            else:
+                kept = _total(z_row, vocab, no_bound, tau_k, m, True, BLOCK)
+            target = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P) * kept
+            lo_key = _ordered(tau_k)
+            if _total(union, num_cands, c, tau_k, m, True, BLOCK) >= target:
+                tau_p = _search(union, num_cands, c, tau_k, tl.maximum(lo_key, above_c),
+                                top_key, m, target, True, PROBES, BLOCK)  # fmt: skip
+            else:
+                below_c = tl.minimum(above_c, top_key)
+                tau_p = _search(z_row, vocab, no_bound, tau_k, lo_key, below_c, m, target, True,
+                                PROBES, BLOCK)  # fmt: skip
     tau = tl.maximum(tl.maximum(tau_k, tau_p), tl.load(tau_min_ptr + row))
     tl.store(tau_ptr + row, tau)
 
@@ -161,8 +222,9 @@ def thresholds(
         vocab, CAP=candidates, BLOCK=max(triton.next_power_of_2(num_cands), candidates),
         num_warps=8,
     )  # fmt: skip
+    block = max(SEARCH_BLOCK, triton.next_power_of_2(cand.shape[1]))  # holds a value per tile
     _finish_kernel[(rows,)](
-        z, need, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min, m, tau, vocab,
-        BLOCK=2048, num_warps=8,
+        z, cand, num_cands, need, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min, m,
+        s, tau, vocab, CAP=candidates, PROBES=PROBES, BLOCK=block, num_warps=SEARCH_WARPS,
     )  # fmt: skip
     return tau

@@ -39,9 +39,14 @@ FILTERS = [
 ]
 
 
-@pytest.mark.parametrize("candidates", [256, 8])
-def test_filtered_sets_equal_the_reference(monkeypatch, candidates):
+# 8 candidates: boundaries past them, searched in the union of all tiles' candidates where
+# that holds them (the more tiles, the more often), else over the row.
+@pytest.mark.parametrize(("candidates", "tile"), [(256, 2048), (8, 2048), (8, 256)])
+def test_filtered_sets_equal_the_reference(monkeypatch, candidates, tile):
+    from nanoqwen.kernels import sampling as kernels
+
     monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    monkeypatch.setattr(kernels, "TILE", tile)
     params = [dict(temperature=0.7) | f for f in FILTERS]
     sampler, slots, seqs = _sampler(params)
     g = torch.Generator(device=DEV).manual_seed(0)

@@ -84,6 +84,37 @@ def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candid
         torch.testing.assert_close(ours[torch.isfinite(ours)], ref[torch.isfinite(ref)])
 
 
+def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monkeypatch):
+    """8 tiles of 128 tokens with 8 candidates each: a boundary past the row's 8 largest is
+    searched among the union of all tiles' candidates where it lies above c (the largest of
+    the tiles' 8th values: every token above c is a candidate), else over the whole row.
+    Both give the reference's kept sets, and this batch takes both."""
+    pytest.importorskip("triton")
+    from nanoqwen.kernels import sampling as kernels
+
+    cap, tile, vocab = 8, 128, 1000
+    monkeypatch.setattr(sampler_module, "CANDIDATES", cap)
+    monkeypatch.setattr(kernels, "TILE", tile)
+    params = [dict(top_k=k) for k in (12, 24, 100, 400)]
+    params += [dict(top_p=0.9), dict(top_p=0.99), dict(top_k=200, top_p=0.8)]
+    params += [dict(top_k=30, top_p=0.95)]
+    seqs = [make_seq([1, 2], temperature=1.0, **p) for p in params]
+    sampler, slots = make_sampler(seqs, vocab, "triton")
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(5)) * 3
+    ours = sampler.filtered_logits(logits, slots)
+    top_k = [s.params.top_k for s in seqs]
+    ref = filter_logits(logits, top_k, [s.params.top_p for s in seqs], [0.0] * len(seqs))
+    padded = torch.nn.functional.pad(logits, (0, 1024 - vocab), value=float("-inf"))
+    c = padded.view(len(seqs), -1, tile).topk(cap, dim=2).values[:, :, -1].amax(dim=1)
+    where = set()
+    for row, p in enumerate(params):
+        kept = torch.isfinite(ref[row])
+        assert torch.equal(torch.isfinite(ours[row]), kept), p
+        if int(kept.sum()) > cap:
+            where.add("union" if logits[row][kept].min() > c[row] else "row")
+    assert where == {"union", "row"}
+
+
 def test_top_k_keeps_every_token_tied_with_the_kth():
     logits = torch.tensor([[5.0, 4.0, 4.0, 4.0, 1.0, 0.0]])
     sampler, slots = make_sampler([make_seq([1], top_k=2)], 6)

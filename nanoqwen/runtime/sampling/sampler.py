@@ -7,8 +7,9 @@ Per row (the semantics of reference.py, HF's order):
 2. top-k, top-p and min-p each keep the tokens of z above a threshold, so together they keep
    z >= tau with tau the largest of the three. The thresholds come from the CANDIDATES most
    likely tokens (one top-k, no full sort); a row whose top-k or top-p boundary lies past
-   them gets it from a bisection over its whole row (a kernel whose other rows return at
-   once). min-p's is closed-form: z >= max(z) + log(min_p);
+   them gets it from a search over the union of every vocabulary tile's candidates where
+   that holds it (a nucleus of up to thousands of tokens), else over its whole row (a kernel
+   whose other rows return at once). min-p's is closed-form: z >= max(z) + log(min_p);
 3. a Gumbel-max draw over the kept tokens, with counter-based noise keyed by (seed, output
    position, token): a seeded request's tokens do not depend on its batch.
 Batches with no filtering row skip step 2 and draw in the same pass as step 1.
