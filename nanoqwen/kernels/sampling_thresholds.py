@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
+from nanoqwen.kernels.select import from_ordered_key, ordered_key, store_largest
 
 F_TOP_P = tl.constexpr(layout.F_TOP_P)
 F_MIN_P = tl.constexpr(layout.F_MIN_P)
@@ -36,15 +37,18 @@ def _at(values, idx, i):
 
 @triton.jit
 def _thresholds_kernel(
-    cand_ptr, num_cands, m_ptr, s_ptr, slots_ptr, fparams_ptr, iparams_ptr,
+    cand_ptr, num_cands, top_ptr, m_ptr, s_ptr, slots_ptr, fparams_ptr, iparams_ptr,
     tau_k_ptr, tau_p_ptr, tau_min_ptr, need_ptr, vocab,
     CAP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     merged = tl.load(cand_ptr + row * num_cands + offs, mask=offs < num_cands, other=float("-inf"))
-    values = tl.topk(merged, CAP)  # sorted, largest first
     idx = tl.arange(0, CAP)
+    # The row's CAP largest through memory (top_ptr: [rows, CAP]), then sorted.
+    store_largest(merged, top_ptr + row * CAP, CAP)
+    tl.debug_barrier()  # every thread's stores, before any thread reads them back
+    values = tl.sort(tl.load(top_ptr + row * CAP + idx), descending=True)
     slot = tl.load(slots_ptr + row)
     top_k = tl.load(iparams_ptr + slot * NUM_I + I_TOP_K)
     top_p = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P)
@@ -71,19 +75,6 @@ def _thresholds_kernel(
         tau_min_ptr + row, tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
     )
     tl.store(need_ptr + row, k_past.to(tl.int32) | (p_past.to(tl.int32) << 1))
-
-
-@triton.jit
-def _ordered(x):
-    """float32 -> int64 key with the same order (negative floats' bits reversed)."""
-    i = x.to(tl.int32, bitcast=True)
-    return tl.where(i < 0, i ^ 0x7FFFFFFF, i).to(tl.int64)
-
-
-@triton.jit
-def _from_ordered(key):
-    i = key.to(tl.int32)
-    return tl.where(i < 0, i ^ 0x7FFFFFFF, i).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -126,7 +117,7 @@ def _search(
     while hi_key - lo_key > 1:
         step = (hi_key - lo_key + PROBES - 1) // PROBES
         keys = lo_key + j * step
-        probes = _from_ordered(keys)
+        probes = from_ordered_key(keys)
         acc = tl.zeros([PROBES, BLOCK], dtype=tl.float32)
         ahead = _values(ptr, 0, n, floor, bound, BLOCK)
         for start in range(0, n, BLOCK):
@@ -141,7 +132,7 @@ def _search(
         reached = (measure >= target) & (keys < hi_key)
         lo_key = tl.max(tl.where(reached, keys, lo_key), axis=0)
         hi_key = tl.minimum(lo_key + step, hi_key)
-    return _from_ordered(lo_key)
+    return from_ordered_key(lo_key)
 
 
 @triton.jit
@@ -166,9 +157,9 @@ def _finish_kernel(
         smallest = tl.load(union + tiles * CAP + CAP - 1, mask=tiles * CAP < num_cands,
                            other=float("-inf"))  # fmt: skip
         c = tl.max(smallest, axis=0)
-        above_c = _ordered(c) + 1
+        above_c = ordered_key(c) + 1
         m = tl.load(m_ptr + row)
-        top_key = _ordered(m) + 1
+        top_key = ordered_key(m) + 1
         no_bound = tl.full((), float("-inf"), tl.float32)
         slot = tl.load(slots_ptr + row)
         if (need & 1) != 0:  # count instead of sort
@@ -178,7 +169,7 @@ def _finish_kernel(
                                 PROBES, BLOCK)  # fmt: skip
             else:
                 below_c = tl.minimum(above_c, top_key)  # the k-th value is c or less
-                tau_k = _search(z_row, vocab, no_bound, no_bound, _ordered(no_bound), below_c,
+                tau_k = _search(z_row, vocab, no_bound, no_bound, ordered_key(no_bound), below_c,
                                 m, k, False, PROBES, BLOCK)  # fmt: skip
         if (need & 2) != 0:
             # top-p over the top-k survivors, renormalised: their mass
@@ -189,7 +180,7 @@ def _finish_kernel(
             else:
                 kept = _total(z_row, vocab, no_bound, tau_k, m, True, BLOCK)
             target = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P) * kept
-            lo_key = _ordered(tau_k)
+            lo_key = ordered_key(tau_k)
             if _total(union, num_cands, c, tau_k, m, True, BLOCK) >= target:
                 tau_p = _search(union, num_cands, c, tau_k, tl.maximum(lo_key, above_c),
                                 top_key, m, target, True, PROBES, BLOCK)  # fmt: skip
@@ -217,9 +208,10 @@ def thresholds(
     f32 = dict(dtype=torch.float32, device=z.device)
     tau_k, tau_p, tau_min, tau = (torch.empty(rows, **f32) for _ in range(4))
     need = torch.empty(rows, dtype=torch.int32, device=z.device)
+    top = torch.empty(rows, candidates, **f32)
     _thresholds_kernel[(rows,)](
-        cand, num_cands, m, s, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min, need,
-        vocab, CAP=candidates, BLOCK=max(triton.next_power_of_2(num_cands), candidates),
+        cand, num_cands, top, m, s, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min,
+        need, vocab, CAP=candidates, BLOCK=max(triton.next_power_of_2(num_cands), candidates),
         num_warps=8,
     )  # fmt: skip
     block = max(SEARCH_BLOCK, triton.next_power_of_2(cand.shape[1]))  # holds a value per tile
