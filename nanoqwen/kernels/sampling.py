@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
+from nanoqwen.kernels.select import store_above
 
 TILE = 2048  # vocabulary entries per program
 
@@ -55,15 +56,16 @@ def _gumbel(seed, pos, offs):
 
 @triton.jit
 def _prepare_kernel(
-    logits_ptr, logits_stride, z_ptr, cand_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
-    prompt_mask_ptr, counts_ptr, ban_mask_ptr,
+    logits_ptr, logits_stride, z_ptr, cand_ptr, floor_ptr, slots_ptr, fparams_ptr, iparams_ptr,
+    out_pos_ptr, prompt_mask_ptr, counts_ptr, ban_mask_ptr,
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles,
     WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
     per-tile partials: max, sum of exp(z - max), first argmax; with SAMPLE the Gumbel argmax
-    of z + noise (a draw with no filter); with CANDIDATES the tile's largest values, sorted."""
+    of z + noise (a draw with no filter); with CANDIDATES the tile's largest values: every
+    value above the tile's floor (at most CANDIDATES, -inf after them; select.store_above)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -89,9 +91,10 @@ def _prepare_kernel(
     if WRITE_Z:
         tl.store(z_ptr + row * vocab + offs, x, mask=inside)
     part = row * num_tiles + tile
-    if CANDIDATES > 0:
-        tl.store(cand_ptr + part * CANDIDATES + tl.arange(0, CANDIDATES), tl.topk(x, CANDIDATES))
     tile_max = tl.max(x, axis=0)
+    if CANDIDATES > 0:
+        tl.store(floor_ptr + part, store_above(x, tile_max, cand_ptr + part * CANDIDATES,
+                                               CANDIDATES))  # fmt: skip
     tl.store(part_max_ptr + part, tile_max)
     total = tl.sum(tl.exp(x - tile_max), axis=0)
     tl.store(part_sum_ptr + part, tl.where(tile_max == float("-inf"), 0.0, total))
@@ -189,6 +192,7 @@ class _Partials:
         self.max, self.sum, self.gval = (torch.empty(shape, **f32) for _ in range(3))
         self.arg, self.gidx = torch.empty(shape, **i32), torch.empty(shape, **i32)
         self.cand = torch.empty(rows, self.tiles, max(candidates, 1), **f32)
+        self.floor = torch.empty(shape, **f32)  # every value above it is a candidate
         self.m, self.s = torch.empty(rows, **f32), torch.empty(rows, **f32)
         self.greedy = torch.empty(rows, **i32)
 
@@ -196,7 +200,7 @@ class _Partials:
 def _prepare(logits, slots, state, z, parts: _Partials, sample: bool, candidates: int) -> None:
     rows, vocab = logits.shape
     _prepare_kernel[(rows, parts.tiles)](
-        logits, logits.stride(0), logits if z is None else z, parts.cand, slots,
+        logits, logits.stride(0), logits if z is None else z, parts.cand, parts.floor, slots,
         state.fparams, state.iparams, state.out_pos, state.prompt_mask, state.counts,
         state.ban_mask, parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab,
         parts.tiles, WRITE_Z=z is not None, SAMPLE=sample, CANDIDATES=candidates, BLOCK=TILE,
@@ -235,7 +239,7 @@ def filter_thresholds(
     z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
     _prepare(logits, slots, state, z, parts, sample=False, candidates=candidates)
     _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False)
-    tau = thresholds(z, parts.cand, parts.m, parts.s, slots, state, candidates)
+    tau = thresholds(z, parts.cand, parts.floor, parts.m, parts.s, slots, state, candidates)
     return z, tau, parts
 
 

@@ -1,11 +1,12 @@
 """Filter thresholds for the sampler: top-k, top-p and min-p each keep the processed logits
 z >= some threshold, so together they keep z >= the largest of the three.
 
-_thresholds_kernel merges the tiles' candidates (each tile's largest values, from
-sampling._prepare_kernel) into the row's CANDIDATES largest, sorted, and derives the
-thresholds from them as the reference's sorted rule does: top-k's is the k-th value; top-p's
-the value where the cumulative renormalised mass first reaches p; min-p's max(z) + log(min_p).
-A row whose boundary lies past the candidates (a larger top-k, a top-p mass they do not reach,
+_thresholds_kernel merges the tiles' candidates (from sampling._prepare_kernel: each tile's
+values above the tile's floor, at most CANDIDATES) into the CANDIDATES largest, sorted; those
+above c, the largest floor, are the row's largest exactly. From them it derives the
+thresholds as the reference's sorted rule does: top-k's is the k-th value; top-p's the value
+where the cumulative renormalised mass first reaches p; min-p's max(z) + log(min_p). A row
+whose boundary lies past the exact values (a larger top-k, a top-p mass they do not reach,
 ties with the k-th beyond them) is flagged, and _finish_kernel searches its thresholds: over
 the union of every tile's candidates where that holds them, else over the whole row; other
 rows only take the largest of their three.
@@ -36,26 +37,37 @@ def _at(values, idx, i):
 
 
 @triton.jit
+def _row_floor(floor_ptr, row, num_tiles, TILES: tl.constexpr):
+    """c: the largest of the row's tile floors; every token above it is a candidate."""
+    t = tl.arange(0, TILES)
+    floors = tl.load(floor_ptr + row * num_tiles + t, mask=t < num_tiles, other=float("-inf"))
+    return tl.max(floors, axis=0)
+
+
+@triton.jit
 def _thresholds_kernel(
-    cand_ptr, num_cands, top_ptr, m_ptr, s_ptr, slots_ptr, fparams_ptr, iparams_ptr,
+    cand_ptr, floor_ptr, num_tiles, top_ptr, m_ptr, s_ptr, slots_ptr, fparams_ptr, iparams_ptr,
     tau_k_ptr, tau_p_ptr, tau_min_ptr, need_ptr, vocab,
-    CAP: tl.constexpr, BLOCK: tl.constexpr,
+    CAP: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    num_cands = num_tiles * CAP
     offs = tl.arange(0, BLOCK)
     merged = tl.load(cand_ptr + row * num_cands + offs, mask=offs < num_cands, other=float("-inf"))
     idx = tl.arange(0, CAP)
-    # The row's CAP largest through memory (top_ptr: [rows, CAP]), then sorted.
+    # The union's CAP largest through memory (top_ptr: [rows, CAP]), then sorted.
     store_largest(merged, top_ptr + row * CAP, CAP)
     tl.debug_barrier()  # every thread's stores, before any thread reads them back
     values = tl.sort(tl.load(top_ptr + row * CAP + idx), descending=True)
+    # values[i] is the row's (i+1)-th largest while it is above c.
+    exact = tl.sum((values > _row_floor(floor_ptr, row, num_tiles, TILES)).to(tl.int32), axis=0)
     slot = tl.load(slots_ptr + row)
     top_k = tl.load(iparams_ptr + slot * NUM_I + I_TOP_K)
     top_p = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P)
     min_p = tl.load(fparams_ptr + slot * NUM_F + F_MIN_P)
     m = tl.load(m_ptr + row)
     k_on = top_k < vocab
-    k_inside = k_on & (top_k <= CAP)
+    k_inside = k_on & (top_k <= exact)
     tau_k = tl.where(k_inside, _at(values, idx, top_k - 1), float("-inf"))
     # top-p over the top-k survivors, renormalised (HF); without top-k, over the row.
     e = tl.where(values >= tau_k, tl.exp(values - m), 0.0)
@@ -66,9 +78,13 @@ def _thresholds_kernel(
     p_on = top_p < 1.0
     kept = tl.maximum(tl.sum((before < top_p).to(tl.int32), axis=0), 1)
     tau_p = tl.where(p_on, _at(values, idx, kept - 1), float("-inf"))
-    k_past = k_on & (top_k > CAP)
+    # Past what the exact values tell: a larger top-k; a top-p whose mass they do not reach
+    # (the mass before value `exact` depends on exact values only); ties with the k-th
+    # beyond the CAP values.
+    k_past = k_on & (top_k > exact)
     tie_past = k_inside & (_at(values, idx, CAP - 1) >= tau_k) & (vocab > CAP)
-    p_past = p_on & (((top_k >= vocab) & (_at(cum, idx, CAP - 1) < top_p)) | k_past | tie_past)
+    p_short = (top_k >= vocab) & (_at(cum, idx, exact - 1) < top_p)
+    p_past = p_on & (p_short | k_past | tie_past)
     tl.store(tau_k_ptr + row, tau_k)
     tl.store(tau_p_ptr + row, tau_p)
     tl.store(
@@ -137,14 +153,14 @@ def _search(
 
 @triton.jit
 def _finish_kernel(
-    z_ptr, cand_ptr, num_cands, need_ptr, slots_ptr, fparams_ptr, iparams_ptr, tau_k_ptr,
-    tau_p_ptr, tau_min_ptr, m_ptr, s_ptr, tau_ptr, vocab,
-    CAP: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr,
+    z_ptr, cand_ptr, floor_ptr, num_tiles, need_ptr, slots_ptr, fparams_ptr, iparams_ptr,
+    tau_k_ptr, tau_p_ptr, tau_min_ptr, m_ptr, s_ptr, tau_ptr, vocab,
+    CAP: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """Each row's threshold: the largest of its three, after a search for a flagged row (need
     bit 1: top-k, bit 2: top-p). The search runs over the union of the tiles' candidates where
-    that holds the answer: every token above c, the largest of the tiles' smallest candidates,
-    is a candidate, so a threshold above c is found among them (a top-p nucleus of hundreds or
+    that holds the answer: every token above c, the largest of the tiles' floors, is a
+    candidate, so a threshold above c is found among them (a top-p nucleus of hundreds or
     thousands of tokens, as a trained model's flatter rows have). Otherwise, over the row."""
     row = tl.program_id(0).to(tl.int64)
     need = tl.load(need_ptr + row)
@@ -152,11 +168,9 @@ def _finish_kernel(
     tau_p = tl.load(tau_p_ptr + row)
     if need != 0:
         z_row = z_ptr + row * vocab
+        num_cands = num_tiles * CAP
         union = cand_ptr + row * num_cands
-        tiles = tl.arange(0, BLOCK)
-        smallest = tl.load(union + tiles * CAP + CAP - 1, mask=tiles * CAP < num_cands,
-                           other=float("-inf"))  # fmt: skip
-        c = tl.max(smallest, axis=0)
+        c = _row_floor(floor_ptr, row, num_tiles, TILES)
         above_c = ordered_key(c) + 1
         m = tl.load(m_ptr + row)
         top_key = ordered_key(m) + 1
@@ -195,28 +209,32 @@ def _finish_kernel(
 def thresholds(
     z: torch.Tensor,
     cand: torch.Tensor,
+    floor: torch.Tensor,
     m: torch.Tensor,
     s: torch.Tensor,
     slots: torch.Tensor,
     state,
     candidates: int,
 ) -> torch.Tensor:
-    """cand: [rows, tiles, candidates] from the prepare pass; m, s: the row max of z and the
-    sum of exp(z - m). Returns tau [rows]."""
+    """cand: [rows, tiles, candidates] and floor: [rows, tiles] from the prepare pass (each
+    tile's values above its floor); m, s: the row max of z and the sum of exp(z - m).
+    Returns tau [rows]."""
     rows, vocab = z.shape
-    num_cands = cand.shape[1] * candidates
+    tiles = cand.shape[1]
+    num_cands = tiles * candidates
     f32 = dict(dtype=torch.float32, device=z.device)
     tau_k, tau_p, tau_min, tau = (torch.empty(rows, **f32) for _ in range(4))
     need = torch.empty(rows, dtype=torch.int32, device=z.device)
     top = torch.empty(rows, candidates, **f32)
+    pow2 = triton.next_power_of_2(tiles)
     _thresholds_kernel[(rows,)](
-        cand, num_cands, top, m, s, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min,
-        need, vocab, CAP=candidates, BLOCK=max(triton.next_power_of_2(num_cands), candidates),
-        num_warps=8,
+        cand, floor, tiles, top, m, s, slots, state.fparams, state.iparams, tau_k, tau_p,
+        tau_min, need, vocab, CAP=candidates,
+        BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, num_warps=8,
     )  # fmt: skip
-    block = max(SEARCH_BLOCK, triton.next_power_of_2(cand.shape[1]))  # holds a value per tile
     _finish_kernel[(rows,)](
-        z, cand, num_cands, need, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min, m,
-        s, tau, vocab, CAP=candidates, PROBES=PROBES, BLOCK=block, num_warps=SEARCH_WARPS,
+        z, cand, floor, tiles, need, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min,
+        m, s, tau, vocab, CAP=candidates, PROBES=PROBES, BLOCK=SEARCH_BLOCK, TILES=pow2,
+        num_warps=SEARCH_WARPS,
     )  # fmt: skip
     return tau

@@ -1,7 +1,10 @@
-"""The k largest values of a block by bisection on the float order, for the sampler's merge
-of the tiles' candidates: over ~4,800 values in one program it takes 21 µs where tl.topk's
-bitonic network took 25 (H200, 2026-12-01; over a 2,048-value tile, though, tl.topk is the
-faster and the prepare pass keeps it)."""
+"""The largest values of a block without sorting it, for the sampler's candidates.
+
+store_largest: exactly the k largest, by bisection on the float order: the merge of the tiles'
+candidates (~4,800 values, one program) in 21 µs where tl.topk's bitonic network took 25.
+store_above: the values above a floor that leaves at most k, for each vocabulary tile, where
+the 32 block-wide reductions of a bisection cost more than tl.topk itself (H200, 2026-12-01).
+"""
 
 from __future__ import annotations
 
@@ -43,3 +46,33 @@ def store_largest(x, out_ptr, K: tl.constexpr):
     idx = tl.arange(0, K)
     tl.store(out_ptr + idx, kth, mask=idx >= tl.sum(above.to(tl.int32), axis=0))
     return kth
+
+
+@triton.jit
+def _count_above(x, probes):
+    return tl.sum((x[None, :] > probes[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def store_above(x, top, out_ptr, K: tl.constexpr):
+    """Stores every value of the 1-D block x above a floor that leaves at most K of them at
+    out_ptr[:K] (in no order, -inf after them) and returns the floor: close to x's K-th
+    largest, not exactly it, for a fraction of a sort's work. top: x's max. Two rounds of 16
+    probes, each one batched count: first gaps below top from 0 to 64 (ratio ~1.5), then 16
+    even steps inside the bracket where the count passes K."""
+    j = tl.arange(0, 16)
+    gaps = tl.where(j == 0, 0.0, tl.exp2(j.to(tl.float32) * 0.6 - 3.0))
+    probes = top - gaps  # decreasing: counts increase
+    fits = _count_above(x, probes) <= K  # true at j = 0: nothing is above the max
+    last = tl.max(tl.where(fits, j, 0), axis=0)
+    hi = tl.sum(tl.where(j == last, probes, 0.0), axis=0)
+    lo = tl.sum(tl.where(j == tl.minimum(last + 1, 15), probes, 0.0), axis=0)
+    span = tl.where(hi > lo, hi - lo, 0.0)  # 0 for an all -inf block (inf - inf is nan)
+    probes = hi - span * (j.to(tl.float32) / 16.0)
+    fits = _count_above(x, probes) <= K
+    floor = tl.min(tl.where(fits, probes, hi), axis=0)
+    above = x > floor
+    tl.store(out_ptr + tl.cumsum(above.to(tl.int32), axis=0) - 1, x, mask=above)
+    idx = tl.arange(0, K)
+    tl.store(out_ptr + idx, float("-inf"), mask=idx >= tl.sum(above.to(tl.int32), axis=0))
+    return floor

@@ -85,10 +85,10 @@ def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candid
 
 
 def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monkeypatch):
-    """8 tiles of 128 tokens with 8 candidates each: a boundary past the row's 8 largest is
-    searched among the union of all tiles' candidates where it lies above c (the largest of
-    the tiles' 8th values: every token above c is a candidate), else over the whole row.
-    Both give the reference's kept sets, and this batch takes both."""
+    """8 tiles of 128 tokens with up to 8 candidates each: a boundary past what the row's
+    merged candidates tell exactly is searched among the union of all tiles' candidates
+    where it lies above c (the largest tile floor: every token above c is a candidate),
+    else over the whole row. Both give the reference's kept sets, and this batch takes both."""
     pytest.importorskip("triton")
     from nanoqwen.kernels import sampling as kernels
 
@@ -104,8 +104,10 @@ def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monk
     ours = sampler.filtered_logits(logits, slots)
     top_k = [s.params.top_k for s in seqs]
     ref = filter_logits(logits, top_k, [s.params.top_p for s in seqs], [0.0] * len(seqs))
-    padded = torch.nn.functional.pad(logits, (0, 1024 - vocab), value=float("-inf"))
-    c = padded.view(len(seqs), -1, tile).topk(cap, dim=2).values[:, :, -1].amax(dim=1)
+    parts = kernels._Partials(len(seqs), vocab, logits.device, cap)
+    z = torch.empty_like(logits)
+    kernels._prepare(logits, slots, sampler.state, z, parts, sample=False, candidates=cap)
+    c = parts.floor.amax(dim=1)
     where = set()
     for row, p in enumerate(params):
         kept = torch.isfinite(ref[row])
