@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
-from nanoqwen.kernels.select import store_above
 
 TILE = 2048  # vocabulary entries per program
 
@@ -27,6 +26,7 @@ F_REPETITION = tl.constexpr(layout.F_REPETITION)
 F_PRESENCE = tl.constexpr(layout.F_PRESENCE)
 F_FREQUENCY = tl.constexpr(layout.F_FREQUENCY)
 NUM_F = tl.constexpr(layout.NUM_F)
+I_TOP_K = tl.constexpr(layout.I_TOP_K)
 I_MIN_TOKENS = tl.constexpr(layout.I_MIN_TOKENS)
 I_SEED = tl.constexpr(layout.I_SEED)
 I_FLAGS = tl.constexpr(layout.I_FLAGS)
@@ -56,16 +56,15 @@ def _gumbel(seed, pos, offs):
 
 @triton.jit
 def _prepare_kernel(
-    logits_ptr, logits_stride, z_ptr, cand_ptr, floor_ptr, slots_ptr, fparams_ptr, iparams_ptr,
-    out_pos_ptr, prompt_mask_ptr, counts_ptr, ban_mask_ptr,
+    logits_ptr, logits_stride, z_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
+    prompt_mask_ptr, counts_ptr, ban_mask_ptr,
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles,
-    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
+    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
     per-tile partials: max, sum of exp(z - max), first argmax; with SAMPLE the Gumbel argmax
-    of z + noise (a draw with no filter); with CANDIDATES the tile's largest values: every
-    value above the tile's floor (at most CANDIDATES, -inf after them; select.store_above)."""
+    of z + noise (a draw with no filter)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -92,9 +91,6 @@ def _prepare_kernel(
         tl.store(z_ptr + row * vocab + offs, x, mask=inside)
     part = row * num_tiles + tile
     tile_max = tl.max(x, axis=0)
-    if CANDIDATES > 0:
-        tl.store(floor_ptr + part, store_above(x, tile_max, cand_ptr + part * CANDIDATES,
-                                               CANDIDATES))  # fmt: skip
     tl.store(part_max_ptr + part, tile_max)
     total = tl.sum(tl.exp(x - tile_max), axis=0)
     tl.store(part_sum_ptr + part, tl.where(tile_max == float("-inf"), 0.0, total))
@@ -152,10 +148,13 @@ def _first_max(values, payload, idx, n):
 @triton.jit
 def _reduce_kernel(
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
-    m_ptr, s_ptr, greedy_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr, out_pos_ptr, vocab,
+    m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr,
+    out_pos_ptr, vocab,
     FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):  # fmt: skip
-    """Per row, over the tile partials: FIRST: max, sum of exp and greedy token; SAMPLED: the
+    """Per row, over the tile partials: FIRST: max, sum of exp and greedy token, and with
+    CANDIDATES the row's bound for them (sampling_thresholds._candidates_kernel); SAMPLED: the
     draw; RECORD: the row's token (greedy or drawn) stored and counted as the slot's output."""
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, TILES)
@@ -169,6 +168,17 @@ def _reduce_kernel(
         tl.store(m_ptr + row, m)
         tl.store(s_ptr + row, tl.sum(psum * tl.exp(pmax - m), axis=0))
         tl.store(greedy_ptr + row, greedy)
+        if CANDIDATES > 0:
+            # With top-k k of at most CANDIDATES, the k-th largest tile max: the row's k
+            # largest values are at or above it (k tiles have a value there), and its
+            # filters read no other. Else none: a top-p nucleus may reach into every tile.
+            # Greedy rows read no candidate.
+            ip = iparams_ptr + tl.load(slots_ptr + row) * NUM_I
+            top_k = tl.load(ip + I_TOP_K)
+            kth = tl.where(idx == top_k - 1, tl.sort(pmax, descending=True), 0.0)
+            bound = tl.where(top_k <= CANDIDATES, tl.sum(kth, axis=0), float("-inf"))
+            greedy_row = (tl.load(ip + I_FLAGS) & FLAG_GREEDY) != 0
+            tl.store(bound_ptr + row, tl.where(greedy_row, float("inf"), bound))
     if RECORD:
         slot = tl.load(slots_ptr + row)
         token = tl.load(greedy_ptr + row)
@@ -185,6 +195,7 @@ def _reduce_kernel(
 
 class _Partials:
     def __init__(self, rows: int, vocab: int, device, candidates: int = 0) -> None:
+        self.tile = TILE  # vocabulary entries per tile (a test sets smaller ones)
         self.tiles = triton.cdiv(vocab, TILE)
         f32 = dict(dtype=torch.float32, device=device)
         i32 = dict(dtype=torch.int32, device=device)
@@ -194,26 +205,29 @@ class _Partials:
         self.cand = torch.empty(rows, self.tiles, max(candidates, 1), **f32)
         self.floor = torch.empty(shape, **f32)  # every value above it is a candidate
         self.m, self.s = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        self.bound = torch.empty(rows, **f32)
         self.greedy = torch.empty(rows, **i32)
 
 
-def _prepare(logits, slots, state, z, parts: _Partials, sample: bool, candidates: int) -> None:
+def _prepare(logits, slots, state, z, parts: _Partials, sample: bool) -> None:
     rows, vocab = logits.shape
     _prepare_kernel[(rows, parts.tiles)](
-        logits, logits.stride(0), logits if z is None else z, parts.cand, parts.floor, slots,
-        state.fparams, state.iparams, state.out_pos, state.prompt_mask, state.counts,
-        state.ban_mask, parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab,
-        parts.tiles, WRITE_Z=z is not None, SAMPLE=sample, CANDIDATES=candidates, BLOCK=TILE,
-        num_warps=4,
+        logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
+        state.iparams, state.out_pos, state.prompt_mask, state.counts, state.ban_mask,
+        parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles,
+        WRITE_Z=z is not None, SAMPLE=sample, BLOCK=parts.tile, num_warps=4,
     )  # fmt: skip
 
 
-def _reduce(parts: _Partials, slots, state, tokens, first: bool, sampled: bool, record: bool):
+def _reduce(
+    parts: _Partials, slots, state, tokens, first: bool, sampled: bool, record: bool,
+    candidates: int = 0,
+):  # fmt: skip
     _reduce_kernel[(slots.shape[0],)](
         parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, parts.tiles, parts.m, parts.s,
-        parts.greedy, tokens, slots, state.iparams, state.counts, state.out_pos,
+        parts.greedy, parts.bound, tokens, slots, state.iparams, state.counts, state.out_pos,
         state.counts.shape[1], FIRST=first, SAMPLED=sampled, RECORD=record,
-        TILES=triton.next_power_of_2(parts.tiles), num_warps=1,
+        TILES=triton.next_power_of_2(parts.tiles), CANDIDATES=candidates, num_warps=1,
     )  # fmt: skip
 
 
@@ -222,7 +236,7 @@ def plain_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _prepare(logits, slots, state, None, parts, sample=True, candidates=0)
+    _prepare(logits, slots, state, None, parts, sample=True)
     _reduce(parts, slots, state, tokens, first=True, sampled=True, record=True)
     return tokens
 
@@ -237,9 +251,10 @@ def filter_thresholds(
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device, candidates)
     z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    _prepare(logits, slots, state, z, parts, sample=False, candidates=candidates)
-    _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False)
-    tau = thresholds(z, parts.cand, parts.floor, parts.m, parts.s, slots, state, candidates)
+    _prepare(logits, slots, state, z, parts, sample=False)
+    _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False,
+            candidates=candidates)  # fmt: skip
+    tau = thresholds(z, parts, slots, state, candidates)
     return z, tau, parts
 
 
@@ -249,7 +264,7 @@ def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: in
     rows, vocab = z.shape
     _sample_kernel[(rows, parts.tiles)](
         z, tau, parts.max, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab,
-        parts.tiles, BLOCK=TILE, num_warps=4,
+        parts.tiles, BLOCK=parts.tile, num_warps=4,
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
     _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True)

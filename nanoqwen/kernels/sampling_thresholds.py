@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
-from nanoqwen.kernels.select import from_ordered_key, ordered_key, store_largest
+from nanoqwen.kernels.select import from_ordered_key, ordered_key, store_above, store_largest
 
 F_TOP_P = tl.constexpr(layout.F_TOP_P)
 F_MIN_P = tl.constexpr(layout.F_MIN_P)
@@ -34,6 +34,29 @@ SEARCH_WARPS = 16
 @triton.jit
 def _at(values, idx, i):
     return tl.sum(tl.where(idx == i, values, 0.0), axis=0)
+
+
+@triton.jit
+def _candidates_kernel(
+    z_ptr, part_max_ptr, bound_ptr, cand_ptr, floor_ptr, vocab, num_tiles,
+    CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Each tile's candidates: its values above a floor, at most CAP (select.store_above). A
+    tile whose max is under the row's bound (from sampling._reduce_kernel) holds none of the
+    row's values the filters read: it is skipped, with its max as its floor. With top-k 20
+    most tiles are."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    part = row * num_tiles + tile
+    out = cand_ptr + part * CAP
+    tile_max = tl.load(part_max_ptr + part)
+    if tile_max < tl.load(bound_ptr + row):
+        tl.store(out + tl.arange(0, CAP), tl.full([CAP], float("-inf"), tl.float32))
+        tl.store(floor_ptr + part, tile_max)
+        return
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(z_ptr + row * vocab + offs, mask=offs < vocab, other=float("-inf"))
+    tl.store(floor_ptr + part, store_above(x, tile_max, out, CAP))
 
 
 @triton.jit
@@ -206,21 +229,15 @@ def _finish_kernel(
     tl.store(tau_ptr + row, tau)
 
 
-def thresholds(
-    z: torch.Tensor,
-    cand: torch.Tensor,
-    floor: torch.Tensor,
-    m: torch.Tensor,
-    s: torch.Tensor,
-    slots: torch.Tensor,
-    state,
-    candidates: int,
-) -> torch.Tensor:
-    """cand: [rows, tiles, candidates] and floor: [rows, tiles] from the prepare pass (each
-    tile's values above its floor); m, s: the row max of z and the sum of exp(z - m).
-    Returns tau [rows]."""
+def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: int):
+    """tau [rows] from z and the sampling._Partials of its prepare and first reduce passes:
+    the tile maxima, the row max m, the sum of exp(z - m) and the candidates' bound."""
     rows, vocab = z.shape
-    tiles = cand.shape[1]
+    tiles = parts.tiles
+    _candidates_kernel[(rows, tiles)](
+        z, parts.max, parts.bound, parts.cand, parts.floor, vocab, tiles, CAP=candidates,
+        BLOCK=parts.tile, num_warps=4,
+    )  # fmt: skip
     num_cands = tiles * candidates
     f32 = dict(dtype=torch.float32, device=z.device)
     tau_k, tau_p, tau_min, tau = (torch.empty(rows, **f32) for _ in range(4))
@@ -228,13 +245,13 @@ def thresholds(
     top = torch.empty(rows, candidates, **f32)
     pow2 = triton.next_power_of_2(tiles)
     _thresholds_kernel[(rows,)](
-        cand, floor, tiles, top, m, s, slots, state.fparams, state.iparams, tau_k, tau_p,
-        tau_min, need, vocab, CAP=candidates,
+        parts.cand, parts.floor, tiles, top, parts.m, parts.s, slots, state.fparams,
+        state.iparams, tau_k, tau_p, tau_min, need, vocab, CAP=candidates,
         BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, num_warps=8,
     )  # fmt: skip
     _finish_kernel[(rows,)](
-        z, cand, floor, tiles, need, slots, state.fparams, state.iparams, tau_k, tau_p, tau_min,
-        m, s, tau, vocab, CAP=candidates, PROBES=PROBES, BLOCK=SEARCH_BLOCK, TILES=pow2,
-        num_warps=SEARCH_WARPS,
+        z, parts.cand, parts.floor, tiles, need, slots, state.fparams, state.iparams, tau_k,
+        tau_p, tau_min, parts.m, parts.s, tau, vocab, CAP=candidates, PROBES=PROBES,
+        BLOCK=SEARCH_BLOCK, TILES=pow2, num_warps=SEARCH_WARPS,
     )  # fmt: skip
     return tau

@@ -61,8 +61,14 @@ FILTERS = [
 
 
 @pytest.mark.parametrize("passes", ["torch", "triton"])
-@pytest.mark.parametrize("candidates", [256, 4])  # 4: every boundary past the candidates
-def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candidates):
+# 4 candidates: every boundary past them; 10 tiles of 32: most skipped for a small top-k
+@pytest.mark.parametrize(("candidates", "tile"), [(256, 2048), (4, 2048), (4, 32)])
+def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candidates, tile):
+    if passes == "triton":
+        pytest.importorskip("triton")
+        from nanoqwen.kernels import sampling as kernels
+
+        monkeypatch.setattr(kernels, "TILE", tile)
     monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
     vocab = 300
     params = [dict(temperature=1.0) | f for f in FILTERS]
@@ -104,10 +110,7 @@ def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monk
     ours = sampler.filtered_logits(logits, slots)
     top_k = [s.params.top_k for s in seqs]
     ref = filter_logits(logits, top_k, [s.params.top_p for s in seqs], [0.0] * len(seqs))
-    parts = kernels._Partials(len(seqs), vocab, logits.device, cap)
-    z = torch.empty_like(logits)
-    kernels._prepare(logits, slots, sampler.state, z, parts, sample=False, candidates=cap)
-    c = parts.floor.amax(dim=1)
+    c = kernels.filter_thresholds(logits, slots, sampler.state, cap)[2].floor.amax(dim=1)
     where = set()
     for row, p in enumerate(params):
         kept = torch.isfinite(ref[row])
@@ -115,6 +118,32 @@ def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monk
         if int(kept.sum()) > cap:
             where.add("union" if logits[row][kept].min() > c[row] else "row")
     assert where == {"union", "row"}
+
+
+def test_tiles_under_the_rows_bound_are_skipped_and_the_rest_cover_its_top_k(monkeypatch):
+    """20 tiles of 32 tokens, 8 candidates: for top-k k <= 8, the tiles whose max is under
+    the k-th largest tile max hold none of the row's k largest and get no candidates (their
+    floor is their max); the other tiles' floors stay under the k-th largest value, so the
+    thresholds come from the candidates, with no search. A larger top-k skips none."""
+    pytest.importorskip("triton")
+    from nanoqwen.kernels import sampling as kernels
+
+    cap, tile, vocab = 8, 32, 640
+    monkeypatch.setattr(kernels, "TILE", tile)
+    ks = [1, 3, 8, 20]
+    seqs = [make_seq([1, 2], temperature=1.0, top_k=k) for k in ks]
+    sampler, slots = make_sampler(seqs, vocab, "triton")
+    logits = torch.randn(len(ks), vocab, generator=torch.Generator().manual_seed(9)) * 2
+    z, _, parts = kernels.filter_thresholds(logits, slots, sampler.state, cap)
+    for row, k in enumerate(ks):
+        tile_max = z[row].view(-1, tile).amax(dim=1)
+        bound = tile_max.sort(descending=True).values[k - 1] if k <= cap else float("-inf")
+        skipped = tile_max < bound
+        assert int(skipped.sum()) == (len(tile_max) - k if k <= cap else 0), k
+        assert torch.equal(parts.floor[row][skipped], tile_max[skipped])
+        assert bool((parts.cand[row][skipped] == float("-inf")).all())
+        if k <= cap:
+            assert parts.floor[row].max() < z[row].topk(k).values[-1], k
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
