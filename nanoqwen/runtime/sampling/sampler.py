@@ -6,10 +6,12 @@ Per row (the semantics of reference.py, HF's order):
    (greedy rows: temperature 1, and their token is the argmax of z);
 2. top-k, top-p and min-p each keep the tokens of z above a threshold, so together they keep
    z >= tau with tau the largest of the three. The thresholds come from the CANDIDATES most
-   likely tokens (one top-k, no full sort); a row whose top-k or top-p boundary lies past
-   them gets it from a search over the union of every vocabulary tile's candidates where
-   that holds it (a nucleus of up to thousands of tokens), else over its whole row (a kernel
-   whose other rows return at once). min-p's is closed-form: z >= max(z) + log(min_p);
+   likely tokens, merged from each vocabulary tile's values above a floor (no sort of the
+   row; with top-k, only tiles that can hold its k largest take part); a row whose top-k or
+   top-p boundary lies past them gets it from a search over the union of the tiles'
+   candidates where that holds it (a nucleus of up to thousands of tokens), else over its
+   whole row (a kernel whose other rows return at once). min-p's is closed-form:
+   z >= max(z) + log(min_p);
 3. a Gumbel-max draw over the kept tokens, with counter-based noise keyed by (seed, output
    position, token): a seeded request's tokens do not depend on its batch.
 Batches with no filtering row skip step 2 and draw in the same pass as step 1.
