@@ -1,9 +1,9 @@
 """Filter thresholds for the sampler: top-k, top-p and min-p each keep the processed logits
 z >= some threshold, so together they keep z >= the largest of the three.
 
-_thresholds_kernel merges the tiles' candidates (from sampling._prepare_kernel: each tile's
-values above the tile's floor, at most CANDIDATES) into the CANDIDATES largest, sorted; those
-above c, the largest floor, are the row's largest exactly. From them it derives the
+_candidates_kernel gives each vocabulary tile its candidates: its values above the tile's
+floor, at most CANDIDATES. _thresholds_kernel merges them into the CANDIDATES largest, sorted;
+those above c, the largest floor, are the row's largest exactly. From them it derives the
 thresholds as the reference's sorted rule does: top-k's is the k-th value; top-p's the value
 where the cumulative renormalised mass first reaches p; min-p's max(z) + log(min_p). A row
 whose boundary lies past the exact values (a larger top-k, a top-p mass they do not reach,
