@@ -28,7 +28,10 @@ def hopper(monkeypatch):
 def fake_flash_attn(monkeypatch):
     module = types.ModuleType("flash_attn")
     module.flash_attn_varlen_func = module.flash_attn_with_kvcache = lambda *a, **k: None
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface.flash_attn_gpu = types.SimpleNamespace(varlen_fwd=lambda *a: None)
     monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
 
 
 def _backend(name, device=CUDA, dtype=torch.bfloat16, head_dim=64, block_size=256):

@@ -48,6 +48,7 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return f"block_size {block_size} is not a multiple of 256"
     try:
         import flash_attn  # noqa: F401
+        from flash_attn.flash_attn_interface import flash_attn_gpu  # noqa: F401  (what flash_backend calls)
     except ImportError as e:
         return f"flash_attn does not import ({e})"
     return None

@@ -8,7 +8,8 @@ context is seen too; flash_attn_with_kvcache in decode).
 from __future__ import annotations
 
 import torch
-from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn import flash_attn_with_kvcache
+from flash_attn.flash_attn_interface import flash_attn_gpu  # the C++ ops under the wrappers
 
 from nanoqwen.kernels.rope import rope_and_store
 from nanoqwen.model.attention import AttentionMetadata, split_qkv
@@ -46,12 +47,7 @@ class FlashAttention:
             meta.slot_mapping, k_cache, v_cache,
         )  # fmt: skip
         if meta.is_prefill:
-            return flash_attn_varlen_func(
-                q, k_cache, v_cache,
-                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=self.scale, causal=True, block_table=meta.block_tables,
-            )  # fmt: skip
+            return varlen_attention(q, k_cache, v_cache, meta, self.scale)
         if meta.prefix_len is not None:
             return cascade_decode(q, k_cache, v_cache, meta, self.scale)
         out = flash_attn_with_kvcache(
@@ -60,3 +56,17 @@ class FlashAttention:
             softmax_scale=self.scale, causal=True, num_splits=meta.num_splits,
         )  # fmt: skip
         return out.squeeze(1)
+
+
+def varlen_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """What flash_attn_varlen_func(..., causal=True, block_table=...) returns, from its C++
+    op: the autograd Function and torch custom-op layers around it took ~70 of its ~85 µs
+    of CPU a call, ~2 ms of a 128-token prefill's 10 (eager, CPU-bound; BENCHMARKS.md,
+    session 10). q's last dimension is contiguous (split_qkv), as the op requires."""
+    out, *_ = flash_attn_gpu.varlen_fwd(
+        q, k_cache, v_cache, None, meta.cu_seqlens_q, meta.cu_seqlens_k,
+        None, None, meta.block_tables, None,  # seqused_k, leftpad_k, block table, alibi
+        meta.max_seqlen_q, meta.max_seqlen_k, 0.0, scale,  # dropout, softmax scale
+        False, True, -1, -1, 0.0, False, None,  # zero_tensors, causal, window, softcap, ...
+    )  # fmt: skip
+    return out
