@@ -1,8 +1,8 @@
 """flash-attn over the paged KV cache, RoPE fused.
 
 Both phases: a Triton kernel rotates q/k and writes k/v to their slots in one pass, then
-flash-attn attends over the paged cache (flash_attn_varlen_func in prefill, so cached
-context is seen too; flash_attn_with_kvcache in decode).
+flash-attn attends over the paged cache (its varlen forward in prefill, so cached context
+is seen too; flash_attn_with_kvcache in decode).
 """
 
 from __future__ import annotations
