@@ -8,7 +8,7 @@ per KV head (4 from 128 (sequence, KV head) pairs, 2 from 256, one from 512), th
 launched longest context first (the decode graphs pass that order).
 
 flash-attn is optional. Where it imports and fits (block size a multiple of 256), prefill
-takes flash_attn_varlen_func (PREFILL_WITH_FLASH_ATTN; tools/prefill_bench.py measures the
+takes flash-attn's varlen forward (PREFILL_WITH_FLASH_ATTN; tools/prefill_bench.py measures the
 two prefills side by side) and a shared-prefix decode its cascade. Plain decode stays on the
 Triton kernel at every batch size: 1.8-4.5x faster than flash_attn_with_kvcache at small
 batches, and 8-25% faster at 32-256 sequences of uneven length (BENCHMARKS.md).
