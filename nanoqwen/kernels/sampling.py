@@ -188,6 +188,9 @@ def _reduce_kernel(
             _, drawn = _first_max(gval, gidx, idx, num_tiles)
             greedy_row = (tl.load(iparams_ptr + slot * NUM_I + I_FLAGS) & FLAG_GREEDY) != 0
             token = tl.where(greedy_row, token, drawn)
+        # A NaN logit makes the argmax's index unspecified: the token indexes the counts
+        # below and the next step's embedding, so it stays inside the vocabulary.
+        token = tl.minimum(tl.maximum(token, 0), vocab - 1)
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.atomic_add(counts_ptr + slot * vocab + token, 1)
         tl.atomic_add(out_pos_ptr + slot, 1)

@@ -210,15 +210,16 @@ def _finish_kernel(
                                 m, k, False, PROBES, BLOCK)  # fmt: skip
         if (need & 2) != 0:
             # top-p over the top-k survivors, renormalised: their mass
+            union_mass = _total(union, num_cands, c, tau_k, m, True, BLOCK)
             if tau_k > c:
-                kept = _total(union, num_cands, c, tau_k, m, True, BLOCK)
+                kept = union_mass  # every survivor is in the union
             elif tau_k == float("-inf"):
                 kept = tl.load(s_ptr + row)
             else:
                 kept = _total(z_row, vocab, no_bound, tau_k, m, True, BLOCK)
             target = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P) * kept
             lo_key = ordered_key(tau_k)
-            if _total(union, num_cands, c, tau_k, m, True, BLOCK) >= target:
+            if union_mass >= target:
                 tau_p = _search(union, num_cands, c, tau_k, tl.maximum(lo_key, above_c),
                                 top_key, m, target, True, PROBES, BLOCK)  # fmt: skip
             else:

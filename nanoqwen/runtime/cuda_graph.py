@@ -98,6 +98,10 @@ class CUDAGraphRunner:
         m.suffix_tables[start:end] = scratch
         m.suffix_lens[start:end] = 1
         m.sampler_slots[start:end] = self.sampler_scratch
+        # The decode kernel runs row order[i] as its i-th: a row the order leaves out keeps
+        # whatever its output buffer held, and NaN logits there once made the sampler count
+        # a token past the vocabulary, into memory past its tables.
+        m.order[start:end] = np.arange(start, end)
 
     def _static_meta(self, bs: int, variant: int, cascade: bool) -> AttentionMetadata:
         n, d64, d32, w = self.max_bs, self.dev64, self.dev32, self.width

@@ -190,3 +190,21 @@ def test_cascade_decode_matches_plain_decode(gpu_model):
     clear = top2[:, 0] - top2[:, 1] > 0.05
     assert int(clear.sum()) >= 30
     assert torch.equal(graph_logits.argmax(-1)[clear], plain.argmax(-1)[clear])
+
+
+def test_capture_warm_ups_run_every_padding_row(gpu_model):
+    """Before each capture a batch of padding rows runs once. The decode kernel runs rows
+    in the graph's launch order, so the order must name every row: an order of zeros left
+    the other rows' attention output as whatever memory held, and NaN there made the sampler
+    count tokens past the vocabulary, into memory after its tables (the graphs' own inputs,
+    once: the next engine's embedding then failed on an id past the vocabulary)."""
+    # What the caching allocator hands out next holds NaN, as memory a finished engine freed.
+    torch.empty(2**28, device="cuda").fill_(float("nan"))
+    llm = LLM(str(gpu_model), device="cuda", dtype="bfloat16", attention_backend="triton",
+              block_size=16, num_kv_blocks=1024, max_num_seqs=40, progress=False)  # fmt: skip
+    graphs, state = llm.runner.graphs, llm.runner.sampler.state
+    for (bs, *_), meta in graphs.meta.items():
+        assert sorted(meta.decode_order.tolist()) == list(range(bs))
+    # Every warm-up row sampled in the scratch slot, each token inside its row of counts.
+    assert int(state.counts[state.scratch].sum()) == sum(bs for bs, *_ in graphs.meta)
+    assert int(graphs.ids.abs().sum()) == 0

@@ -110,3 +110,24 @@ def test_sampled_frequencies_match_the_reference(params):
     stat = ((counts[support] - expected) ** 2 / expected).sum()
     dof = int(support.sum()) - 1
     assert float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2)) > 0.001
+
+
+@pytest.mark.parametrize("filtering", [False, True], ids=["plain", "filtering"])
+def test_nan_logits_give_tokens_inside_the_vocabulary(filtering):
+    """A NaN logit leaves the argmax's index unspecified (the warm-up of a decode graph once
+    fed the sampler NaN rows, and it returned the vocabulary size): the token still indexes
+    the slot's counts and the next embedding, so it must stay inside the vocabulary, and
+    each call count exactly one token per slot."""
+    vocab, calls = 1000, 3
+    params = [dict(temperature=0.0), dict(temperature=0.7, top_k=20, top_p=0.8),
+              dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)] * 2  # fmt: skip
+    sampler, slots, _ = _sampler(params, vocab)
+    logits = torch.randn(len(params), vocab, generator=torch.Generator(device=DEV).manual_seed(3),
+                         device=DEV)  # fmt: skip
+    logits[:4] = float("nan")
+    logits[4:, ::2] = float("nan")
+    for _ in range(calls):
+        tokens = sampler(logits, slots, filtering)
+        assert bool(((tokens >= 0) & (tokens < vocab)).all()), tokens.tolist()
+    counted = sampler.state.counts[slots].sum(dim=1)
+    assert counted.tolist() == [calls] * len(params)
