@@ -175,3 +175,17 @@ def test_swap_and_recompute_give_the_same_outputs(tiny_model):
         assert (stats["num_swaps"] > 0) == (mode == "swap")
         assert llm.scheduler.blocks.num_free_blocks == 12
     assert outputs["swap"] == outputs["recompute"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_pool_starts_zeroed_aligned_and_unshared(dtype):
+    """The CPU pool comes from calloc'd memory (no up-front memset): it must still read as
+    zeros, keep the layout torch.zeros gives, and its k and v must not alias."""
+    kv = KVCache.allocate(CFG, 5, 4, dtype, "cpu")
+    want = (CFG.num_hidden_layers, 6, 4, CFG.num_key_value_heads, CFG.head_dim)
+    for pool in (kv.k_pool, kv.v_pool):
+        assert pool.shape == want and pool.dtype == dtype and pool.is_contiguous()
+        assert pool.data_ptr() % 64 == 0
+        assert not pool.any()
+    kv.k[1][2].fill_(3)
+    assert int(kv.k_pool.count_nonzero()) == 4 * 2 * 4 and not kv.v_pool.any()  # block: 4 x 2 x 4
