@@ -58,7 +58,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     for the default 1 GiB pool)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     raw = torch.from_numpy(np.zeros(size + 64, dtype=np.uint8))
     start = -raw.data_ptr() % 64  # cache-line aligned, as torch's own allocations are
     return raw[start : start + size].view(dtype).view(shape)
