@@ -30,7 +30,8 @@ class _HostMirror:
 
     def __init__(self, n: int, width: int) -> None:
         self.t = torch.zeros(5 * n + -(-int32_entries(n, width) // 2), dtype=torch.int64)
-        self.t = self.t.pin_memory()
+        if torch.cuda.is_available():  # the layout's tests run without a GPU
+            self.t = self.t.pin_memory()
         self.t64, self.t32 = self.t[: 5 * n], self.t[5 * n :].view(torch.int32)
         h64, h32 = self.t64.numpy(), self.t32.numpy()
         self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]

@@ -1,0 +1,36 @@
+"""The decode graphs' static inputs before any step fills them: what every capture's
+warm-up runs on (host-side layout; runs without a GPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from nanoqwen.runtime.cuda_graph import CUDAGraphRunner, capture_sizes
+from nanoqwen.runtime.kv.cache import KVCache
+
+CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
+
+
+def test_every_captured_batch_is_all_padding_rows_in_a_full_launch_order():
+    """Each warm-up must run every row (the decode kernel runs row order[i] as its i-th; an
+    order of zeros left the other rows' outputs as stale memory) and keep every row on the
+    KV scratch block and the sampler's scratch slot."""
+    kv = KVCache.allocate(CFG, 12, 16, torch.float32, "cpu")
+    graphs = CUDAGraphRunner(40, kv, sampler_scratch=40)
+    graphs._allocate(torch.device("cpu"), 256, [(128, 2), (256, 1)])
+    assert graphs.sizes == capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    scratch = kv.scratch_block
+    for bs in graphs.sizes:
+        for variant in (0, 1):
+            meta = graphs._static_meta(bs, variant, cascade=True)
+            assert sorted(meta.decode_order.tolist()) == list(range(bs))
+            assert meta.context_lens.tolist() == [1] * bs
+            assert meta.positions.tolist() == [0] * bs
+            assert meta.slot_mapping.tolist() == [scratch * 16] * bs
+            assert set(meta.block_tables.flatten().tolist()) == {scratch}
+            assert set(meta.suffix_tables.flatten().tolist()) == {scratch}
+            assert meta.block_tables.shape == (bs, 8 if variant == 0 else 16)
+    assert graphs.ids.tolist() == [0] * 40
+    assert graphs.sampler_slots.tolist() == [40] * 40
