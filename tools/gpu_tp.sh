@@ -4,7 +4,7 @@
 # all-reduce cost per step, and 32B at tp=2.
 # Usage (device tool, carry .whl as for tools/gpu_check.sh); one part per call keeps each
 # under the 10-minute command limit:
-#   bash tools/gpu_tp.sh probe | custom | tests | allreduce | batch1 | big   (all: every part)
+#   bash tools/gpu_tp.sh probe | custom | exit | tests | allreduce | batch1 | big   (all: every part)
 #   bash tools/gpu_tp.sh ncclenv   (NCCL's small all-reduce under protocol/algorithm settings)
 # probe: one graph replay of the custom all-reduce watched from outside (with and without an
 # NCCL all-reduce in the same graph, then eager), each run ended after 90 s;
@@ -19,8 +19,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nvidia-smi topo -m | head -4
 env | grep -E 'NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS'
 bench() {  # bench TP NAME ARGS...: one run, its log and JSON under $OUT
+  # SIGABRT on a hang: faulthandler prints every thread's stack (session 11's tp=2 runs
+  # printed their results, then did not exit).
   local tp=$1 name=$2; shift 2
-  python3 -m nanoqwen.runtime.bench --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
+  timeout -s ABRT "${BENCH_TIMEOUT_S:-300}" python3 -X faulthandler -m nanoqwen.runtime.bench \
+    --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
     2>&1 | grep --line-buffered -v $'\r' | tee "$OUT/$name.log"
 }
 if [[ $what == probe || $what == all ]]; then
@@ -33,6 +36,17 @@ fi
 if [[ $what == custom || $what == all ]]; then
   timeout 540 python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
     -p no:cacheprovider 2>&1 | tee "$OUT/custom_all_reduce_tests.log"
+fi
+if [[ $what == exit || $what == all ]]; then  # where a tp=2 engine's shutdown hangs
+  for custom in 0 1; do
+    for close in explicit atexit; do
+      echo "== custom all-reduce $custom, close $close" | tee -a "$OUT/tp_exit.log"
+      NANOQWEN_CUSTOM_ALL_REDUCE=$custom timeout -s ABRT 120 python3 -X faulthandler \
+        tools/tp_exit_probe.py --close "$close" 2>&1 | tee -a "$OUT/tp_exit.log"
+      echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_exit.log"
+      pkill -9 -f tp_exit_probe.py; sleep 1
+    done
+  done
 fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -rs -p no:cacheprovider 2>&1 \
