@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from nanoqwen.model.parallel import _all_gather
 from nanoqwen.model.shapes import shape_config
 from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, RankInfo, refusal
-from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
+from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import graph_us as _graph_us  # noqa: E402
@@ -55,7 +55,7 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, device_id=dev
+        "nccl", store=spawn_store(size, port), rank=rank, world_size=size, device_id=dev
     )
     custom = custom_reducer(rank, size, dev)
     for name in shapes:
@@ -103,8 +103,8 @@ def main() -> None:
     a = ap.parse_args()
     if torch.cuda.device_count() < a.tp:
         sys.exit(f"--tp {a.tp} needs {a.tp} GPUs, found {torch.cuda.device_count()}")
-    port = free_port()
-    mp.spawn(measure, args=(a.tp, port, a.shapes.split(","), a.batch, a.sweep), nprocs=a.tp)
+    store = spawn_store(a.tp)  # the ranks' rendezvous, held here while they run
+    mp.spawn(measure, args=(a.tp, store.port, a.shapes.split(","), a.batch, a.sweep), nprocs=a.tp)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from nanoqwen.runtime.parallel.custom_all_reduce import max_bytes_for
-from nanoqwen.runtime.parallel.group import free_port, join_group
+from nanoqwen.runtime.parallel.group import join_group, spawn_store
 
 WORLD = 2
 WATCH_S = 40
@@ -58,7 +58,7 @@ def rank_main(rank: int, port: int, mode: str, with_nccl: bool) -> None:
     faulthandler.dump_traceback_later(100, exit=True)
     os.environ.setdefault("NANOQWEN_ALL_REDUCE_TIMEOUT_S", "10")
     os.environ["NANOQWEN_CUSTOM_ALL_REDUCE"] = "1"
-    ctx = join_group(rank, WORLD, torch.device("cuda", rank), f"tcp://127.0.0.1:{port}")
+    ctx = join_group(rank, WORLD, torch.device("cuda", rank), spawn_store(WORLD, port))
     device, tp, custom = ctx.device, ctx.tp, ctx.tp.custom_all_reduce
     assert custom is not None, "the custom all-reduce was refused on this machine"
     sizes = [1, 3584, 7 * 1025] + ([max_bytes_for(WORLD) // 2 + 8] if with_nccl else [])
@@ -98,4 +98,5 @@ def rank_main(rank: int, port: int, mode: str, with_nccl: bool) -> None:
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "graph"
     with_nccl = (sys.argv[2] if len(sys.argv) > 2 else "nccl") == "nccl"
-    mp.spawn(rank_main, args=(free_port(), mode, with_nccl), nprocs=WORLD)
+    store = spawn_store(WORLD)  # the ranks' rendezvous, held here while they run
+    mp.spawn(rank_main, args=(store.port, mode, with_nccl), nprocs=WORLD)

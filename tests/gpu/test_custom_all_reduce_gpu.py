@@ -26,7 +26,7 @@ from nanoqwen.runtime.parallel.custom_all_reduce import (
     create,
     max_bytes_for,
 )
-from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
+from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
@@ -43,7 +43,8 @@ RTOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-22}
 
 
 def spawn(fn, *args) -> None:
-    mp.spawn(fn, args=(free_port(), *args), nprocs=WORLD)
+    store = spawn_store(WORLD)  # the ranks' rendezvous, held here while they run
+    mp.spawn(fn, args=(store.port, *args), nprocs=WORLD)
 
 
 def join(rank: int, port: int) -> tuple[torch.device, CustomAllReduce]:
@@ -56,7 +57,7 @@ def join(rank: int, port: int) -> tuple[torch.device, CustomAllReduce]:
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        "nccl", store=spawn_store(WORLD, port), rank=rank, world_size=WORLD,
         device_id=dev, timeout=timedelta(seconds=60),
     )  # fmt: skip
     custom = create(rank, WORLD, dev, dist.new_group(backend="gloo"))

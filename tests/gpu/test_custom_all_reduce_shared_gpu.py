@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, max_bytes_for
-from nanoqwen.runtime.parallel.group import free_port, keep_multicast_off
+from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 WORLD = 2
@@ -33,9 +33,7 @@ def join(rank: int, port: int) -> CustomAllReduce:
     keep_multicast_off()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    dist.init_process_group("gloo", store=spawn_store(WORLD, port), rank=rank, world_size=WORLD)
     programs = torch.cuda.get_device_properties(device).multi_processor_count
     return CustomAllReduce(
         rank, WORLD, device, dist.group.WORLD, programs, max_bytes_for(WORLD),
@@ -97,4 +95,5 @@ def protocol_rank(rank: int, port: int) -> None:
 
 
 def test_queued_calls_and_graph_replays_sum_exactly_with_two_processes_on_one_gpu():
-    mp.spawn(protocol_rank, args=(free_port(),), nprocs=WORLD)
+    store = spawn_store(WORLD)  # the ranks' rendezvous, held here while they run
+    mp.spawn(protocol_rank, args=(store.port,), nprocs=WORLD)

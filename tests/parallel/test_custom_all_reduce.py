@@ -24,7 +24,7 @@ from nanoqwen.runtime.parallel.custom_all_reduce import (
     max_bytes_for,
     refusal,
 )
-from nanoqwen.runtime.parallel.group import free_port
+from nanoqwen.runtime.parallel.group import spawn_store
 
 A, B, C = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
 
@@ -134,9 +134,7 @@ def join(rank: int, world: int, port: int, timeout_s: float) -> CustomAllReduce:
 
     _run_triton_kernels_on_cpu()
     mp.set_sharing_strategy("file_system")  # CPU buffers shared by file name, not by fd
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group("gloo", store=spawn_store(world, port), rank=rank, world_size=world)
     return CustomAllReduce(
         rank, world, torch.device("cpu"), dist.group.WORLD, PROGRAMS, MAX_BYTES,
         timedelta(seconds=timeout_s),
@@ -181,7 +179,8 @@ def sums_rank(rank: int, world: int, port: int, repeats: int) -> None:
 @interpreted
 @pytest.mark.parametrize(("world", "repeats"), [(2, 2 * len(CALLS)), (3, len(CALLS))])
 def test_every_rank_gets_the_same_exact_sum_over_many_calls(world, repeats):
-    mp.spawn(sums_rank, args=(world, free_port(), repeats), nprocs=world)
+    store = spawn_store(world)
+    mp.spawn(sums_rank, args=(world, store.port, repeats), nprocs=world)
 
 
 def stalled_rank(rank: int, world: int, port: int, abort: bool) -> None:
@@ -206,4 +205,5 @@ def stalled_rank(rank: int, world: int, port: int, abort: bool) -> None:
 @interpreted
 @pytest.mark.parametrize("abort", [False, True], ids=["timeout", "abort"])
 def test_a_rank_that_never_comes_turns_into_an_error_not_a_hang(abort):
-    mp.spawn(stalled_rank, args=(2, free_port(), abort), nprocs=2)
+    store = spawn_store(2)
+    mp.spawn(stalled_rank, args=(2, store.port, abort), nprocs=2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.parallel.group import TensorParallelError
+from nanoqwen.runtime.parallel.group import TensorParallelError, spawn_store
 
 BOUND_S = 30  # generous for a loaded CI machine; it takes well under a second
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,3 +157,15 @@ def test_ctrl_c_interrupts_between_steps_and_the_engine_goes_on(tiny_model, tmp_
         " ".join(["after", *map(str, reference(tiny_model[0]))]),
     ]
     assert not any(running(p) for p in pids)
+
+
+def test_the_spawned_ranks_rendezvous_holds_its_port_from_the_start():
+    """Rank 0 listens before it spawns anyone, on a port the OS picked: no other process can
+    take that port while the workers start (a free port chosen first and listened on later
+    was taken once: EADDRINUSE)."""
+    store = spawn_store(2)
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    client = spawn_store(2, store.port)
+    client.set("ready", "1")
+    assert store.get("ready") == b"1"

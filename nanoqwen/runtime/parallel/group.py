@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,10 +45,16 @@ def keep_multicast_off() -> None:
         os.environ.setdefault(key, value)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def spawn_store(size: int, port: int | None = None) -> dist.TCPStore:
+    """The rendezvous of the ranks rank 0 spawns. Rank 0 (port None) listens on a port the
+    OS picks and keeps it from then on; the workers connect to that port. Choosing a free
+    port first and listening on it later left a window in which another process took it:
+    EADDRINUSE, seen on a two-GPU machine."""
+    master = port is None
+    return dist.TCPStore(
+        "127.0.0.1", 0 if master else port, size, is_master=master, timeout=STEP_TIMEOUT,
+        wait_for_workers=False,
+    )  # fmt: skip
 
 
 def under_torchrun() -> bool:
@@ -77,9 +82,11 @@ def rank_device(device: str, local_rank: int, size: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def join_group(rank: int, size: int, device: torch.device, init_method: str) -> ParallelContext:
+def join_group(
+    rank: int, size: int, device: torch.device, rendezvous: str | dist.Store
+) -> ParallelContext:
     """Joins the default process group (NCCL on CUDA, gloo on CPU) and the gloo control
-    group; init_method "env://" reads torchrun's MASTER_ADDR/MASTER_PORT."""
+    group; rendezvous: a spawn_store(), or "env://" (torchrun's MASTER_ADDR/MASTER_PORT)."""
     keep_multicast_off()
     if dist.is_initialized():
         raise TensorParallelError(
@@ -90,7 +97,8 @@ def join_group(rank: int, size: int, device: torch.device, init_method: str) -> 
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
-        init_method=init_method,
+        init_method=rendezvous if isinstance(rendezvous, str) else None,
+        store=None if isinstance(rendezvous, str) else rendezvous,
         rank=rank,
         world_size=size,
         timeout=STEP_TIMEOUT,

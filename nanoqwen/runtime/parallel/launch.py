@@ -11,11 +11,11 @@ import torch
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.parallel.group import (
     ParallelContext,
-    free_port,
     join_group,
     keep_multicast_off,
     leave_group,
     rank_device,
+    spawn_store,
     under_torchrun,
 )
 from nanoqwen.runtime.parallel.processes import WorkerProcesses
@@ -49,10 +49,10 @@ def start_group(engine_kwargs: dict, size: int) -> tuple[ParallelContext, Worker
             leave_group()
         sys.exit(0)
     dev = rank_device(device, 0, size)
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    workers = WorkerProcesses(size, init_method, {**engine_kwargs, "progress": False})
+    store = spawn_store(size)
+    workers = WorkerProcesses(size, store.port, {**engine_kwargs, "progress": False})
     try:
-        ctx = join_group(0, size, dev, init_method)
+        ctx = join_group(0, size, dev, store)
     except BaseException:
         workers.stop(timeout=0)
         raise

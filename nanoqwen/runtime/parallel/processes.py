@@ -18,14 +18,15 @@ class WorkerProcesses:
     """Ranks 1..size-1 as spawned processes (daemonic: they end with this process, and each
     also watches this process and exits when it dies, so none is ever orphaned)."""
 
-    def __init__(self, size: int, init_method: str, engine_kwargs: dict) -> None:
+    def __init__(self, size: int, port: int, engine_kwargs: dict) -> None:
+        """port: rank 0's rendezvous store (group.spawn_store)."""
         from nanoqwen.runtime.parallel.worker import worker_main
 
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=worker_main,
-                args=(rank, size, init_method, engine_kwargs),
+                args=(rank, size, port, engine_kwargs),
                 name=f"nanoqwen-tp-rank{rank}",
                 daemon=True,
             )

@@ -17,6 +17,7 @@ from nanoqwen.runtime.parallel.group import (
     TensorParallelError,
     join_group,
     leave_group,
+    spawn_store,
 )
 from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, unpack
 from nanoqwen.runtime.parallel.processes import exit_with_parent
@@ -95,7 +96,7 @@ def run_worker(ctx: ParallelContext, engine_kwargs: dict) -> None:
         torch.cuda.synchronize(ctx.device)
 
 
-def worker_main(rank: int, size: int, init_method: str, engine_kwargs: dict) -> None:
+def worker_main(rank: int, size: int, port: int, engine_kwargs: dict) -> None:
     """Entry point of a spawned rank."""
     # Ctrl-C reaches the whole process group; rank 0 decides, and tells the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -105,7 +106,7 @@ def worker_main(rank: int, size: int, init_method: str, engine_kwargs: dict) -> 
         device = torch.device("cuda", rank)
     else:  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    ctx = join_group(rank, size, device, init_method)
+    ctx = join_group(rank, size, device, spawn_store(size, port))
     try:
         run_worker(ctx, engine_kwargs)
     except InvalidInputError as e:  # rank 0 refuses the same arguments with the same error
