@@ -41,7 +41,7 @@ if [[ $what == exit || $what == all ]]; then  # where a tp=2 engine's shutdown h
   for custom in 0 1; do
     for close in explicit atexit; do
       echo "== custom all-reduce $custom, close $close" | tee -a "$OUT/tp_exit.log"
-      NANOQWEN_CUSTOM_ALL_REDUCE=$custom timeout -s ABRT 120 python3 -X faulthandler \
+      NANOQWEN_CUSTOM_ALL_REDUCE=$custom timeout -s ABRT 90 python3 -X faulthandler \
         tools/tp_exit_probe.py --close "$close" 2>&1 | tee -a "$OUT/tp_exit.log"
       echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_exit.log"
       pkill -9 -f tp_exit_probe.py; sleep 1
