@@ -80,6 +80,11 @@ class CUDAGraphRunner:
         self.mirrors = [_HostMirror(n, width) for _ in range(2)]
         for m in self.mirrors:
             self._fill_padding(m, 0, n)
+            # The capture warm-ups run on this; each step's prepare() sets its own order.
+            # The decode kernel runs row order[i] as its i-th: a row the order leaves out
+            # keeps whatever its output buffer held, and NaN logits there once made the
+            # sampler count a token past the vocabulary, into memory past its tables.
+            m.order[:] = np.arange(n)
         self.turn = 0
         self.dev = self.mirrors[0].t.to(device)  # what the graphs read; its layout is t's
         self.dev64, self.dev32 = self.dev[: 5 * n], self.dev[5 * n :].view(torch.int32)
@@ -99,10 +104,6 @@ class CUDAGraphRunner:
         m.suffix_tables[start:end] = scratch
         m.suffix_lens[start:end] = 1
         m.sampler_slots[start:end] = self.sampler_scratch
-        # The decode kernel runs row order[i] as its i-th: a row the order leaves out keeps
-        # whatever its output buffer held, and NaN logits there once made the sampler count
-        # a token past the vocabulary, into memory past its tables.
-        m.order[start:end] = np.arange(start, end)
 
     def _static_meta(self, bs: int, variant: int, cascade: bool) -> AttentionMetadata:
         n, d64, d32, w = self.max_bs, self.dev64, self.dev32, self.width
