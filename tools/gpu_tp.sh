@@ -37,19 +37,20 @@ if [[ $what == custom || $what == all ]]; then
   timeout 540 python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
     -p no:cacheprovider 2>&1 | tee "$OUT/custom_all_reduce_tests.log"
 fi
-if [[ $what == exit || $what == all ]]; then  # where a tp=2 engine's shutdown hangs
-  for custom in 0 1; do
-    for close in explicit atexit; do
-      echo "== custom all-reduce $custom, close $close" | tee -a "$OUT/tp_exit.log"
-      NANOQWEN_CUSTOM_ALL_REDUCE=$custom timeout -s ABRT 90 python3 -X faulthandler \
-        tools/tp_exit_probe.py --close "$close" 2>&1 | tee -a "$OUT/tp_exit.log"
-      echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_exit.log"
-      pkill -9 -f tp_exit_probe.py; sleep 1
-    done
-  done
+if [[ $what == exit || $what == all ]]; then  # a tp=2 engine's shutdown, clean and after a kill
+  probe() {  # probe NAME ARGS...
+    echo "== $1" | tee -a "$OUT/tp_exit.log"; shift
+    timeout -s ABRT 60 python3 -X faulthandler tools/tp_exit_probe.py "$@" 2>&1 \
+      | tee -a "$OUT/tp_exit.log"
+    echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_exit.log"
+    pkill -9 -f tp_exit_probe.py; sleep 1
+  }
+  NANOQWEN_CUSTOM_ALL_REDUCE=0 probe "custom 0, close explicit" --close explicit
+  NANOQWEN_CUSTOM_ALL_REDUCE=1 probe "custom 1, close atexit" --close atexit
+  NANOQWEN_CUSTOM_ALL_REDUCE=1 probe "rank 1 killed, leave alone: abort" --kill --leave-alone abort
 fi
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -rs -p no:cacheprovider 2>&1 \
+  timeout 300 python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -v -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tp_tests.log"
 fi
 if [[ $what == allreduce || $what == all ]]; then

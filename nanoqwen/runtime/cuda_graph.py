@@ -175,8 +175,16 @@ class CUDAGraphRunner:
             self.meta[key] = meta
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Frees every graph and its memory pool; later steps run eagerly. NCCL cannot
+        destroy or abort a communicator while a graph that captured its collectives lives
+        (both hung on two H200s): tensor-parallel ranks release their graphs first."""
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_bs
+        return num_seqs <= self.max_bs and bool(self.graphs)
 
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)

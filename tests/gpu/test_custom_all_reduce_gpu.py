@@ -25,6 +25,7 @@ from nanoqwen.runtime.parallel.custom_all_reduce import (
     CustomAllReduce,
     create,
     max_bytes_for,
+    release_all,
 )
 from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
 
@@ -68,6 +69,7 @@ def join(rank: int, port: int) -> tuple[torch.device, CustomAllReduce]:
 def leave(custom: CustomAllReduce) -> None:
     torch.cuda.synchronize()
     assert custom.error() is None, custom.error()
+    release_all()  # no rank exits while another maps its buffers
     dist.barrier()
     dist.destroy_process_group()
 
@@ -164,6 +166,7 @@ def graph_rank(rank: int, port: int) -> None:
         nccl = inputs[3].clone()
         dist.all_reduce(nccl)
         torch.testing.assert_close(outputs[3], nccl, rtol=RTOL[torch.bfloat16], atol=1e-30)
+    graph.reset()  # NCCL cannot destroy a communicator that a live graph captured
     leave(custom)
 
 

@@ -1,7 +1,13 @@
 """tensor_parallel_size=2 on two GPUs (NCCL): logprobs as close to float32 as one GPU's,
-graph replay equal to eager, and no host sync inside a step on any rank."""
+graph replay equal to eager, no host sync inside a step on any rank, and an exit that
+never hangs."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +15,7 @@ import torch
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.runtime.parallel.worker import SYNC_DEBUG_ENV
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
 )
@@ -110,3 +117,51 @@ def test_tp2_steps_have_no_host_sync(model_dir, monkeypatch):
             llm.abort(prefill.seqs)
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # the other rank lives
         assert len(out[0].token_ids) == 4
+
+
+EXIT_SCRIPT = """
+import os, signal, sys
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.parallel.group import TensorParallelError
+llm = LLM({path!r}, tensor_parallel_size=2, device="cuda", max_num_seqs=8, progress=False)
+assert llm.runner.graphs is not None
+params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+print("tokens", len(llm.generate([[1, 2, 3] * 10], params)[0].token_ids), flush=True)
+procs = llm.runner.workers.procs
+if {how!r} == "kill":
+    os.kill(procs[0].pid, signal.SIGKILL)
+    try:
+        llm.generate([[1, 2, 3]], params)
+    except TensorParallelError as e:
+        print("refused:", e, flush=True)
+if {how!r} != "atexit":
+    llm.close()
+    print("exit codes", *[p.exitcode for p in procs], flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "custom, how, expected",
+    [
+        ("0", "close", ["tokens 16", "exit codes 0"]),
+        ("1", "close", ["tokens 16", "exit codes 0"]),
+        ("1", "atexit", ["tokens 16"]),
+        ("1", "kill", ["tokens 16", "refused: tensor-parallel rank 1", "exit codes -9"]),
+    ],
+)
+def test_tp2_engine_with_graphs_exits_after_close_exit_or_a_killed_rank(
+    model_dir, custom, how, expected
+):
+    """Every tp=2 engine of session 11 hung on exit: NCCL neither destroys nor aborts a
+    communicator that a live CUDA graph captured."""
+    script = EXIT_SCRIPT.format(path=str(model_dir), how=how)
+    env = {**os.environ, "NANOQWEN_CUSTOM_ALL_REDUCE": custom, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=150
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert [line[: len(e)] for line, e in zip(lines, expected)] == expected, out.stdout
+    assert len(lines) == len(expected)
+    if how != "kill":  # every rank let go of the others' buffers before any exited
+        assert "Producer process has been terminated" not in out.stderr

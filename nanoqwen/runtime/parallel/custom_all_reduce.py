@@ -266,3 +266,12 @@ def abort_all() -> None:
     """On leaving the group: no kernel of this process keeps waiting for a departed rank."""
     while _active:
         _active.pop().abort()
+
+
+def release_all() -> None:
+    """On leaving the group together: this process lets go of the other ranks' buffers
+    before any of them exits (a rank that exits while another still maps its memory warns
+    "Producer process has been terminated before all shared CUDA tensors released")."""
+    for custom in _active:
+        custom.peers = []
+    abort_all()

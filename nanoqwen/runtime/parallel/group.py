@@ -23,6 +23,8 @@ NVLS_OFF = {
 STEP_TIMEOUT = timedelta(minutes=10)
 # The other ranks wait for rank 0's next step for as long as the engine sits idle.
 IDLE_TIMEOUT = timedelta(days=365)
+# Leaving the group together: how long a rank waits at close() for the others to arrive.
+LEAVE_TIMEOUT = timedelta(seconds=30)
 
 
 class TensorParallelError(RuntimeError):
@@ -111,16 +113,38 @@ def join_group(
     return ParallelContext(TensorParallel(rank, size, None, custom), control, device)
 
 
-def leave_group() -> None:
-    """Frees this rank's process groups without waiting for the other ranks. NCCL's
-    destroy_process_group flushes through ncclCommFinalize, which blocks until every rank
-    calls it: rank 0 leaves after its workers have exited, so destroying hung there (seen on
-    two H200s). The callers synchronize first, so nothing is in flight that an abort cuts."""
+def leave_group(control: dist.ProcessGroup | None = None) -> None:
+    """Frees this rank's process groups.
+
+    control given: every rank calls this at the same point (each after the engine's shutdown
+    message) and they leave together: each drops the other ranks' custom all-reduce buffers,
+    waits for the others on the gloo control group (bounded), then destroys its groups.
+    NCCL's destroy flushes through ncclCommFinalize, which waits for every rank, so it must
+    not run alone. A rank that does not reach the barrier makes this one leave alone.
+    control None: this rank leaves alone (a peer died, or a step failed)."""
+    from nanoqwen.runtime.parallel import custom_all_reduce
+
+    if not dist.is_initialized():
+        return
+    if control is not None:
+        custom_all_reduce.release_all()
+        try:
+            dist.monitored_barrier(group=control, timeout=LEAVE_TIMEOUT)
+        except RuntimeError:
+            control = None
+        else:
+            dist.destroy_process_group()
+            return
+    _leave_alone()
+
+
+def _leave_alone() -> None:
+    """Without waiting for any other rank: kernels waiting for a peer give up, and NCCL's
+    communicators are aborted (destroying one whose peer is gone blocks in its finalize).
+    The callers synchronize first where they can, so nothing is in flight that an abort cuts."""
     from nanoqwen.runtime.parallel import custom_all_reduce
 
     custom_all_reduce.abort_all()
-    if not dist.is_initialized():
-        return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None and dist.get_backend() == "nccl":
         abort()

@@ -13,7 +13,6 @@ from nanoqwen.runtime.parallel.group import (
     ParallelContext,
     join_group,
     keep_multicast_off,
-    leave_group,
     rank_device,
     spawn_store,
     under_torchrun,
@@ -43,10 +42,7 @@ def start_group(engine_kwargs: dict, size: int) -> tuple[ParallelContext, Worker
             return ctx, None
         from nanoqwen.runtime.parallel.worker import run_worker
 
-        try:
-            run_worker(ctx, {**engine_kwargs, "progress": False})
-        finally:
-            leave_group()
+        run_worker(ctx, {**engine_kwargs, "progress": False})
         sys.exit(0)
     dev = rank_device(device, 0, size)
     store = spawn_store(size)

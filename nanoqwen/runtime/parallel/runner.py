@@ -4,7 +4,6 @@ in one message before rank 0 runs its own part of the step."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 
 import torch
 
@@ -136,19 +135,31 @@ class ParallelModelRunner(ModelRunner):
         self.failure = f"{reason}; the tensor-parallel engine is shut down"
         if self.workers is not None:
             self.workers.stop(timeout=0)
+        self._release_graphs()
         leave_group()  # aborts an NCCL group: destroying one whose peer died would block
         atexit.unregister(self.close)
 
+    def _release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()  # before the group: see CUDAGraphRunner.release
+
     def close(self) -> None:
-        """Stops the other ranks and leaves the group (idempotent)."""
+        """Stops the other ranks and leaves the group with them (idempotent)."""
         if self.failure is not None:
             return
         self.failure = "the engine was closed"
         atexit.unregister(self.close)
-        with contextlib.suppress(Exception):  # a rank already gone: stop() ends the rest
+        try:
             self.channel.send(header(Op.SHUTDOWN), [])
-        if self.workers is not None:
-            self.workers.stop()
+        except Exception:  # noqa: BLE001  (a rank already gone: stop() ends the rest)
+            if self.workers is not None:
+                self.workers.stop(timeout=0)
+            self._release_graphs()
+            leave_group()
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        leave_group()
+        self._release_graphs()
+        leave_group(self.channel.ctx.control)
+        if self.workers is not None:
+            self.workers.stop()

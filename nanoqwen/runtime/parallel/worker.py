@@ -80,20 +80,29 @@ class WorkerRunner:
 
 
 def run_worker(ctx: ParallelContext, engine_kwargs: dict) -> None:
+    """Builds this rank's engine and serves rank 0's steps; leaves the group at the end,
+    with the other ranks after SHUTDOWN, alone after a failure."""
     from nanoqwen.runtime.builder import build_engine
 
-    worker = build_engine(**engine_kwargs, parallel=ctx)
-    # The GPU tests' no-host-sync check, on this rank's steps (rank 0 checks its own).
-    debug = ctx.device.type == "cuda" and os.environ.get(SYNC_DEBUG_ENV) == "error"
-    if debug:
-        torch.cuda.set_sync_debug_mode("error")
+    worker, shut_down = None, False
     try:
-        worker.serve()
-    finally:
+        worker = build_engine(**engine_kwargs, parallel=ctx)
+        # The GPU tests' no-host-sync check, on this rank's steps (rank 0 checks its own).
+        debug = ctx.device.type == "cuda" and os.environ.get(SYNC_DEBUG_ENV) == "error"
         if debug:
-            torch.cuda.set_sync_debug_mode("default")
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            worker.serve()
+        finally:
+            if debug:
+                torch.cuda.set_sync_debug_mode("default")
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        shut_down = True
+    finally:
+        if worker is not None and worker.graphs is not None:
+            worker.graphs.release()  # before the group: see CUDAGraphRunner.release
+        leave_group(ctx.control if shut_down else None)
 
 
 def worker_main(rank: int, size: int, port: int, engine_kwargs: dict) -> None:
@@ -112,5 +121,3 @@ def worker_main(rank: int, size: int, port: int, engine_kwargs: dict) -> None:
     except InvalidInputError as e:  # rank 0 refuses the same arguments with the same error
         print(f"[nanoqwen] tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    finally:
-        leave_group()
