@@ -45,7 +45,6 @@ if [[ $what == exit || $what == all ]]; then  # a tp=2 engine's shutdown, clean 
     echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_exit.log"
     pkill -9 -f tp_exit_probe.py; sleep 1
   }
-  NANOQWEN_CUSTOM_ALL_REDUCE=0 probe "custom 0, close explicit" --close explicit
   NANOQWEN_CUSTOM_ALL_REDUCE=1 probe "custom 1, close atexit" --close atexit
   NANOQWEN_CUSTOM_ALL_REDUCE=1 probe "rank 1 killed, leave alone: abort" --kill --leave-alone abort
 fi
