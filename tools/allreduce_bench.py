@@ -4,8 +4,10 @@ A decode step at tensor_parallel_size N runs 2 all-reduces per layer (o_proj, do
 [batch, hidden] plus one for the vocabulary-parallel embedding, and one all-gather of the
 logits ([batch, vocab / N] per rank). This times each inside a CUDA graph (as the decode graph
 runs them: no launch cost), the all-reduce over NCCL and over the custom one-shot kernel
-(runtime/parallel/custom_all_reduce.py), and prints the per-step totals next to the shape.
---sweep then times both over message sizes: where NCCL overtakes is the custom one's limit.
+(runtime/parallel/custom_all_reduce.py: its one-shot and low-latency kernels, and the one it
+picks), and prints the per-step totals next to the shape. --sweep then times them over
+message sizes: where NCCL overtakes is the custom one's limit, where the one-shot kernel
+overtakes the low-latency one the latter's.
 
     python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B --batch 1 --sweep
 """
@@ -23,7 +25,12 @@ import torch.multiprocessing as mp
 
 from nanoqwen.model.parallel import _all_gather
 from nanoqwen.model.shapes import shape_config
-from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, RankInfo, refusal
+from nanoqwen.runtime.parallel.custom_all_reduce import (
+    CustomAllReduce,
+    RankInfo,
+    ll_max_bytes_from_env,
+    refusal,
+)
 from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,6 +43,7 @@ def graph_us(fn, reps: int = 50, iters: int = 20) -> float:
 
 
 SWEEP_KIB = [4, 16, 64, 256, 512, 1024, 2048, 4096, 8192]
+LL_KIB = 1024  # the low-latency kernel is timed up to here
 
 
 def custom_reducer(rank: int, size: int, dev: torch.device) -> CustomAllReduce:
@@ -47,7 +55,23 @@ def custom_reducer(rank: int, size: int, dev: torch.device) -> CustomAllReduce:
     if reason is not None:
         sys.exit(f"the custom all-reduce cannot run here: {reason}")
     programs = min(i.programs for i in infos)
-    return CustomAllReduce(rank, size, dev, control, programs, max_bytes=SWEEP_KIB[-1] << 10)
+    return CustomAllReduce(
+        rank, size, dev, control, programs, max_bytes=SWEEP_KIB[-1] << 10,
+        ll_max_bytes=LL_KIB << 10,
+    )  # fmt: skip
+
+
+def protocols_us(custom: CustomAllReduce, x: torch.Tensor) -> dict[str, float]:
+    """The custom all-reduce of x through each of its kernels (the low-latency one only up to
+    LL_KIB), and through the one the engine's limits pick."""
+    chosen = ll_max_bytes_from_env(None)
+    out = {}
+    for name, limit in (("oneshot_us", 0), ("ll_us", LL_KIB << 10), ("custom_us", chosen)):
+        if name == "ll_us" and x.numel() * x.element_size() > limit:
+            continue
+        custom.ll_max_bytes = limit
+        out[name] = round(graph_us(lambda x=x: custom(x)), 2)
+    return out
 
 
 def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, sweep: bool) -> None:
@@ -65,7 +89,8 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
         local = torch.randn(batch, shard, dtype=torch.bfloat16, device=dev)
         gathered = torch.empty(size * batch, shard, dtype=torch.bfloat16, device=dev)
         reduce_us = graph_us(lambda x=x: dist.all_reduce(x))
-        custom_us = graph_us(lambda x=x: custom(x))
+        kernels = protocols_us(custom, x)
+        custom_us = kernels["custom_us"]
         gather_us = graph_us(lambda g=gathered, lo=local: _all_gather(g, lo))
         count = 2 * cfg.num_hidden_layers + 1
         if rank == 0:
@@ -74,7 +99,8 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
                 "tp": size,
                 "batch": batch,
                 "all_reduce_us": round(reduce_us, 2),
-                "custom_all_reduce_us": round(custom_us, 2),
+                "custom_all_reduce_us": custom_us,
+                "custom_kernels_us": kernels,
                 "all_reduces_per_step": count,
                 "logits_all_gather_us": round(gather_us, 2),
                 "per_step_ms": round((count * reduce_us + gather_us) / 1e3, 3),
@@ -85,7 +111,7 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
         x = torch.randn(kib << 9, dtype=torch.bfloat16, device=dev)
         row = {"tp": size, "bfloat16_kib": kib}
         row["nccl_us"] = round(graph_us(lambda x=x: dist.all_reduce(x)), 2)
-        row["custom_us"] = round(graph_us(lambda x=x: custom(x)), 2)
+        row |= protocols_us(custom, x)
         if rank == 0:
             print(json.dumps(row), flush=True)
     torch.cuda.synchronize()

@@ -40,6 +40,24 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def give_up_verdict(status, verdict, spins, t0, timeout, USE_CLOCK: tl.constexpr):
+    """Whether a wait loop stops waiting: 0 (go on), 1 (TIMED_OUT) or 2 (ABORTED: the host
+    set status[0], having given up on a peer). Thread 0 writes its view to the program's
+    verdict word and reads it back, so every warp gets the same answer and leaves the loop
+    in the same iteration. timeout: ns since t0 on a GPU, spins in the interpreter."""
+    mine = 0
+    if tl.load(status + 0, volatile=True) != 0:
+        mine = 2
+    if USE_CLOCK:
+        if globaltimer() - t0 > timeout:
+            mine = 1
+    elif spins > timeout:
+        mine = 1
+    tl.atomic_xchg(verdict, mine.to(tl.int64), sem="relaxed", scope="gpu")
+    return tl.atomic_add(verdict, 0, sem="relaxed", scope="gpu").to(tl.int32)
+
+
+@triton.jit
 def _one_shot_all_reduce_kernel(
     x_ptr, n, chunk, ptrs_ptr, state_ptr, rank, timeout,
     WORLD: tl.constexpr, WORLD_POW2: tl.constexpr, G_MAX: tl.constexpr,
@@ -70,31 +88,17 @@ def _one_shot_all_reduce_kernel(
     my_flags = tl.load(ptrs_ptr + WORLD + rank).to(tl.pointer_type(tl.int64)) + pid * WORLD
     seen = tl.atomic_add(my_flags + ranks, 0, mask=live, sem="acquire", scope="sys")
     waiting = tl.sum(((seen < epoch) & live).to(tl.int32), axis=0)
+    status = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int32))
     gave_up = failed  # a rank that gave up once no longer waits: its results are void anyway
     spins = 0
-    if USE_CLOCK:
-        t0 = globaltimer()
+    t0 = globaltimer() if USE_CLOCK else 0
     while (waiting > 0) & (gave_up == 0):
         seen = tl.atomic_add(my_flags + ranks, 0, mask=live, sem="acquire", scope="sys")
         waiting = tl.sum(((seen < epoch) & live).to(tl.int32), axis=0)
         spins += 1
         if spins % 64 == 0:
-            mine = 0  # this thread's view; only thread 0's counts (the verdict word below)
-            status = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int32))
-            # status[0] (ABORT): the host has given up on a peer: stop waiting, code ABORTED
-            if tl.load(status + 0, volatile=True) != 0:
-                mine = 2
-            if USE_CLOCK:
-                if globaltimer() - t0 > timeout:
-                    mine = 1  # TIMED_OUT
-            elif spins > timeout:
-                mine = 1
-            # Thread 0 writes its view and reads it back: every warp gets the same verdict and
-            # leaves the loop in the same iteration.
-            tl.atomic_xchg(verdict, mine.to(tl.int64), sem="relaxed", scope="gpu")
-            gave_up = tl.atomic_add(verdict, 0, sem="relaxed", scope="gpu").to(tl.int32)
+            gave_up = give_up_verdict(status, verdict, spins, t0, timeout, USE_CLOCK)
     if gave_up != failed:
-        status = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int32))
         tl.store(status + 1, gave_up.to(tl.int32))  # status[1] (ERROR), read by the host
         tl.store(state_ptr + G_MAX, gave_up)
     # The acquire above made the peers' copies visible to the polling thread; the barrier
@@ -112,10 +116,10 @@ def _one_shot_all_reduce_kernel(
         tl.store(x_ptr + start + idx, acc.to(dtype), mask=mask)
 
 
-def grid_and_chunk(n: int, g_max: int) -> tuple[int, int]:
-    """Programs for n elements (at most g_max) and the elements each sums (a BLOCK multiple)."""
-    programs = min(g_max, triton.cdiv(n, BLOCK))
-    chunk = triton.cdiv(triton.cdiv(n, programs), BLOCK) * BLOCK
+def grid_and_chunk(n: int, g_max: int, block: int = BLOCK) -> tuple[int, int]:
+    """Programs for n elements (at most g_max) and the elements each sums (a block multiple)."""
+    programs = min(g_max, triton.cdiv(n, block))
+    chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
     return triton.cdiv(n, chunk), chunk  # rounding chunk up may leave programs with nothing
 
 

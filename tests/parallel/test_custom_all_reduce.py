@@ -129,7 +129,9 @@ CALLS = [
 ]  # fmt: skip
 
 
-def join(rank: int, world: int, port: int, timeout_s: float) -> CustomAllReduce:
+def join(
+    rank: int, world: int, port: int, timeout_s: float, ll_max_bytes: int = MAX_BYTES
+) -> CustomAllReduce:
     from conftest import _run_triton_kernels_on_cpu
 
     _run_triton_kernels_on_cpu()
@@ -137,7 +139,7 @@ def join(rank: int, world: int, port: int, timeout_s: float) -> CustomAllReduce:
     dist.init_process_group("gloo", store=spawn_store(world, port), rank=rank, world_size=world)
     return CustomAllReduce(
         rank, world, torch.device("cpu"), dist.group.WORLD, PROGRAMS, MAX_BYTES,
-        timedelta(seconds=timeout_s),
+        timedelta(seconds=timeout_s), ll_max_bytes,
     )  # fmt: skip
 
 
@@ -149,8 +151,8 @@ def inputs(call: int, n: int, dtype: torch.dtype, world: int) -> list[torch.Tens
     ]
 
 
-def sums_rank(rank: int, world: int, port: int, repeats: int) -> None:
-    reducer = join(rank, world, port, timeout_s=600)
+def sums_rank(rank: int, world: int, port: int, repeats: int, ll_max_bytes: int) -> None:
+    reducer = join(rank, world, port, 600, ll_max_bytes)
     results = []
     for i in range(repeats):
         n, dtype = CALLS[i % len(CALLS)]
@@ -173,19 +175,29 @@ def sums_rank(rank: int, world: int, port: int, repeats: int) -> None:
     for other, state in everyone:  # bitwise the same sums, and the same epochs, everywhere
         assert all(torch.equal(a, b) for a, b in zip(other, results))
         assert state == reducer.state.tolist()
+    # Which kernel took the calls: the low-latency one those up to its limit in whole
+    # 4-byte words, the one-shot one the others (program 0's epochs count its calls).
+    low = [n * d.itemsize <= ll_max_bytes and n * d.itemsize % 4 == 0 for n, d in CALLS]
+    calls = [low[i % len(CALLS)] for i in range(repeats)]
+    taken = (reducer.ll_state[0].item(), reducer.state[0].item())
+    assert taken == (sum(calls), repeats - sum(calls))
     dist.destroy_process_group()
 
 
 @interpreted
-@pytest.mark.parametrize(("world", "repeats"), [(2, 2 * len(CALLS)), (3, len(CALLS))])
-def test_every_rank_gets_the_same_exact_sum_over_many_calls(world, repeats):
+@pytest.mark.parametrize(
+    ("world", "repeats", "ll_max_bytes"),
+    [(2, 2 * len(CALLS), 8192), (3, len(CALLS), 8192), (2, len(CALLS), 0),
+     (3, len(CALLS), MAX_BYTES)],
+)  # fmt: skip
+def test_every_rank_gets_the_same_exact_sum_over_many_calls(world, repeats, ll_max_bytes):
     store = spawn_store(world)
-    mp.spawn(sums_rank, args=(world, store.port, repeats), nprocs=world)
+    mp.spawn(sums_rank, args=(world, store.port, repeats, ll_max_bytes), nprocs=world)
 
 
-def stalled_rank(rank: int, world: int, port: int, abort: bool) -> None:
+def stalled_rank(rank: int, world: int, port: int, abort: bool, ll_max_bytes: int) -> None:
     """Rank 1 never makes the second call: rank 0's kernel must give up, not hang."""
-    reducer = join(rank, world, port, timeout_s=600)
+    reducer = join(rank, world, port, 600, ll_max_bytes)
     x = torch.ones(10)
     assert reducer(x) and torch.equal(x, torch.full((10,), 2.0))
     reducer.timeout = 300  # spins in the interpreter: a fraction of a second
@@ -203,7 +215,8 @@ def stalled_rank(rank: int, world: int, port: int, abort: bool) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("ll_max_bytes", [0, MAX_BYTES], ids=["one-shot", "low-latency"])
 @pytest.mark.parametrize("abort", [False, True], ids=["timeout", "abort"])
-def test_a_rank_that_never_comes_turns_into_an_error_not_a_hang(abort):
+def test_a_rank_that_never_comes_turns_into_an_error_not_a_hang(abort, ll_max_bytes):
     store = spawn_store(2)
-    mp.spawn(stalled_rank, args=(2, store.port, abort), nprocs=2)
+    mp.spawn(stalled_rank, args=(2, store.port, abort, ll_max_bytes), nprocs=2)

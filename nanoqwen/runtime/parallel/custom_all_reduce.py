@@ -36,6 +36,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "1": on; otherwise NCCL for every all-reduce
 TIMEOUT_ENV = "NANOQWEN_ALL_REDUCE_TIMEOUT_S"
 MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_MAX_BYTES"  # the limit below, overridden
+LL_MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_LL_MAX_BYTES"  # the low-latency kernel's
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # as NCCL's, for ranks that start far apart
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The status words (kernels/all_reduce.py writes the same numbers).
@@ -96,6 +97,16 @@ def max_bytes_for(world: int) -> int:
     return 4 << 20 if world == 2 else 512 << 10 if world <= 4 else 256 << 10
 
 
+def ll_max_bytes_from_env(given: int | None) -> int:
+    """The largest message the low-latency kernel takes (larger ones: the one-shot kernel).
+    It moves twice the bytes for one link crossing instead of three: a decode step's
+    messages (7 KiB for a 7B token) are latency, not bandwidth."""
+    if given is not None:
+        return given
+    value = os.environ.get(LL_MAX_BYTES_ENV)
+    return int(value) if value else 64 << 10
+
+
 def timeout_from_env() -> timedelta:
     value = os.environ.get(TIMEOUT_ENV)
     return timedelta(seconds=float(value)) if value else DEFAULT_TIMEOUT
@@ -136,20 +147,31 @@ class CustomAllReduce:
         programs: int,
         max_bytes: int,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        ll_max_bytes: int | None = None,
     ) -> None:
-        from nanoqwen.kernels import all_reduce as kernel  # triton: only where this runs
+        # triton: only where this runs
+        from nanoqwen.kernels import all_reduce as kernel
+        from nanoqwen.kernels import all_reduce_ll as ll_kernel
 
-        self.kernel = kernel
+        self.kernel, self.ll_kernel = kernel, ll_kernel
         self.rank, self.world, self.device = rank, world, device
         self.timeout_s = timeout.total_seconds()
         self.max_bytes = max_bytes
+        self.ll_max_bytes = min(max_bytes, ll_max_bytes_from_env(ll_max_bytes))
         self.g_max = programs  # grid limit: every program must be resident (they wait)
         unit = kernel.BLOCK * 4  # a whole number of BLOCKs of any dtype
         self.region_bytes = -(-max_bytes // programs // unit) * unit
         self.data = torch.empty(2 * programs * self.region_bytes, dtype=torch.uint8, device=device)
         self.flags = torch.zeros(programs * world, dtype=torch.int64, device=device)
-        # epochs, the failed word, verdicts (kernels/all_reduce.py)
-        self.state = torch.zeros(2 * programs + 1, dtype=torch.int64, device=device)
+        self.ll_region = ll_kernel.region_words(self.ll_max_bytes, programs)
+        self.ll = torch.zeros(
+            2 * programs * world * self.ll_region, dtype=torch.int64, device=device
+        )
+        # One-shot epochs, the failed word (both kernels'), one-shot verdicts (kernels/
+        # all_reduce.py), then the low-latency kernel's epochs and verdicts (all_reduce_ll.py).
+        self.state = torch.zeros(4 * programs + 1, dtype=torch.int64, device=device)
+        self.ll_state = self.state[2 * programs + 1 :]
+        self.failed = self.state[programs : programs + 1]
         # ABORT (the host asks spinning kernels to stop) and ERROR (a kernel gave up), in
         # host memory the GPU writes and reads directly, so neither side waits for the other.
         self.status = torch.zeros(2, dtype=torch.int32)
@@ -161,15 +183,18 @@ class CustomAllReduce:
             self.timeout = max(1, int(timeout.total_seconds() * 1000))
         self.status_words = self.status.numpy()  # the per-step check, in ~100 ns
         self.peers = self._exchange(group)
-        table = [d.data_ptr() for d, _ in self.peers] + [f.data_ptr() for _, f in self.peers]
-        self.ptrs = torch.tensor(table + [self.status.data_ptr()], dtype=torch.int64).to(device)
+        status = [self.status.data_ptr()]
+        table = [d.data_ptr() for d, _, _ in self.peers] + [f.data_ptr() for _, f, _ in self.peers]
+        self.ptrs = torch.tensor(table + status, dtype=torch.int64).to(device)
+        ll_table = [ll.data_ptr() for _, _, ll in self.peers]
+        self.ll_ptrs = torch.tensor(ll_table + status, dtype=torch.int64).to(device)
 
-    def _exchange(self, group) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every rank's (data, flags), opened in this process: IPC handles for CUDA tensors,
-        shared-memory files for CPU ones (with the file_system sharing strategy)."""
+    def _exchange(self, group) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every rank's (data, flags, ll), opened in this process: IPC handles for CUDA
+        tensors, shared-memory files for CPU ones (with the file_system sharing strategy)."""
         mine, failure = None, None
         try:
-            mine = bytes(ForkingPickler.dumps((self.data, self.flags)))
+            mine = bytes(ForkingPickler.dumps((self.data, self.flags, self.ll)))
         except Exception as e:  # noqa: BLE001  (every rank learns it below, and all refuse)
             failure = f"rank {self.rank} could not share its buffers ({e})"
         gathered: list[bytes | None] = [None] * self.world
@@ -177,7 +202,7 @@ class CustomAllReduce:
         peers = []
         for q, blob in enumerate(gathered):
             if q == self.rank or blob is None:  # a rank that could not share says so itself
-                peers.append((self.data, self.flags))
+                peers.append((self.data, self.flags, self.ll))
                 continue
             try:
                 peers.append(_OpenHere(blob, self.device).load())
@@ -203,7 +228,15 @@ class CustomAllReduce:
         where x is not one this all-reduce takes. Every rank must make the same calls."""
         if not self.fits(x):
             return False
-        if x.numel() > 0:
+        nbytes = x.numel() * x.element_size()
+        if nbytes == 0:
+            return True
+        if nbytes <= self.ll_max_bytes and nbytes % 4 == 0 and x.data_ptr() % 4 == 0:
+            self.ll_kernel.ll_all_reduce(
+                x, self.ll_ptrs, self.ll_state, self.failed, self.rank, self.world, self.g_max,
+                self.ll_region, self.timeout,
+            )  # fmt: skip
+        else:
             self.kernel.one_shot_all_reduce(
                 x, self.ptrs, self.state, self.rank, self.world, self.g_max,
                 self.region_bytes, self.timeout,

@@ -1,0 +1,142 @@
+"""Low-latency all-reduce for small messages (a decode step's): every rank writes its message
+straight into every rank's buffer as 64-bit packets, 32 bits of data beside a 32-bit flag
+that names the call, and then reads only its own buffer until every packet of the call has
+come. A packet's data and flag arrive together (one aligned 8-byte write), so no fence,
+no separate flag and no read across the link is needed: one link crossing a call, against
+all_reduce.py's three (the release of a flag, its observation, the read of the peer's copy).
+The price is twice the bytes on the link, which is why larger messages take all_reduce.py.
+
+Memory layout, per rank: ll: int64 [2 parities, G_MAX programs, WORLD sources, REGION]:
+program j of rank r writes its packets into region (parity, j, r) of every rank. Epochs and
+verdict words are per program, in the state words given (runtime/parallel/
+custom_all_reduce.py); the failed word is all_reduce.py's, shared. The same reuse argument as
+all_reduce.py's holds: a region of parity e % 2 is rewritten in epoch e only after the
+writer's previous call waited for every rank's epoch e - 1 packets, which each rank sends
+only after its epoch e - 2 reads of that region are done.
+
+Flags are never 0 (the buffers start zeroed): epoch e writes ((e - 1) mod (2^32 - 1)) + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from nanoqwen.kernels.all_reduce import INTERPRETED, NUM_WARPS, give_up_verdict, grid_and_chunk
+
+BLOCK = 512  # 32-bit words (packets) per program per pass
+LOW = tl.constexpr(0xFFFFFFFF)  # a packet's data word
+HIGH = tl.constexpr(-(1 << 32))  # its flag word (0xFFFFFFFF00000000 as an int64)
+# How the 32-bit words hold the message: float32 itself, or two bfloat16 / float16 halves.
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _halves(w, KIND: tl.constexpr):
+    """The two 16-bit floats of each word, in float32 (KIND 0: the word's float32, and 0)."""
+    if KIND == 0:
+        a = w.to(tl.float32, bitcast=True)
+        b = tl.zeros(w.shape, tl.float32)
+    else:
+        half = tl.bfloat16 if KIND == 1 else tl.float16
+        a = (w & 0xFFFF).to(tl.int16).to(half, bitcast=True).to(tl.float32)
+        b = (w >> 16).to(tl.int16).to(half, bitcast=True).to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _word(lo, hi, KIND: tl.constexpr):
+    """The inverse of _halves, rounding each float32 once to the message's dtype."""
+    if KIND == 0:
+        w = lo.to(tl.int32, bitcast=True)
+    else:
+        half = tl.bfloat16 if KIND == 1 else tl.float16
+        lo16 = lo.to(half).to(tl.int16, bitcast=True).to(tl.int32)
+        hi16 = hi.to(half).to(tl.int16, bitcast=True).to(tl.int32)
+        w = (hi16 << 16) | (lo16 & 0xFFFF)
+    return w
+
+
+@triton.jit
+def _ll_all_reduce_kernel(
+    x_ptr, n, chunk, ptrs_ptr, state_ptr, failed_ptr, rank, timeout,
+    WORLD: tl.constexpr, G_MAX: tl.constexpr, REGION: tl.constexpr, BLOCK: tl.constexpr,
+    KIND: tl.constexpr, USE_CLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    # Scalar atomics: one thread's result, broadcast to every warp (all_reduce.py says why).
+    epoch = tl.atomic_add(state_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
+    failed = tl.atomic_add(failed_ptr, 0, sem="relaxed", scope="gpu").to(tl.int32)
+    verdict = state_ptr + G_MAX + pid
+    flag = ((epoch - 1) % LOW + 1) << 32
+    base = ((epoch % 2) * G_MAX + pid) * WORLD
+    start = pid.to(tl.int64) * chunk
+    for off in range(0, chunk, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = start + idx < n
+        packet = (tl.load(x_ptr + start + idx, mask=mask).to(tl.int64) & LOW) | flag
+        for q in tl.static_range(WORLD):
+            dst = tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int64)) + (base + rank) * REGION
+            tl.atomic_xchg(dst + idx, packet, mask=mask, sem="relaxed", scope="sys")
+
+    mine = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int64))
+    status = tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32))
+    gave_up = failed  # a rank that gave up once no longer waits: its results are void anyway
+    spins = 0
+    t0 = globaltimer() if USE_CLOCK else 0
+    for off in range(0, chunk, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = start + idx < n
+        lo = tl.zeros([BLOCK], dtype=tl.float32)
+        hi = tl.zeros([BLOCK], dtype=tl.float32)
+        # The same rank order on every rank: every rank gets bitwise the same sums.
+        for q in tl.static_range(WORLD):
+            src = mine + (base + q) * REGION + idx
+            p = tl.load(src, mask=mask, other=0, volatile=True)
+            missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
+            while (missing > 0) & (gave_up == 0):
+                p = tl.load(src, mask=mask, other=0, volatile=True)
+                missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
+                spins += 1
+                if spins % 64 == 0:
+                    gave_up = give_up_verdict(status, verdict, spins, t0, timeout, USE_CLOCK)
+            a, b = _halves((p & LOW).to(tl.int32), KIND)
+            lo += a
+            hi += b
+        tl.store(x_ptr + start + idx, _word(lo, hi, KIND), mask=mask)
+    if gave_up != failed:
+        tl.store(status + 1, gave_up.to(tl.int32))  # status[1] (ERROR), read by the host
+        tl.store(failed_ptr, gave_up)
+
+
+def region_words(max_bytes: int, g_max: int) -> int:
+    """Packets each (parity, program, source) region holds for messages up to max_bytes."""
+    return max(1, triton.cdiv(triton.cdiv(max_bytes // 4, g_max), BLOCK)) * BLOCK
+
+
+def ll_all_reduce(
+    x: torch.Tensor,
+    ptrs: torch.Tensor,
+    state: torch.Tensor,
+    failed: torch.Tensor,
+    rank: int,
+    world: int,
+    g_max: int,
+    region: int,
+    timeout: int,
+) -> None:
+    """Sums x (contiguous, non-empty, a whole number of 4-byte words, 4-byte aligned, at most
+    g_max * region words) over the ranks, in place. ptrs: int64 [world + 1] = every rank's
+    ll buffer, this rank's pinned status words; state: int64 [2 * g_max] epochs and
+    verdicts; failed: the failed word (shared with all_reduce.py's kernel)."""
+    words = x.reshape(-1).view(torch.int32)
+    n = words.numel()
+    programs, chunk = grid_and_chunk(n, g_max, BLOCK)
+    assert chunk <= region, (n, chunk, region)
+    _ll_all_reduce_kernel[(programs,)](
+        words, n, chunk, ptrs, state, failed, rank, timeout,
+        WORLD=world, G_MAX=g_max, REGION=region, BLOCK=BLOCK, KIND=KINDS[x.dtype],
+        USE_CLOCK=not INTERPRETED, num_warps=NUM_WARPS,
+    )  # fmt: skip
