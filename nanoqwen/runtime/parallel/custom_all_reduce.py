@@ -1,20 +1,18 @@
-"""A faster all-reduce for small messages between GPUs of one machine: one Triton kernel over
+"""A faster all-reduce for small messages between GPUs of one machine: Triton kernels over
 buffers every rank maps from every other (CUDA IPC), instead of NCCL's ~16 µs per call.
 
 Each rank allocates its buffers, shares their IPC handles over the gloo control group and
-opens the others' in its own device's context. The kernel and its protocol are in
-kernels/all_reduce.py. Messages over max_bytes, other dtypes, and ranks that cannot map each
-other's memory (several machines, no peer access) keep NCCL.
+opens the others' in its own device's context. Two kernels: up to ll_max_bytes (64 KiB, a
+decode step's messages) the low-latency one (kernels/all_reduce_ll.py: data and flag in one
+packet, one link crossing a call), above it up to max_bytes the one-shot one (kernels/
+all_reduce.py: half the bytes, three crossings). Larger messages, other dtypes, and ranks
+that cannot map each other's memory (several machines, no peer access) keep NCCL.
 
-Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1. On two H200s (session 7), with the peers' handles
-opened in this rank's device context (_OpenHere below; torch opened them in the peers', an
-illegal address in session 6), eager calls are right (sizes to the limit, 1,000 queued
-calls), but the CUDA-graph replay test hung past its kernel's 20 s timeout, and so did the
-tp=2 engine with it switched on. Since then (session 8, not yet run on GPUs) every warp of a
-program reads the epoch and the give-up verdict from one thread's atomic (kernels/
-all_reduce.py says why warps that disagree hang); tools/allreduce_probe.py watches a graph
-replay to tell whether that was the cause. It becomes the default once its GPU tests pass
-and tools/allreduce_bench.py shows it ahead of NCCL.
+Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1. History on two H200s: handles opened in the peers'
+device contexts were an illegal address (session 6, hence _OpenHere below); warps that
+disagreed on leaving a wait loop hung a graph replay (session 7, fixed in session 8); the
+graph test and every tp=2 engine then hung on exit, which was NCCL's, not this kernel's
+(session 12: CUDAGraphRunner.release says why).
 """
 
 from __future__ import annotations
