@@ -9,6 +9,7 @@ from torch import nn
 from nanoqwen.model.layers import MLP, Linear
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.quant.format import QuantizedWeight
+from nanoqwen.quant.gguf_packed import PackedBlocks
 from nanoqwen.quant.linear import QuantizedLinear
 from nanoqwen.quant.scheme import Scheme
 
@@ -28,7 +29,7 @@ def set_module(net: nn.Module, name: str, module: nn.Module) -> None:
 
 def install(
     net: Qwen2ForCausalLM,
-    weights: dict[str, QuantizedWeight],
+    weights: dict[str, QuantizedWeight | PackedBlocks],
     dtype: torch.dtype,
 ) -> None:
     """Replaces the modules named in `weights` ("lm_head" for the output projection) by

@@ -39,14 +39,30 @@ def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     return q.reshape(b.shape[0], -1), d, None, 32
 
 
+def _q5_high_table() -> np.ndarray:
+    """For each qh byte, what its 8 bits add to the low nibbles of their values, Q5_0's offset
+    of -16 included, mod 256: 0xF0 for a clear bit (-16), 0 for a set one (+16 - 16). As one
+    uint64 a byte: one gather a qh byte, not one a value."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+    return np.where(bits == 1, 0, 0xF0).astype(np.uint8).view(np.uint64)[:, 0]
+
+
+_Q5_HIGH = _q5_high_table()
+
+
 def _q5_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     b = _blocks(data, 22)
+    rows, nb = b.shape[:2]
     d = _f16(b[..., 0:2])
-    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # bit j of qh: value j
+    # Built in place in three passes (the default model's embedding is 136M codes, where the
+    # plain unpackbits/concatenate/astype chain took 0.4 s): low nibbles (values 0..15 from
+    # qs's low halves, 16..31 from its high ones), then high bits and offset added as bytes.
+    q = np.empty((rows, nb, 32), dtype=np.uint8)
     qs = b[..., 6:22]
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # values 0..15 then 16..31
-    q = (low | (high << 4)).astype(np.int8) - np.int8(16)
-    return q.reshape(b.shape[0], -1), d, None, 32
+    np.bitwise_and(qs, 0x0F, out=q[..., :16])
+    np.right_shift(qs, 4, out=q[..., 16:])
+    q += _Q5_HIGH[b[..., 2:6]].view(np.uint8).reshape(rows, nb, 32)  # bit j of qh: value j
+    return q.view(np.int8).reshape(rows, -1), d, None, 32
 
 
 def _q6_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:

@@ -186,30 +186,87 @@ int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
     return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, threads);
 }
 
-// Per-channel int8 of a symmetric int8 weight in groups of g (codes q [N][K], float32 scales
-// s [N][K/g]): row scale r[n] = max |q * s| / 127 and codes round(q * s / r[n]) (ties to
-// even), what the int8 x int8 prefill matmul takes.
-void requantize_rows(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t g,
-                     int8_t* out, float* r, int threads) {
+// Per-channel int8 of one row of a symmetric int8 weight in groups of g (codes q [K], float32
+// scales s [K/g]): row scale r = max |q * s| / 127 and codes round(q * s / r) (ties to even),
+// what the int8 x int8 prefill matmul takes.
+static inline void requantize_row(const int8_t* qn, const float* sn, int64_t K, int64_t g,
+                                  int8_t* out, float* r) {
     const int64_t ng = K / g;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t* qn = q + n * K;
-        const float* sn = s + n * ng;
-        float amax = 0.0f;
-        for (int64_t b = 0; b < ng; b++) {
-            int m = 0;
-            for (int64_t j = 0; j < g; j++) m = abs(qn[b * g + j]) > m ? abs(qn[b * g + j]) : m;
-            amax = fmaxf(amax, (float)m * fabsf(sn[b]));  // GGUF scales may be negative
+    float amax = 0.0f;
+    for (int64_t b = 0; b < ng; b++) {
+        int m = 0;
+        for (int64_t j = 0; j < g; j++) m = abs(qn[b * g + j]) > m ? abs(qn[b * g + j]) : m;
+        amax = fmaxf(amax, (float)m * fabsf(sn[b]));  // GGUF scales may be negative
+    }
+    float row = amax / 127.0f;
+    *r = row;
+    // 16 codes at a time, the scalar loop's arithmetic: the same float32 product, rounded to
+    // nearest even (nearbyintf's default mode), max then min as fmaxf/fminf order them (a
+    // NaN product gives -127 in both).
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t b = 0; b < ng; b++) {
+        float f = row > 0.0f ? sn[b] / row : 0.0f;
+        const __m512 fv = _mm512_set1_ps(f);
+        int64_t j = 0;
+        for (; j + 16 <= g; j += 16) {
+            __m128i c = _mm_loadu_si128((const __m128i*)(qn + b * g + j));
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), fv);
+            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            __m128i q8 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));  // exact: integral, in range
+            _mm_storeu_si128((__m128i*)(out + b * g + j), q8);
         }
-        float row = amax / 127.0f;
-        r[n] = row;
-        for (int64_t b = 0; b < ng; b++) {
-            float f = row > 0.0f ? sn[b] / row : 0.0f;
-            for (int64_t j = 0; j < g; j++) {
-                float v = nearbyintf((float)qn[b * g + j] * f);
-                out[n * K + b * g + j] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
-            }
+        for (; j < g; j++) {
+            float v = nearbyintf((float)qn[b * g + j] * f);
+            out[b * g + j] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
         }
     }
+}
+
+// requantize_row over N rows of codes q [N][K] and scales s [N][K/g].
+void requantize_rows(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t g,
+                     int8_t* out, float* r, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++)
+        requantize_row(q + n * K, s + n * (K / g), K, g, out + n * K, r + n);
+}
+
+// requantize_rows of a weight in q5_gemv's (bits 5) or q8_gemv's (bits 8) layout: each row's
+// codes and scales are decoded to what gguf_blocks.py reads from the file (int8 code, float32
+// d), so the result is requantize_rows's on that canonical weight, bit for bit.
+static void requantize_blocks(int bits, const uint8_t* qs, const uint32_t* qh, const uint16_t* d,
+                              int64_t N, int64_t K, int8_t* out, float* r, int threads) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        int8_t q[K];
+        float s[nb];
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = n * nb + b;
+            s[b] = _cvtsh_ss(d[i]);
+            int8_t* c = q + 32 * b;
+            if (bits == 5) {
+                const uint8_t* p = qs + 16 * i;
+                const uint32_t h = qh[i];
+                for (int j = 0; j < 16; j++) {
+                    c[j] = (int8_t)(((p[j] & 15) | ((h >> j) & 1) << 4) - 16);
+                    c[j + 16] = (int8_t)(((p[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16);
+                }
+            } else {
+                const uint8_t* p = qs + 32 * i;
+                for (int j = 0; j < 32; j++) c[j] = (int8_t)(p[j] ^ 0x80);  // code + 128
+            }
+        }
+        requantize_row(q, s, K, 32, out + n * K, r + n);
+    }
+}
+
+void requantize_q5_rows(const uint8_t* qs, const uint32_t* qh, const uint16_t* d, int64_t N,
+                        int64_t K, int8_t* out, float* r, int threads) {
+    requantize_blocks(5, qs, qh, d, N, K, out, r, threads);
+}
+
+void requantize_q8_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t K, int8_t* out,
+                        float* r, int threads) {
+    requantize_blocks(8, qs, NULL, d, N, K, out, r, threads);
 }

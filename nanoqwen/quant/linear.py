@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
+from nanoqwen.quant.gguf_packed import PackedBlocks
 from nanoqwen.quant.native import (
     gguf_kernel,
     gguf_matmul,
@@ -31,6 +32,7 @@ from nanoqwen.quant.native import (
     is_q8_0,
     pack_q5_0,
     pack_q8_0,
+    requantize_packed,
     requantize_rows,
 )
 
@@ -41,11 +43,12 @@ _INT4_GROUPS = (32, 64, 128, 256)
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ W.T + bias for a QuantizedWeight W."""
+    """y = x @ W.T + bias for a QuantizedWeight W, or for GGUF blocks already in the CPU
+    kernels' layout (PackedBlocks, which only bf16/fp16 activations take)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantizedWeight | PackedBlocks, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight: QuantizedWeight | None = weight
+        self.weight: QuantizedWeight | PackedBlocks | None = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.group_size, self.bits = weight.group_size, weight.bits
@@ -55,6 +58,8 @@ class QuantizedLinear(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        if isinstance(self.weight, PackedBlocks):
+            return self.weight.device
         if self.weight is not None:
             return self.weight.q.device
         return self._decode[0].device
@@ -72,6 +77,9 @@ class QuantizedLinear(nn.Module):
         w = self.weight
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
+        if isinstance(w, PackedBlocks):
+            self._prepare_packed(w, dtype)
+            return
         if self.device.type == "cuda":
             self._decode, self.kind = (cuda_pack(w),), "triton"
             return
@@ -99,6 +107,19 @@ class QuantizedLinear(nn.Module):
             if self.kind == "unprepared":
                 self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"
             self.weight = None
+
+    def _prepare_packed(self, w: PackedBlocks, dtype: torch.dtype) -> None:
+        """What prepare() makes of the canonical weight that w packs: the same kernels and
+        the same per-channel int8 copy, without unpacking the codes."""
+        if dtype == torch.float32 or w.device.type != "cpu" or gguf_kernel() is None:
+            raise ValueError(
+                f"PackedBlocks need the CPU's GGUF kernels and bf16/fp16 activations "
+                f"(got {dtype} on {w.device})"
+            )
+        self._decode, self.kind = w.tensors, w.kind
+        per_channel = requantize_packed(w.tensors)
+        self._int8 = (per_channel.q, per_channel.scale.view(-1))
+        self.weight = None
 
     def decode_bytes(self) -> int:
         """Bytes the few-rows kernel reads per call."""

@@ -86,6 +86,10 @@ def gguf_kernel() -> ctypes.CDLL | None:
     # q, s, N, K, g, out, r, threads
     lib.requantize_rows.argtypes = [_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, ctypes.c_int]
     lib.requantize_rows.restype = None
+    # qs, [qh,] d, N, K, out, r, threads
+    lib.requantize_q5_rows.argtypes = [*[_ptr] * 3, _c_int64, _c_int64, _ptr, _ptr, ctypes.c_int]
+    lib.requantize_q8_rows.argtypes = [*[_ptr] * 2, _c_int64, _c_int64, _ptr, _ptr, ctypes.c_int]
+    lib.requantize_q5_rows.restype = lib.requantize_q8_rows.restype = None
     return lib
 
 
@@ -156,6 +160,22 @@ def requantize_rows(w: QuantizedWeight) -> QuantizedWeight:
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
     gguf_kernel().requantize_rows(
         q.data_ptr(), s.data_ptr(), n, k, w.group_size, out.data_ptr(), row.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return QuantizedWeight(out, row, None, k, 8)
+
+
+def requantize_packed(packed: tuple[torch.Tensor, ...]) -> QuantizedWeight:
+    """requantize_rows of the canonical weight that pack_q5_0 (three tensors) or pack_q8_0
+    (two) packed, computed from the packed blocks: GGUF tensors loaded straight into that
+    layout (nanoqwen.quant.gguf_packed) never have the canonical codes."""
+    n, k = packed[-1].shape[0], packed[-1].shape[1] * 32
+    out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
+    lib = gguf_kernel()
+    fn = lib.requantize_q5_rows if len(packed) == 3 else lib.requantize_q8_rows
+    tensors = [t.contiguous() for t in packed]  # held until the call returns
+    fn(
+        *[t.data_ptr() for t in tensors], n, k, out.data_ptr(), row.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return QuantizedWeight(out, row, None, k, 8)

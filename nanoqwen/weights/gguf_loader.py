@@ -13,6 +13,13 @@ from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.quant.apply import install, set_module
 from nanoqwen.quant.format import QuantizedWeight, cat_rows, quantize_int8
 from nanoqwen.quant.gguf_blocks import EXACT_TYPES, from_gguf_blocks
+from nanoqwen.quant.gguf_packed import (
+    PackedBlocks,
+    cat_packed,
+    from_file,
+    keeps_file_blocks,
+    to_canonical,
+)
 from nanoqwen.quant.linear import QuantizedEmbedding
 from nanoqwen.quant.scheme import SCHEMES, Scheme
 from nanoqwen.weights.config import ModelConfig
@@ -30,6 +37,14 @@ def _canonical(t: GGUFTensor) -> QuantizedWeight | torch.Tensor:
     return torch.from_numpy(t.to_float32())
 
 
+def _linear_weight(t: GGUFTensor, scheme: Scheme, direct: bool) -> QuantizedWeight | PackedBlocks:
+    """The scheme's layout of a linear weight. `direct`: the scheme keeps Q5_0/Q8_0 blocks for
+    the CPU kernels, so those go from the file's bytes into the kernels' layout, not through
+    the canonical codes (unpacked here, packed again by QuantizedLinear.prepare)."""
+    packed = from_file(t.type_name, t.data) if direct else None
+    return packed if packed is not None else scheme.apply(_canonical(t))
+
+
 def _module_and_shard(hf_name: str) -> tuple[str, int]:
     """'model.layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj', 1)."""
     if hf_name == "lm_head.weight":
@@ -41,9 +56,12 @@ def _module_and_shard(hf_name: str) -> tuple[str, int]:
     return name, 0
 
 
-def _fuse(parts: list[QuantizedWeight]) -> QuantizedWeight:
+def _fuse(parts: list[QuantizedWeight | PackedBlocks]) -> QuantizedWeight | PackedBlocks:
     """The parts of a fused projection stacked; per-channel int8 for all of them when their
     layouts differ (a Q4_K part next to Q5_0 ones under quantization="auto")."""
+    if all(isinstance(p, PackedBlocks) for p in parts):
+        return cat_packed(parts)
+    parts = [to_canonical(p) if isinstance(p, PackedBlocks) else p for p in parts]
     try:
         return cat_rows(parts)
     except ValueError:
@@ -62,8 +80,11 @@ def load_gguf(
     exact where the GGUF already has it) and the embedding keeps the file's own codes."""
     targets = _Targets(net)
     missing = expected_tensor_names(net.config)
-    shards: dict[str, dict[int, QuantizedWeight]] = {}
+    shards: dict[str, dict[int, QuantizedWeight | PackedBlocks]] = {}
     embedding: QuantizedWeight | None = None
+    embedding_file: GGUFTensor | None = None
+    device = net.norm.weight.device
+    direct = keeps_file_blocks(scheme, device, dtype)
     tensors = list(ckpt.tensors())
     with torch.no_grad():
         for t in tqdm(
@@ -82,14 +103,15 @@ def load_gguf(
             if scheme is None or len(t.shape) != 2:
                 target.copy_(torch.from_numpy(t.to_float32()))
                 continue
-            value = _canonical(t)
             if t.name == EMBEDDING:
+                value = _canonical(t)
                 embedding = (
                     value if isinstance(value, QuantizedWeight) else quantize_int8(value, 32)
                 )
+                embedding_file = t
                 continue
             module, shard = _module_and_shard(t.name)
-            shards.setdefault(module, {})[shard] = scheme.apply(value)
+            shards.setdefault(module, {})[shard] = _linear_weight(t, scheme, direct)
     if missing:
         names = sorted(missing)
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
@@ -98,8 +120,8 @@ def load_gguf(
         return
     weights = {m: _fuse([parts[i] for i in sorted(parts)]) for m, parts in shards.items()}
     if net.config.tie_word_embeddings:
-        weights["lm_head"] = scheme.apply(embedding)
-    device = net.norm.weight.device
+        packed = from_file(embedding_file.type_name, embedding_file.data) if direct else None
+        weights["lm_head"] = packed if packed is not None else scheme.apply(embedding)
     install(net, {m: w.to(device) for m, w in weights.items()}, dtype)
     set_module(net, "embed_tokens", QuantizedEmbedding(embedding.to(device), dtype))
 

@@ -1,0 +1,134 @@
+"""GGUF Q5_0 and Q8_0 tensors read straight from the file into the CPU kernels' layout.
+
+Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
+activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
+every 5-bit code unpacked to int8, then packed back by native.pack_q5_0 (with Q8_0's round
+trip, over a second of the default model's CPU start on two cores). A Q5_0 block is d (2
+bytes), qh (4) and qs (16), which are pack_q5_0's three arrays already, so each is one strided
+copy out of the memory-mapped file (the kernels read them apart, not interleaved); a Q8_0
+block's codes get pack_q8_0's +128 in one pass. The result equals native.pack_q5_0 /
+pack_q8_0 of the canonical weight bit for bit (tests/quant/test_gguf_packed.py), and the
+choice between the two follows QuantizedLinear.prepare's: Q5_0 exactly when every code is
+in -16..15.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from nanoqwen.quant.format import QuantizedWeight
+from nanoqwen.quant.native import gguf_kernel
+from nanoqwen.quant.scheme import Scheme
+
+BLOCK_BYTES = {"Q5_0": 22, "Q8_0": 34}
+_Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
+    [N, K/32], d float16 [N, K/32]) or Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    # The canonical weight's, which QuantizedLinear reports (describe(), extra_repr).
+    bits: ClassVar[int] = 8
+    group_size: ClassVar[int] = 32
+
+    @property
+    def kind(self) -> str:
+        return "q5_0" if len(self.tensors) == 3 else "q8_0"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, blocks = self.tensors[-1].shape
+        return n, blocks * 32
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def to(self, device: torch.device | str) -> PackedBlocks:
+        return PackedBlocks(tuple(t.to(device) for t in self.tensors))
+
+
+def keeps_file_blocks(scheme: Scheme | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether QuantizedLinear.prepare would put a load's Q5_0/Q8_0 weights into the C
+    kernels' layout (the scheme keeps them, the kernels run): then they can go there directly."""
+    return (
+        scheme is not None
+        and scheme.keep_gguf_blocks
+        and device.type == "cpu"
+        and dtype != torch.float32
+        and gguf_kernel() is not None
+    )
+
+
+def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
+    """The raw rows of blocks `data` ([N, bytes per row], as GGUFReader gives them) in the
+    kernels' layout; None for other types and where prepare picks another kernel for the
+    canonical weight (one block per row is per-channel int8; a NaN scale fails is_q8_0)."""
+    if type_name not in BLOCK_BYTES:
+        return None
+    b = np.asarray(data).reshape(data.shape[0], -1, BLOCK_BYTES[type_name])
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    if b.shape[1] == 1 or np.isnan(d).any():
+        return None
+    if type_name == "Q5_0":
+        qh = np.ascontiguousarray(b[..., 2:6]).view(np.int32)[..., 0]
+        return _packed(np.ascontiguousarray(b[..., 6:22]), qh, d)
+    qs = b[..., 2:34] ^ np.uint8(0x80)  # int8 code -> code + 128, a new contiguous array
+    return _q5_0_from_q8(qs, d) if _fits_q5_0(qs) else _packed(qs, d)
+
+
+def cat_packed(parts: list[PackedBlocks]) -> PackedBlocks:
+    """The packing of format.cat_rows of the parts' canonical weights (a fused projection):
+    Q5_0 when every part is, else Q8_0 (a Q8_0 part has codes beyond -16..15)."""
+    if len(parts) == 1:
+        return parts[0]
+    if any(p.kind == "q8_0" for p in parts):
+        parts = [as_q8_0(p) for p in parts]
+    return PackedBlocks(tuple(torch.cat(column) for column in zip(*(p.tensors for p in parts))))
+
+
+def as_q8_0(p: PackedBlocks) -> PackedBlocks:
+    """p in Q8_0's layout (pack_q8_0 of the same canonical weight)."""
+    if p.kind == "q8_0":
+        return p
+    qs, qh, d = (t.numpy() for t in p.tensors)
+    high = np.unpackbits(qh.view(np.uint8).reshape(*qh.shape, 4), axis=-1, bitorder="little")
+    values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high << 4)  # 0..31
+    return _packed(values + np.uint8(_Q5_IN_Q8), d)
+
+
+def to_canonical(p: PackedBlocks) -> QuantizedWeight:
+    """The canonical weight p packs (what gguf_blocks.from_gguf_blocks reads from the file):
+    for fusing with a part of another layout, which takes the canonical route."""
+    qs, d = (t.numpy() for t in as_q8_0(p).tensors)
+    n, k = p.shape
+    codes = (qs ^ np.uint8(0x80)).view(np.int8).reshape(n, k)
+    return QuantizedWeight(
+        torch.from_numpy(codes), torch.from_numpy(d.astype(np.float32)), None, 32, 8
+    )
+
+
+def _fits_q5_0(qs: np.ndarray) -> bool:
+    """Whether every code of Q8_0 bytes qs is in -16..15 (native.is_q5_0). A real Q8_0 block
+    has a code of +-127 (its scale is max|w| / 127), so the first row nearly always answers."""
+    return all(int(part.min()) >= 128 - 16 and int(part.max()) <= 128 + 15 for part in (qs[:1], qs))
+
+
+def _q5_0_from_q8(qs: np.ndarray, d: np.ndarray) -> PackedBlocks:
+    """Q8_0 bytes whose codes all fit in five bits, packed as pack_q5_0 packs them."""
+    values = qs - np.uint8(_Q5_IN_Q8)
+    low = values & 0x0F
+    packed = low[..., :16] | (low[..., 16:] << 4)
+    qh = np.packbits(values >> 4, axis=-1, bitorder="little").view(np.int32)[..., 0]
+    return _packed(np.ascontiguousarray(packed), np.ascontiguousarray(qh), d)
+
+
+def _packed(*arrays: np.ndarray) -> PackedBlocks:
+    return PackedBlocks(tuple(torch.from_numpy(a) for a in arrays))

@@ -1,0 +1,239 @@
+"""GGUF Q5_0/Q8_0 tensors loaded straight into the CPU kernels' layout (quant/gguf_packed.py)
+give exactly what the canonical route gives (unpacked to int8 codes, then packed by
+native.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
+prefill, the same kernel choice per layer, fused projections included, and so the same
+greedy tokens."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_tiny_model
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.quant.format import cat_rows, requantize_per_channel
+from nanoqwen.quant.gguf_blocks import from_gguf_blocks
+from nanoqwen.quant.gguf_packed import (
+    PackedBlocks,
+    cat_packed,
+    from_file,
+    keeps_file_blocks,
+    to_canonical,
+)
+from nanoqwen.quant.linear import QuantizedLinear
+from nanoqwen.quant.native import (
+    gguf_kernel,
+    is_q5_0,
+    pack_q5_0,
+    pack_q8_0,
+    requantize_packed,
+    requantize_rows,
+)
+from nanoqwen.quant.scheme import SCHEMES
+from nanoqwen.weights import gguf_loader
+from nanoqwen.weights.config import ModelConfig
+from nanoqwen.weights.gguf import LAYER_NAMES, TOP_NAMES
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(
+    gguf_kernel() is None, reason="no C compiler or no AVX512-VNNI: the GGUF kernels are not built"
+)
+CPU = torch.device("cpu")
+
+
+def _random_blocks(type_name: str, n: int, k: int, seed: int, small: bool = False) -> np.ndarray:
+    """Raw rows of blocks with random codes (all 256 byte values; -16..15 only if `small`)
+    and finite float16 scales of both signs: layouts beyond what a quantizer writes."""
+    rng = np.random.default_rng(seed)
+    size = 22 if type_name == "Q5_0" else 34
+    b = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
+    if small:
+        b[..., 2:] = rng.integers(-16, 16, b[..., 2:].shape).astype(np.int8).view(np.uint8)
+    d = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float16)
+    b[..., 0:2] = d.view(np.uint8).reshape(n, k // 32, 2)
+    return b.reshape(n, -1)
+
+
+def _quantized(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+
+
+def _old_pack(w) -> tuple[torch.Tensor, ...]:
+    """What QuantizedLinear.prepare packs a canonical Q5_0/Q8_0-form weight into."""
+    return pack_q5_0(w) if is_q5_0(w) else pack_q8_0(w)
+
+
+def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    """Equal dtypes, shapes and bytes (NaN-safe, -0.0 told from 0.0)."""
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(a, b)
+    )
+
+
+def _cases() -> list[tuple[str, np.ndarray]]:
+    return [
+        ("Q5_0", _quantized("Q5_0", 40, 256, seed=0)),
+        ("Q8_0", _quantized("Q8_0", 40, 256, seed=1)),
+        ("Q5_0", _random_blocks("Q5_0", 24, 96, seed=2)),  # an odd number of blocks
+        ("Q8_0", _random_blocks("Q8_0", 24, 96, seed=3)),  # code -128 included
+        ("Q8_0", _random_blocks("Q8_0", 24, 64, seed=4, small=True)),  # Q5_0's codes only
+    ]
+
+
+@pytest.mark.parametrize(("type_name", "raw"), _cases())
+def test_direct_packing_equals_unpack_and_repack(type_name, raw):
+    canonical = from_gguf_blocks(type_name, raw)
+    packed = from_file(type_name, raw)
+    assert _same(packed.tensors, _old_pack(canonical))
+    assert packed.kind == ("q5_0" if is_q5_0(canonical) else "q8_0")
+    assert packed.shape == canonical.shape
+    back = to_canonical(packed)
+    assert torch.equal(back.q, canonical.q) and torch.equal(back.scale, canonical.scale)
+    # The prefill copy: C from the blocks == C from the codes (what prepare computed) == torch
+    # from the codes, but where a code is -128 (never in a quantizer's Q8_0), whose int8 abs
+    # overflows in torch.
+    fast = requantize_packed(packed.tensors)
+    others = [requantize_rows(canonical)]
+    others += [requantize_per_channel(canonical)] if int(canonical.q.min()) > -128 else []
+    for other in others:
+        assert torch.equal(fast.q, other.q) and torch.equal(fast.scale, other.scale)
+
+
+@pytest.mark.parametrize(
+    "types",
+    [("Q5_0", "Q5_0", "Q5_0"), ("Q5_0", "Q5_0", "Q8_0"), ("Q8_0", "Q5_0")],  # qkv, gate_up
+)
+def test_fused_parts_equal_the_packed_concatenation(types):
+    raws = [_quantized(t, 8 * (i + 1), 128, seed=10 + i) for i, t in enumerate(types)]
+    parts = [from_file(t, raw) for t, raw in zip(types, raws)]
+    old = _old_pack(cat_rows([from_gguf_blocks(t, raw) for t, raw in zip(types, raws)]))
+    assert _same(cat_packed(parts).tensors, old)
+
+
+def test_layouts_prepare_would_not_pack_take_the_canonical_route():
+    assert from_file("Q5_0", _quantized("Q5_0", 8, 32, seed=0)) is None  # per-channel int8
+    nan = _random_blocks("Q8_0", 8, 64, seed=0)
+    nan[3, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # not Q8_0's form
+    assert from_file("Q8_0", nan) is None
+    assert from_file("Q6_K", np.zeros((8, 210), dtype=np.uint8)) is None
+
+
+def test_only_the_cpu_kernels_schemes_load_directly():
+    blocks = SCHEMES["gguf-blocks"]
+    assert keeps_file_blocks(blocks, CPU, torch.bfloat16)
+    assert keeps_file_blocks(blocks, CPU, torch.float16)
+    assert not keeps_file_blocks(blocks, CPU, torch.float32)  # the exact mode dequantizes
+    assert not keeps_file_blocks(blocks, torch.device("cuda", 0), torch.bfloat16)
+    assert not keeps_file_blocks(SCHEMES["gguf"], CPU, torch.bfloat16)
+    assert not keeps_file_blocks(None, CPU, torch.bfloat16)
+    layer = QuantizedLinear(from_file("Q5_0", _quantized("Q5_0", 8, 64, seed=0)), None)
+    with pytest.raises(ValueError, match="bf16/fp16 activations"):
+        layer.prepare(torch.float32)
+
+
+# ---- a whole model: a synthetic GGUF loaded both ways ---------------------------------------
+
+# Layer 0: v_proj Q8_0 next to Q5_0 q/k (fused as Q8_0, as in the real file), down_proj Q8_0
+# over 3 blocks a row; layer 1: up_proj float16 next to a Q5_0 gate_proj (canonical route).
+TYPES = {
+    "model.embed_tokens.weight": "Q5_0",
+    "lm_head.weight": "Q8_0",
+    "model.layers.0.self_attn.v_proj.weight": "Q8_0",
+    "model.layers.0.mlp.down_proj.weight": "Q8_0",
+    "model.layers.1.mlp.up_proj.weight": "F16",
+}
+
+
+GGUF_NAMES = {hf: ours for ours, hf in (*LAYER_NAMES.items(), *TOP_NAMES.items())}
+
+
+def _gguf_name(hf_name: str) -> str:
+    """nanoqwen.weights.gguf.hf_name's inverse."""
+    found = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
+    if found is None:
+        return GGUF_NAMES[hf_name]
+    layer, part, kind = found.groups()
+    return f"blk.{layer}.{GGUF_NAMES[part]}.{kind}"
+
+
+def _write_gguf(directory, tied: bool):
+    """A tiny Qwen2 as GGUF, its tokenizer files beside it (open_gguf reads those)."""
+    model = write_tiny_model(directory, tie_word_embeddings=tied)
+    cfg = ModelConfig.from_file(directory / "config.json")
+    path = directory / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for key, value in {
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+    }.items():
+        writer.add_uint32(f"qwen2.{key}", value)
+    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32("qwen2.rope.freq_base", cfg.rope_theta)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", model.config.bos_token_id)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", model.config.eos_token_id)
+    for name, value in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        w = value.float().numpy()
+        kind = TYPES.get(name, "Q5_0") if w.ndim == 2 else "F32"
+        if kind in ("Q5_0", "Q8_0"):
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_name(name), w.astype(np.float16 if kind == "F16" else w.dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _engine(path) -> LLM:
+    return LLM(str(path), device="cpu", dtype="bfloat16", num_kv_blocks=16, block_size=16,
+               swap_space=0, progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_loads_the_same_layers_and_tokens_either_way(tmp_path, monkeypatch, tied):
+    path = _write_gguf(tmp_path, tied)
+    packed: list[str] = []
+    direct_from_file = gguf_loader.from_file
+
+    def spy(type_name, data):
+        found = direct_from_file(type_name, data)
+        packed.extend([type_name] if isinstance(found, PackedBlocks) else [])
+        return found
+
+    monkeypatch.setattr(gguf_loader, "from_file", spy)
+    new = _engine(path)
+    assert sorted(set(packed)) == ["Q5_0", "Q8_0"]  # the direct path ran for both types
+    monkeypatch.setattr(gguf_loader, "keeps_file_blocks", lambda *args: False)
+    old = _engine(path)
+
+    layers = {n: m for n, m in old.runner.model.named_modules() if isinstance(m, QuantizedLinear)}
+    ours = {n: m for n, m in new.runner.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert ours.keys() == layers.keys() and "lm_head" in ours
+    for name, layer in layers.items():
+        mine = ours[name]
+        assert (mine.kind, mine.bits, mine.group_size) == (layer.kind, layer.bits, layer.group_size)
+        assert _same(mine._decode, layer._decode) and _same(mine._int8, layer._int8), name
+        assert (mine.bias is None) == (layer.bias is None)
+        assert mine.bias is None or torch.equal(mine.bias, layer.bias)
+    kinds = {m.kind for m in ours.values()}
+    assert {"q5_0", "q8_0"} <= kinds  # the fused Q5_0 + Q8_0 qkv packs as Q8_0
+
+    prompts = [[5, 17, 99, 3, 250, 41, 8, 8, 120, 7], [300, 12]]  # prefill and decode shapes
+    params = SamplingParams(temperature=0, max_tokens=12)
+    got = [o.token_ids for o in new.generate(prompts, params)]
+    assert got == [o.token_ids for o in old.generate(prompts, params)]
