@@ -103,6 +103,8 @@ def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 
 _DECODERS = {"Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4)}
 EXACT_TYPES = tuple(_DECODERS)
+# (values, bytes) of one block
+BLOCK_SIZES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (QK_K, 210), "Q4_K": (QK_K, 144)}
 
 
 def from_gguf_blocks(type_name: str, data: np.ndarray) -> QuantizedWeight:

@@ -25,6 +25,7 @@ from torch import nn
 
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_packed import PackedBlocks
+from nanoqwen.quant.gguf_rows import GGUFRows
 from nanoqwen.quant.native import (
     gguf_kernel,
     gguf_matmul,
@@ -175,16 +176,19 @@ def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 class QuantizedEmbedding(nn.Module):
-    """The token embedding as quantized rows; a lookup dequantizes only the rows it gathers.
-    Indexing (`embedding[ids]`) is what Qwen2ForCausalLM.forward does with a plain tensor."""
+    """The token embedding as quantized rows; a lookup dequantizes only the rows it gathers
+    (and, for GGUFRows, decodes only those from the file's blocks). Indexing
+    (`embedding[ids]`) is what Qwen2ForCausalLM.forward does with a plain tensor."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedWeight | GGUFRows, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = weight
         self.dtype = dtype
 
     @property
     def device(self) -> torch.device:
+        if isinstance(self.weight, GGUFRows):
+            return self.weight.device
         return self.weight.q.device
 
     @property

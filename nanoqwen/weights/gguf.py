@@ -63,6 +63,15 @@ class GGUFTensor:
     type_name: str  # ggml type: F32, F16, Q8_0, Q4_K, ...
     shape: tuple[int, ...]  # rows first, as torch has it
     data: np.ndarray  # a view of the memory-mapped file: raw blocks for quantized types
+    path: Path  # the file, and where data starts in it
+    offset: int
+
+    def own_mapping(self) -> np.ndarray:
+        """data, read-only, in a mapping of the file that covers only this tensor: for what
+        outlives the load. A view of `data` would keep the whole file's mapping, and with it
+        every page the load read (all the file's tensors) resident in the process."""
+        mapped = np.memmap(self.path, self.data.dtype, "r", self.offset, self.data.shape)
+        return np.asarray(mapped)  # a plain view: numpy's memmap subclass slows each index
 
     def to_float32(self) -> np.ndarray:
         from gguf import GGMLQuantizationType
@@ -92,7 +101,8 @@ class GGUFCheckpoint:
     def tensors(self) -> Iterator[GGUFTensor]:
         for t in self._raw:
             # GGUF lists dims fastest-first; torch wants rows first.
-            yield GGUFTensor(hf_name(t.name), t.type_name, tuple(reversed(t.dims)), t.data)
+            shape = tuple(reversed(t.dims))
+            yield GGUFTensor(hf_name(t.name), t.type_name, shape, t.data, self.path, t.offset)
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:

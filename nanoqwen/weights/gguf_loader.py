@@ -1,6 +1,6 @@
 """Loads a GGUF file's tensors into a built Qwen2ForCausalLM: quantized linear layers stay
-quantized (QuantizedLinear), the embedding becomes a dequantizing lookup, the rest (norms,
-biases) is copied as float."""
+quantized (QuantizedLinear), the embedding becomes a dequantizing lookup (of the file's own
+blocks, decoded a row at a time, on the CPU), the rest (norms, biases) is copied as float."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from nanoqwen.quant.gguf_packed import (
     keeps_file_blocks,
     to_canonical,
 )
+from nanoqwen.quant.gguf_rows import GGUFRows
 from nanoqwen.quant.linear import QuantizedEmbedding
 from nanoqwen.quant.scheme import SCHEMES, Scheme
 from nanoqwen.weights.config import ModelConfig
@@ -35,6 +36,20 @@ def _canonical(t: GGUFTensor) -> QuantizedWeight | torch.Tensor:
     if t.type_name in EXACT_TYPES:
         return from_gguf_blocks(t.type_name, t.data)
     return torch.from_numpy(t.to_float32())
+
+
+def _embedding(t: GGUFTensor, device: torch.device) -> QuantizedWeight | GGUFRows:
+    """The embedding's quantized rows. On the CPU, where gguf_blocks reads the type exactly:
+    the file's blocks, decoded at each lookup. A GPU takes the whole decoded weight (to its
+    memory) and other types (float ones) are quantized to int8, now."""
+    if t.type_name in EXACT_TYPES and device.type == "cpu":
+        return GGUFRows(t.type_name, t.own_mapping())
+    value = _canonical(t)
+    return value if isinstance(value, QuantizedWeight) else quantize_int8(value, 32)
+
+
+def _decoded(w: QuantizedWeight | GGUFRows) -> QuantizedWeight:
+    return w.decode() if isinstance(w, GGUFRows) else w
 
 
 def _linear_weight(t: GGUFTensor, scheme: Scheme, direct: bool) -> QuantizedWeight | PackedBlocks:
@@ -81,7 +96,7 @@ def load_gguf(
     targets = _Targets(net)
     missing = expected_tensor_names(net.config)
     shards: dict[str, dict[int, QuantizedWeight | PackedBlocks]] = {}
-    embedding: QuantizedWeight | None = None
+    embedding: QuantizedWeight | GGUFRows | None = None
     embedding_file: GGUFTensor | None = None
     device = net.norm.weight.device
     direct = keeps_file_blocks(scheme, device, dtype)
@@ -104,11 +119,7 @@ def load_gguf(
                 target.copy_(torch.from_numpy(t.to_float32()))
                 continue
             if t.name == EMBEDDING:
-                value = _canonical(t)
-                embedding = (
-                    value if isinstance(value, QuantizedWeight) else quantize_int8(value, 32)
-                )
-                embedding_file = t
+                embedding, embedding_file = _embedding(t, device), t
                 continue
             module, shard = _module_and_shard(t.name)
             shards.setdefault(module, {})[shard] = _linear_weight(t, scheme, direct)
@@ -121,7 +132,7 @@ def load_gguf(
     weights = {m: _fuse([parts[i] for i in sorted(parts)]) for m, parts in shards.items()}
     if net.config.tie_word_embeddings:
         packed = from_file(embedding_file.type_name, embedding_file.data) if direct else None
-        weights["lm_head"] = packed if packed is not None else scheme.apply(embedding)
+        weights["lm_head"] = packed if packed is not None else scheme.apply(_decoded(embedding))
     install(net, {m: w.to(device) for m, w in weights.items()}, dtype)
     set_module(net, "embed_tokens", QuantizedEmbedding(embedding.to(device), dtype))
 

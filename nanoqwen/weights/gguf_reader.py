@@ -28,6 +28,7 @@ class RawTensor:
     type_name: str  # ggml type: F32, Q8_0, ...
     dims: tuple[int, ...]  # fastest-varying first, as GGUF lists them
     data: np.ndarray  # F32/F16/BF16: [rows..., cols] values; quantized: [rows, bytes per row]
+    offset: int  # where data starts in the file
 
 
 class _Cursor:
@@ -94,9 +95,10 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], list[RawTensor]]:
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         rows = int(np.prod(dims[1:], dtype=np.int64))
         row_bytes = dims[0] // block * block_bytes
-        raw = data[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
+        begin = start + offset
+        raw = data[begin : begin + rows * row_bytes].reshape(rows, row_bytes)
         if qtype.name in ("F32", "F16"):
             raw = raw.view(np.float32 if qtype.name == "F32" else np.float16)
             raw = raw.reshape(*reversed(dims))
-        tensors.append(RawTensor(name, qtype.name, dims, raw))
+        tensors.append(RawTensor(name, qtype.name, dims, raw, begin))
     return meta, tensors

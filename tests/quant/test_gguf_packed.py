@@ -6,12 +6,10 @@ greedy tokens."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
-from conftest import write_tiny_model
+from tiny_gguf import write_gguf
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.quant.format import cat_rows, requantize_per_channel
@@ -34,8 +32,6 @@ from nanoqwen.quant.native import (
 )
 from nanoqwen.quant.scheme import SCHEMES
 from nanoqwen.weights import gguf_loader
-from nanoqwen.weights.config import ModelConfig
-from nanoqwen.weights.gguf import LAYER_NAMES, TOP_NAMES
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(
@@ -151,54 +147,6 @@ TYPES = {
 }
 
 
-GGUF_NAMES = {hf: ours for ours, hf in (*LAYER_NAMES.items(), *TOP_NAMES.items())}
-
-
-def _gguf_name(hf_name: str) -> str:
-    """nanoqwen.weights.gguf.hf_name's inverse."""
-    found = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
-    if found is None:
-        return GGUF_NAMES[hf_name]
-    layer, part, kind = found.groups()
-    return f"blk.{layer}.{GGUF_NAMES[part]}.{kind}"
-
-
-def _write_gguf(directory, tied: bool):
-    """A tiny Qwen2 as GGUF, its tokenizer files beside it (open_gguf reads those)."""
-    model = write_tiny_model(directory, tie_word_embeddings=tied)
-    cfg = ModelConfig.from_file(directory / "config.json")
-    path = directory / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    for key, value in {
-        "block_count": cfg.num_hidden_layers,
-        "context_length": cfg.max_position_embeddings,
-        "embedding_length": cfg.hidden_size,
-        "feed_forward_length": cfg.intermediate_size,
-        "attention.head_count": cfg.num_attention_heads,
-        "attention.head_count_kv": cfg.num_key_value_heads,
-    }.items():
-        writer.add_uint32(f"qwen2.{key}", value)
-    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    writer.add_float32("qwen2.rope.freq_base", cfg.rope_theta)
-    writer.add_uint32("tokenizer.ggml.bos_token_id", model.config.bos_token_id)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", model.config.eos_token_id)
-    for name, value in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        w = value.float().numpy()
-        kind = TYPES.get(name, "Q5_0") if w.ndim == 2 else "F32"
-        if kind in ("Q5_0", "Q8_0"):
-            qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(_gguf_name(name), w.astype(np.float16 if kind == "F16" else w.dtype))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def _engine(path) -> LLM:
     return LLM(str(path), device="cpu", dtype="bfloat16", num_kv_blocks=16, block_size=16,
                swap_space=0, progress=False)  # fmt: skip
@@ -206,7 +154,7 @@ def _engine(path) -> LLM:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_loads_the_same_layers_and_tokens_either_way(tmp_path, monkeypatch, tied):
-    path = _write_gguf(tmp_path, tied)
+    path = write_gguf(tmp_path, tied, TYPES)
     packed: list[str] = []
     direct_from_file = gguf_loader.from_file
 
