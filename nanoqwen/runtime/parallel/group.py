@@ -131,7 +131,7 @@ def leave_group(control: dist.ProcessGroup | None = None) -> None:
         try:
             dist.monitored_barrier(group=control, timeout=LEAVE_TIMEOUT)
         except RuntimeError:
-            control = None
+            pass  # a rank that did not come: leave alone
         else:
             dist.destroy_process_group()
             return

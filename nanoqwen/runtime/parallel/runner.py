@@ -133,11 +133,15 @@ class ParallelModelRunner(ModelRunner):
 
     def _fail(self, reason: str) -> None:
         self.failure = f"{reason}; the tensor-parallel engine is shut down"
+        self._leave_alone()
+        atexit.unregister(self.close)
+
+    def _leave_alone(self) -> None:
+        """Ends the other ranks and aborts the group: destroying it with a peer gone blocks."""
         if self.workers is not None:
             self.workers.stop(timeout=0)
         self._release_graphs()
-        leave_group()  # aborts an NCCL group: destroying one whose peer died would block
-        atexit.unregister(self.close)
+        leave_group()
 
     def _release_graphs(self) -> None:
         if self.graphs is not None:
@@ -151,11 +155,8 @@ class ParallelModelRunner(ModelRunner):
         atexit.unregister(self.close)
         try:
             self.channel.send(header(Op.SHUTDOWN), [])
-        except Exception:  # noqa: BLE001  (a rank already gone: stop() ends the rest)
-            if self.workers is not None:
-                self.workers.stop(timeout=0)
-            self._release_graphs()
-            leave_group()
+        except Exception:  # noqa: BLE001  (a rank already gone)
+            self._leave_alone()
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
