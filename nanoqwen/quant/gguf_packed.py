@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from nanoqwen.quant.format import QuantizedWeight
+from nanoqwen.quant.gguf_blocks import BLOCK_SIZES
 from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import Scheme
 
-BLOCK_BYTES = {"Q5_0": 22, "Q8_0": 34}
+BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0")}
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
 
 
