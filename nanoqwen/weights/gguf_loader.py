@@ -52,12 +52,14 @@ def _decoded(w: QuantizedWeight | GGUFRows) -> QuantizedWeight:
     return w.decode() if isinstance(w, GGUFRows) else w
 
 
-def _linear_weight(t: GGUFTensor, scheme: Scheme, direct: bool) -> QuantizedWeight | PackedBlocks:
+def _linear_weight(
+    t: GGUFTensor, scheme: Scheme, direct: bool, canonical=_canonical
+) -> QuantizedWeight | PackedBlocks:
     """The scheme's layout of a linear weight. `direct`: the scheme keeps Q5_0/Q8_0 blocks for
     the CPU kernels, so those go from the file's bytes into the kernels' layout, not through
-    the canonical codes (unpacked here, packed again by QuantizedLinear.prepare)."""
+    the canonical codes (canonical(t), packed again by QuantizedLinear.prepare)."""
     packed = from_file(t.type_name, t.data) if direct else None
-    return packed if packed is not None else scheme.apply(_canonical(t))
+    return packed if packed is not None else scheme.apply(canonical(t))
 
 
 def _module_and_shard(hf_name: str) -> tuple[str, int]:
@@ -131,8 +133,9 @@ def load_gguf(
         return
     weights = {m: _fuse([parts[i] for i in sorted(parts)]) for m, parts in shards.items()}
     if net.config.tie_word_embeddings:
-        packed = from_file(embedding_file.type_name, embedding_file.data) if direct else None
-        weights["lm_head"] = packed if packed is not None else scheme.apply(_decoded(embedding))
+        weights["lm_head"] = _linear_weight(
+            embedding_file, scheme, direct, lambda _: _decoded(embedding)
+        )
     install(net, {m: w.to(device) for m, w in weights.items()}, dtype)
     set_module(net, "embed_tokens", QuantizedEmbedding(embedding.to(device), dtype))
 
