@@ -5,9 +5,10 @@ A decode step at tensor_parallel_size N runs 2 all-reduces per layer (o_proj, do
 logits ([batch, vocab / N] per rank). This times each inside a CUDA graph (as the decode graph
 runs them: no launch cost), the all-reduce over NCCL and over the custom one-shot kernel
 (runtime/parallel/custom_all_reduce.py: its one-shot and low-latency kernels, and the one it
-picks), and prints the per-step totals next to the shape. --sweep then times them over
-message sizes: where NCCL overtakes is the custom one's limit, where the one-shot kernel
-overtakes the low-latency one the latter's.
+picks), and the low-latency one fused with the residual add and RMSNorm that follow it
+(against the pair of kernels it replaces), and prints the per-step totals next to the shape.
+--sweep then times them over message sizes: where NCCL overtakes is the custom one's limit,
+where the one-shot kernel overtakes the low-latency one the latter's.
 
     python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B --batch 1 --sweep
 """
@@ -74,6 +75,26 @@ def protocols_us(custom: CustomAllReduce, x: torch.Tensor) -> dict[str, float]:
     return out
 
 
+def norm_us(custom: CustomAllReduce, x: torch.Tensor, eps: float) -> dict[str, float]:
+    """A row-parallel output's all-reduce and the add + RMSNorm after it: the Triton norm
+    alone, the low-latency all-reduce then the norm, and the one fused kernel."""
+    from nanoqwen.kernels.rms_norm import rms_norm
+
+    residual, weight = torch.randn_like(x), torch.ones_like(x[0])
+    custom.ll_max_bytes = LL_KIB << 10
+    if not custom.takes_rms_norm(x, residual):
+        return {}
+    return {
+        "norm_us": round(graph_us(lambda: rms_norm(x, weight, eps, residual)), 2),
+        "ll_then_norm_us": round(
+            graph_us(lambda: (custom(x), rms_norm(x, weight, eps, residual))), 2
+        ),
+        "fused_us": round(
+            graph_us(lambda: custom.all_reduce_rms_norm(x, residual, weight, eps)), 2
+        ),
+    }
+
+
 def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, sweep: bool) -> None:
     keep_multicast_off()
     dev = torch.device("cuda", rank)
@@ -90,6 +111,7 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
         gathered = torch.empty(size * batch, shard, dtype=torch.bfloat16, device=dev)
         reduce_us = graph_us(lambda x=x: dist.all_reduce(x))
         kernels = protocols_us(custom, x)
+        fused = norm_us(custom, x, cfg.rms_norm_eps)
         custom_us = kernels["custom_us"]
         gather_us = graph_us(lambda g=gathered, lo=local: _all_gather(g, lo))
         count = 2 * cfg.num_hidden_layers + 1
@@ -101,6 +123,7 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
                 "all_reduce_us": round(reduce_us, 2),
                 "custom_all_reduce_us": custom_us,
                 "custom_kernels_us": kernels,
+                "with_norm_us": fused,
                 "all_reduces_per_step": count,
                 "logits_all_gather_us": round(gather_us, 2),
                 "per_step_ms": round((count * reduce_us + gather_us) / 1e3, 3),

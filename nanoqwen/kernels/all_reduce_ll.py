@@ -34,7 +34,7 @@ KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _halves(w, KIND: tl.constexpr):
+def halves(w, KIND: tl.constexpr):
     """The two 16-bit floats of each word, in float32 (KIND 0: the word's float32, and 0)."""
     if KIND == 0:
         a = w.to(tl.float32, bitcast=True)
@@ -47,8 +47,8 @@ def _halves(w, KIND: tl.constexpr):
 
 
 @triton.jit
-def _word(lo, hi, KIND: tl.constexpr):
-    """The inverse of _halves, rounding each float32 once to the message's dtype."""
+def to_word(lo, hi, KIND: tl.constexpr):
+    """The inverse of halves, rounding each float32 once to the message's dtype."""
     if KIND == 0:
         w = lo.to(tl.int32, bitcast=True)
     else:
@@ -60,55 +60,86 @@ def _word(lo, hi, KIND: tl.constexpr):
 
 
 @triton.jit
+def begin_call(state_ptr, failed_ptr, G_MAX: tl.constexpr, WORLD: tl.constexpr):
+    """This program's call: (flag its packets carry, its region base, failed word, verdict
+    word). Scalar atomics: one thread's result, broadcast to every warp (all_reduce.py says
+    why)."""
+    pid = tl.program_id(0)
+    epoch = tl.atomic_add(state_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
+    failed = tl.atomic_add(failed_ptr, 0, sem="relaxed", scope="gpu").to(tl.int32)
+    flag = ((epoch - 1) % LOW + 1) << 32
+    base = ((epoch % 2) * G_MAX + pid) * WORLD
+    return flag, base, failed, state_ptr + G_MAX + pid
+
+
+@triton.jit
+def send_packets(words_ptr, idx, mask, flag, base, ptrs_ptr, rank, WORLD: tl.constexpr, REGION):
+    """This rank's words at words_ptr + idx, as packets into slot idx of every rank's region."""
+    packet = (tl.load(words_ptr + idx, mask=mask).to(tl.int64) & LOW) | flag
+    for q in tl.static_range(WORLD):
+        dst = tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int64)) + (base + rank) * REGION
+        tl.atomic_xchg(dst + idx, packet, mask=mask, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def receive_sums(
+    idx, mask, flag, base, ptrs_ptr, rank, gave_up, spins, t0, verdict, timeout,
+    WORLD: tl.constexpr, REGION, KIND: tl.constexpr, USE_CLOCK: tl.constexpr,
+):  # fmt: skip
+    """Waits for every rank's packets at slot idx of this rank's region and sums them in
+    float32, in the same rank order on every rank (so every rank gets bitwise the same sums):
+    (sums of the low and high halves of the words, gave_up, spins)."""
+    mine = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int64))
+    status = tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32))
+    lo = tl.zeros(idx.shape, dtype=tl.float32)
+    hi = tl.zeros(idx.shape, dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        src = mine + (base + q) * REGION + idx
+        p = tl.load(src, mask=mask, other=0, volatile=True)
+        missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
+        while (missing > 0) & (gave_up == 0):
+            p = tl.load(src, mask=mask, other=0, volatile=True)
+            missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
+            spins += 1
+            if spins % 64 == 0:
+                gave_up = give_up_verdict(status, verdict, spins, t0, timeout, USE_CLOCK)
+        a, b = halves((p & LOW).to(tl.int32), KIND)
+        lo += a
+        hi += b
+    return lo, hi, gave_up, spins
+
+
+@triton.jit
+def end_call(gave_up, failed, failed_ptr, ptrs_ptr, WORLD: tl.constexpr):
+    if gave_up != failed:
+        status = tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32))
+        tl.store(status + 1, gave_up.to(tl.int32))  # status[1] (ERROR), read by the host
+        tl.store(failed_ptr, gave_up)
+
+
+@triton.jit
 def _ll_all_reduce_kernel(
     x_ptr, n, chunk, ptrs_ptr, state_ptr, failed_ptr, rank, timeout,
     WORLD: tl.constexpr, G_MAX: tl.constexpr, REGION: tl.constexpr, BLOCK: tl.constexpr,
     KIND: tl.constexpr, USE_CLOCK: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    # Scalar atomics: one thread's result, broadcast to every warp (all_reduce.py says why).
-    epoch = tl.atomic_add(state_ptr + pid, 1, sem="relaxed", scope="gpu") + 1
-    failed = tl.atomic_add(failed_ptr, 0, sem="relaxed", scope="gpu").to(tl.int32)
-    verdict = state_ptr + G_MAX + pid
-    flag = ((epoch - 1) % LOW + 1) << 32
-    base = ((epoch % 2) * G_MAX + pid) * WORLD
-    start = pid.to(tl.int64) * chunk
+    flag, base, failed, verdict = begin_call(state_ptr, failed_ptr, G_MAX, WORLD)
+    start = tl.program_id(0).to(tl.int64) * chunk
     for off in range(0, chunk, BLOCK):
         idx = off + tl.arange(0, BLOCK)
-        mask = start + idx < n
-        packet = (tl.load(x_ptr + start + idx, mask=mask).to(tl.int64) & LOW) | flag
-        for q in tl.static_range(WORLD):
-            dst = tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int64)) + (base + rank) * REGION
-            tl.atomic_xchg(dst + idx, packet, mask=mask, sem="relaxed", scope="sys")
-
-    mine = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int64))
-    status = tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32))
+        send_packets(x_ptr + start, idx, start + idx < n, flag, base, ptrs_ptr, rank, WORLD, REGION)
     gave_up = failed  # a rank that gave up once no longer waits: its results are void anyway
-    spins = 0
+    spins = tl.full([], 0, tl.int32)  # a tensor, as receive_sums's loop carries it
     t0 = globaltimer() if USE_CLOCK else 0
     for off in range(0, chunk, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         mask = start + idx < n
-        lo = tl.zeros([BLOCK], dtype=tl.float32)
-        hi = tl.zeros([BLOCK], dtype=tl.float32)
-        # The same rank order on every rank: every rank gets bitwise the same sums.
-        for q in tl.static_range(WORLD):
-            src = mine + (base + q) * REGION + idx
-            p = tl.load(src, mask=mask, other=0, volatile=True)
-            missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
-            while (missing > 0) & (gave_up == 0):
-                p = tl.load(src, mask=mask, other=0, volatile=True)
-                missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
-                spins += 1
-                if spins % 64 == 0:
-                    gave_up = give_up_verdict(status, verdict, spins, t0, timeout, USE_CLOCK)
-            a, b = _halves((p & LOW).to(tl.int32), KIND)
-            lo += a
-            hi += b
-        tl.store(x_ptr + start + idx, _word(lo, hi, KIND), mask=mask)
-    if gave_up != failed:
-        tl.store(status + 1, gave_up.to(tl.int32))  # status[1] (ERROR), read by the host
-        tl.store(failed_ptr, gave_up)
+        lo, hi, gave_up, spins = receive_sums(
+            idx, mask, flag, base, ptrs_ptr, rank, gave_up, spins, t0, verdict, timeout,
+            WORLD, REGION, KIND, USE_CLOCK,
+        )  # fmt: skip
+        tl.store(x_ptr + start + idx, to_word(lo, hi, KIND), mask=mask)
+    end_call(gave_up, failed, failed_ptr, ptrs_ptr, WORLD)
 
 
 def region_words(max_bytes: int, g_max: int) -> int:

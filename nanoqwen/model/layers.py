@@ -101,11 +101,10 @@ class MLP(nn.Module):
     fused = False  # Triton SiLU·up kernel
     gemv = False  # a single row: gate_up GEMV with SiLU·up in its epilogue
 
-    def __init__(self, hidden: int, intermediate: int, dtype, device, down_proj=None) -> None:
-        """down_proj: a ready replacement (the tensor-parallel row-parallel one)."""
+    def __init__(self, hidden: int, intermediate: int, dtype, device) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, False, dtype, device)
-        self.down_proj = down_proj or Linear(intermediate, hidden, False, dtype, device)
+        self.down_proj = Linear(intermediate, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1:

@@ -3,8 +3,12 @@
 Each rank holds every N-th part of the model: its own attention heads and KV heads (q, k and
 v are split separately, so its fused qkv_proj is [its q | its k | its v]), its own slice of
 the MLP's intermediate columns (gate and up split separately), and its own rows of the
-vocabulary. o_proj and down_proj are row-parallel: each rank multiplies its slice and one
-all-reduce per layer sums the partial outputs, so the residual stream is whole on every rank.
+vocabulary. o_proj and down_proj are row-parallel: each rank multiplies its slice into a
+partial sum of the output. The embedding is too (each rank fills the rows of the ids it
+holds). Each of these partial sums is read by an RMSNorm, first thing: ReducingRMSNorm sums it
+over the ranks there (one all-reduce per o_proj, per down_proj and for the embedding), fused
+with the residual add and norm where the custom all-reduce can, so the residual stream is
+whole on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.model.layers import Linear
+from nanoqwen.model.layers import RMSNorm
 from nanoqwen.weights.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -78,32 +82,39 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     )
 
 
-class RowParallelLinear(Linear):
-    """A Linear over this rank's slice of the input features; the all-reduce sums the
-    ranks' partial products into the full output (no bias: o_proj and down_proj have none)."""
+class ReducingRMSNorm(RMSNorm):
+    """The RMSNorm whose input is this rank's partial sum of a row-parallel output: it sums
+    the input over the ranks first (the residual add and norm then see the whole sum)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, dtype, device):
-        super().__init__(in_features, out_features, False, dtype, device)
+    def __init__(self, size: int, eps: float, dtype, device, tp: TensorParallel) -> None:
+        super().__init__(size, eps, dtype, device)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        self.tp.all_reduce(out)
-        return out
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x._base is not None:
+            # A view of the model's output (rows cut for logits): summed here, not there.
+            x = x.clone()
+        custom = self.tp.custom_all_reduce
+        # fused: the Triton add + norm (bf16/fp16 on CUDA), whose numerics the one kernel has.
+        if self.fused and custom is not None and custom.takes_rms_norm(x, residual):
+            return custom.all_reduce_rms_norm(x, residual, self.weight, self.eps)
+        self.tp.all_reduce(x)
+        return super().forward(x, residual)
 
 
 def embed_vocab_parallel(
     table: torch.Tensor, input_ids: torch.Tensor, tp: TensorParallel
 ) -> torch.Tensor:
-    """Embedding rows from a table split by vocabulary: each rank fills the rows of the ids
-    it holds and zeros elsewhere; the all-reduce adds exactly one non-zero row per token."""
+    """This rank's partial sum of the embedding rows, from a table split by vocabulary: the
+    rows of the ids it holds, zeros elsewhere; summed over the ranks (exactly one non-zero
+    row per token) by the first layer's ReducingRMSNorm."""
     local = input_ids - tp.rank * table.shape[0]
     mine = (local >= 0) & (local < table.shape[0])
     rows = torch.nn.functional.embedding(local.clamp(0, table.shape[0] - 1), table)
     # masked_fill, not torch.where with a CPU zero: a CPU tensor cannot enter a CUDA graph.
-    out = rows.masked_fill(~mine.unsqueeze(-1), 0)
-    tp.all_reduce(out)
-    return out
+    return rows.masked_fill(~mine.unsqueeze(-1), 0)
 
 
 # torch >= 2.13 renames all_gather_into_tensor; the GPU machines run older torch.

@@ -8,7 +8,7 @@ from torch import nn
 from nanoqwen.model.attention import AttentionBackend, AttentionMetadata
 from nanoqwen.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 from nanoqwen.model.parallel import (
-    RowParallelLinear,
+    ReducingRMSNorm,
     TensorParallel,
     embed_vocab_parallel,
     gather_vocab,
@@ -17,19 +17,20 @@ from nanoqwen.model.parallel import (
 from nanoqwen.weights.config import ModelConfig
 
 
-def _out_proj(cfg: ModelConfig, in_features: int, tp: TensorParallel | None, dtype, device):
-    """o_proj / down_proj: row-parallel (one all-reduce) when the model is split."""
+def _norm(cfg: ModelConfig, tp: TensorParallel | None, dtype, device) -> RMSNorm:
+    """Every norm's input is a row-parallel output when the model is split (o_proj,
+    down_proj, the embedding): the norm sums it over the ranks."""
     if tp is None:
-        return Linear(in_features, cfg.hidden_size, False, dtype, device)
-    return RowParallelLinear(in_features, cfg.hidden_size, tp, dtype, device)
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+    return ReducingRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, tp)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
         self.q_size = cfg.q_size
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, True, dtype, device)
-        self.o_proj = _out_proj(cfg, cfg.q_size, tp, dtype, device)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
         # Bound by the ModelRunner once the KV pool exists.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -43,12 +44,10 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
-        h = cfg.hidden_size
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device, tp)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        down = _out_proj(cfg, cfg.intermediate_size, tp, dtype, device) if tp else None
-        self.mlp = MLP(h, cfg.intermediate_size, dtype, device, down)
+        self.input_layernorm = _norm(cfg, tp, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = _norm(cfg, tp, dtype, device)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -83,7 +82,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = _norm(cfg, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:

@@ -90,8 +90,52 @@ def protocol_rank(rank: int, port: int) -> None:
         for inp, out in zip(inputs, outputs):
             assert torch.equal(out.cpu(), expected(inp))
     assert custom.error() is None, custom.error()
+    fused_norm_replays(custom, rand)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
+    """A 7B decode step's all-reduces as the model runs them, each fused with the residual
+    add and RMSNorm after it (kernels/all_reduce_norm.py), in a graph replayed over new
+    inputs: the residual stream exact, the normalized rows within an ulp of HF's order."""
+    device, eps = custom.device, 1e-6
+    weight = (1 + 0.1 * rand(HIDDEN)).view(1, HIDDEN)
+    inputs = [torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device) for _ in range(56)]
+    streams = [torch.zeros_like(x) for x in inputs]
+    partial = [torch.empty_like(x) for x in inputs]
+    residual = [torch.empty_like(x) for x in inputs]
+    outputs: list[torch.Tensor] = []
+
+    def step() -> None:
+        outputs.clear()
+        for x, s, p, r in zip(inputs, streams, partial, residual):
+            p.copy_(x)
+            r.copy_(s)
+            assert custom.takes_rms_norm(p, r)
+            outputs.append(custom.all_reduce_rms_norm(p, r, weight[0], eps)[0])
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        for x, s in zip(inputs, streams):
+            x.copy_(rand(HIDDEN).view(1, HIDDEN))
+            s.copy_(rand(HIDDEN).view(1, HIDDEN))  # each rank checks its own stream's sum
+        graph.replay()
+        torch.cuda.synchronize()
+        assert custom.error() is None, custom.error()
+        for x, s, r, out in zip(inputs, streams, residual, outputs):
+            summed = expected(x)
+            stream = (summed.float() + s.cpu().float()).to(torch.bfloat16)
+            assert torch.equal(r.cpu(), stream)
+            h = stream.float()
+            normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+            want = (normed.float() * weight.cpu().float()).to(torch.bfloat16)
+            ulp = 2 * torch.finfo(torch.bfloat16).eps * want.float().abs()
+            assert bool(((out.cpu().float() - want.float()).abs() <= ulp).all())
 
 
 def test_queued_calls_and_graph_replays_sum_exactly_with_two_processes_on_one_gpu():

@@ -5,8 +5,11 @@ Each rank allocates its buffers, shares their IPC handles over the gloo control 
 opens the others' in its own device's context. Two kernels: up to ll_max_bytes (64 KiB, a
 decode step's messages) the low-latency one (kernels/all_reduce_ll.py: data and flag in one
 packet, one link crossing a call), above it up to max_bytes the one-shot one (kernels/
-all_reduce.py: half the bytes, three crossings). Larger messages, other dtypes, and ranks
-that cannot map each other's memory (several machines, no peer access) keep NCCL.
+all_reduce.py: half the bytes, three crossings). The low-latency one also comes fused with
+the residual add and RMSNorm that read a row-parallel layer's sums (kernels/
+all_reduce_norm.py, called by model/parallel.py's ReducingRMSNorm). Larger messages, other
+dtypes, and ranks that cannot map each other's memory (several machines, no peer access)
+keep NCCL.
 
 Off unless NANOQWEN_CUSTOM_ALL_REDUCE=1. History on two H200s: handles opened in the peers'
 device contexts were an illegal address (session 6, hence _OpenHere below); warps that
@@ -150,8 +153,9 @@ class CustomAllReduce:
         # triton: only where this runs
         from nanoqwen.kernels import all_reduce as kernel
         from nanoqwen.kernels import all_reduce_ll as ll_kernel
+        from nanoqwen.kernels import all_reduce_norm as norm_kernel
 
-        self.kernel, self.ll_kernel = kernel, ll_kernel
+        self.kernel, self.ll_kernel, self.norm_kernel = kernel, ll_kernel, norm_kernel
         self.rank, self.world, self.device = rank, world, device
         self.timeout_s = timeout.total_seconds()
         self.max_bytes = max_bytes
@@ -161,7 +165,11 @@ class CustomAllReduce:
         self.region_bytes = -(-max_bytes // programs // unit) * unit
         self.data = torch.empty(2 * programs * self.region_bytes, dtype=torch.uint8, device=device)
         self.flags = torch.zeros(programs * world, dtype=torch.int64, device=device)
-        self.ll_region = ll_kernel.region_words(self.ll_max_bytes, programs)
+        # A region also holds a whole row of the fused all-reduce + RMSNorm (one per program).
+        self.ll_region = max(
+            ll_kernel.region_words(self.ll_max_bytes, programs),
+            norm_kernel.ROW_WORDS if self.ll_max_bytes else 0,
+        )
         self.ll = torch.zeros(
             2 * programs * world * self.ll_region, dtype=torch.int64, device=device
         )
@@ -241,6 +249,39 @@ class CustomAllReduce:
             )  # fmt: skip
         return True
 
+    def takes_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether all_reduce_rms_norm takes x [rows, cols] and its residual: a message the
+        low-latency kernel takes, a row per program."""
+        nbytes = x.numel() * x.element_size()
+        return (
+            x.device == self.device
+            and x.dim() == 2
+            and x.is_contiguous()
+            and x.data_ptr() % 4 == 0
+            and nbytes <= self.ll_max_bytes
+            and self.norm_kernel.fits(x, self.g_max, self.ll_region)
+            and (
+                residual is None
+                or (
+                    residual.shape == x.shape
+                    and residual.dtype == x.dtype
+                    and residual.is_contiguous()
+                    and residual.data_ptr() % 4 == 0
+                )
+            )
+        )
+
+    def all_reduce_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm.forward's (normed, residual stream) of x summed over the ranks, in one
+        kernel (takes_rms_norm(x, residual) must hold; every rank must make the same calls)."""
+        out = self.norm_kernel.all_reduce_rms_norm(
+            x, residual, weight, eps, self.ll_ptrs, self.ll_state, self.failed, self.rank,
+            self.world, self.g_max, self.ll_region, self.timeout,
+        )  # fmt: skip
+        return out, residual if residual is not None else x
+
     def error(self) -> str | None:
         """Why a kernel gave up waiting for the other ranks (its sums and every later one on
         this rank are void), or None. Reads host memory: no sync."""
@@ -283,7 +324,8 @@ def create(
             reason = str(e)
     if rank == 0:
         what = (
-            f"custom one-shot up to {custom.max_bytes >> 10} KiB, NCCL above"
+            f"custom, low-latency up to {custom.ll_max_bytes >> 10} KiB and one-shot up to "
+            f"{custom.max_bytes >> 10} KiB, NCCL above"
             if custom is not None
             else f"NCCL ({reason})"
         )

@@ -1,0 +1,119 @@
+"""The all-reduce fused with the residual add and RMSNorm (kernels/all_reduce_norm.py), run by
+Triton's interpreter in 2 and 3 processes as test_custom_all_reduce.py runs the others:
+against HF's numerics in torch, interleaved with the plain all-reduces whose programs it
+shares, and behind ReducingRMSNorm against the unfused all-reduce + norm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanoqwen.model.parallel import ReducingRMSNorm, TensorParallel
+from nanoqwen.runtime.parallel.group import spawn_store
+
+from .test_custom_all_reduce import PROGRAMS, interpreted, join
+
+EPS = 1e-6
+# (rows, cols, dtype, with a residual): rows padded to a power of two of words, a row per
+# program up to all of them, float32 (one value a word) and float16 (two).
+CASES = [
+    (1, 64, torch.float16, True), (3, 96, torch.float16, True), (1, 64, torch.float16, False),
+    (2, 34, torch.float32, True), (PROGRAMS, 200, torch.float16, True),
+    (2, 50, torch.float32, False),
+]  # fmt: skip
+
+
+def hf_reference(xs: list[torch.Tensor], residual, weight: torch.Tensor):
+    """The ranks' sum (float32, rank order, rounded once), then HF's add and RMSNorm."""
+    dtype = xs[0].dtype
+    summed = sum((x.float() for x in xs), torch.zeros(xs[0].shape)).to(dtype)
+    stream = summed if residual is None else (summed.float() + residual.float()).to(dtype)
+    h = stream.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+    return (normed.float() * weight.float()).to(dtype), stream
+
+
+def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The sum of squares adds in another order than torch's mean: the last bit may move
+    (of every float32 value, as the scale moves; of few rounded to 16 bits)."""
+    info = torch.finfo(want.dtype)
+    ulp = 2 * info.eps * want.float().abs().clamp_min(info.tiny)  # an ulp is eps * 2^exponent
+    assert bool(((got.float() - want.float()).abs() <= ulp).all()), (got - want).abs().max()
+    if want.element_size() == 2:
+        assert (got != want).float().mean() < 0.05
+
+
+def case_inputs(i: int, rows: int, cols: int, dtype: torch.dtype, world: int):
+    g = torch.Generator().manual_seed(100 + i)
+    xs = [torch.randn(rows, cols, generator=g).to(dtype) for _ in range(world)]
+    residual = torch.randn(rows, cols, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype)
+    return xs, residual, weight
+
+
+def fused_rank(rank: int, world: int, port: int) -> None:
+    reducer = join(rank, world, port, 600)
+    results = []
+    for i, (rows, cols, dtype, with_residual) in enumerate(CASES):
+        xs, residual, weight = case_inputs(i, rows, cols, dtype, world)
+        want_out, want_stream = hf_reference(xs, residual if with_residual else None, weight)
+        x, res = xs[rank].clone(), residual.clone() if with_residual else None
+        assert reducer.takes_rms_norm(x, res)
+        out, stream = reducer.all_reduce_rms_norm(x, res, weight, EPS)
+        assert stream is (res if with_residual else x)
+        assert torch.equal(stream, want_stream), i
+        assert_within_one_ulp(out, want_out)
+        results += [out, stream]
+        plain = xs[rank][0].clone()  # a plain all-reduce between: programs shared, epochs too
+        assert reducer(plain)
+        assert torch.equal(plain, hf_reference([v[0] for v in xs], None, weight[:1])[1])
+    # Rows past the programs, a row of an odd number of 16-bit values, a strided x: refused.
+    assert not reducer.takes_rms_norm(torch.ones(PROGRAMS + 1, 8), None)
+    assert not reducer.takes_rms_norm(torch.ones(2, 33, dtype=torch.float16), None)
+    assert not reducer.takes_rms_norm(torch.ones(8, 4)[:, :2], None)
+    assert not reducer.takes_rms_norm(torch.ones(2, 8), torch.ones(2, 8, dtype=torch.float16))
+    assert reducer.error() is None
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (results, reducer.state.tolist()), group=dist.group.WORLD)
+    for other, state in everyone:  # bitwise the same everywhere, epochs too
+        assert all(torch.equal(a, b) for a, b in zip(other, results))
+        assert state == reducer.state.tolist()
+    dist.destroy_process_group()
+
+
+@interpreted
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_all_reduce_add_and_norm_match_hf_on_every_rank(world):
+    store = spawn_store(world)
+    mp.spawn(fused_rank, args=(world, store.port), nprocs=world)
+
+
+def norm_rank(rank: int, world: int, port: int) -> None:
+    reducer = join(rank, world, port, 600)
+    tp, tp_nccl = TensorParallel(rank, world, None, reducer), TensorParallel(rank, world)
+    fused = ReducingRMSNorm(96, EPS, torch.float16, "cpu", tp)
+    unfused = ReducingRMSNorm(96, EPS, torch.float16, "cpu", tp_nccl)
+    fused.fused = unfused.fused = True  # the Triton add + norm, as on a GPU
+    xs, residual, weight = case_inputs(0, 2, 96, torch.float16, world)
+    fused.weight.copy_(weight)
+    unfused.weight.copy_(weight)
+    for res in (None, residual):
+        x = xs[rank].clone()
+        got, got_stream = fused(x, None if res is None else res.clone())
+        want, want_stream = unfused(xs[rank].clone(), None if res is None else res.clone())
+        assert torch.equal(got_stream, want_stream)
+        assert_within_one_ulp(got, want)
+    # A view of the model's output is summed in a copy: the output itself stays partial.
+    hidden = xs[rank].clone()
+    fused(hidden[:1])
+    assert torch.equal(hidden, xs[rank])
+    assert reducer.ll_state[0].item() == 3  # all three fused, program 0 each time
+    dist.destroy_process_group()
+
+
+@interpreted
+def test_reducing_norm_fuses_where_the_custom_all_reduce_can_and_equals_the_unfused_pair():
+    store = spawn_store(2)
+    mp.spawn(norm_rank, args=(2, store.port), nprocs=2)
