@@ -3,12 +3,13 @@
 A decode step at tensor_parallel_size N runs 2 all-reduces per layer (o_proj, down_proj) of
 [batch, hidden] plus one for the vocabulary-parallel embedding, and one all-gather of the
 logits ([batch, vocab / N] per rank). This times each inside a CUDA graph (as the decode graph
-runs them: no launch cost), the all-reduce over NCCL and over the custom one-shot kernel
-(runtime/parallel/custom_all_reduce.py: its one-shot and low-latency kernels, and the one it
-picks), and the low-latency one fused with the residual add and RMSNorm that follow it
-(against the pair of kernels it replaces), and prints the per-step totals next to the shape.
---sweep then times them over message sizes: where NCCL overtakes is the custom one's limit,
-where the one-shot kernel overtakes the low-latency one the latter's.
+runs them: no launch cost), over NCCL and over the custom kernels (runtime/parallel/
+custom_all_reduce.py): the all-reduce's one-shot and low-latency kernels and the one it
+picks, the all-gather's low-latency kernel, and the low-latency all-reduce fused with the
+residual add and RMSNorm after it (against the pair of kernels it replaces), and prints the
+per-step totals next to the shape. --sweep then times the all-reduces over message sizes:
+where NCCL overtakes is the custom one's limit, where the one-shot kernel overtakes the
+low-latency one the latter's.
 
     python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B --batch 1 --sweep
 """
@@ -114,6 +115,10 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
         fused = norm_us(custom, x, cfg.rms_norm_eps)
         custom_us = kernels["custom_us"]
         gather_us = graph_us(lambda g=gathered, lo=local: _all_gather(g, lo))
+        custom_gather_us = None
+        if custom.all_gather(local, gathered):  # the low-latency kernel takes it
+            gather = lambda g=gathered, lo=local: custom.all_gather(lo, g)  # noqa: E731
+            custom_gather_us = round(graph_us(gather), 2)
         count = 2 * cfg.num_hidden_layers + 1
         if rank == 0:
             row = {
@@ -126,6 +131,7 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
                 "with_norm_us": fused,
                 "all_reduces_per_step": count,
                 "logits_all_gather_us": round(gather_us, 2),
+                "custom_logits_all_gather_us": custom_gather_us,
                 "per_step_ms": round((count * reduce_us + gather_us) / 1e3, 3),
                 "custom_per_step_ms": round((count * custom_us + gather_us) / 1e3, 3),
             }

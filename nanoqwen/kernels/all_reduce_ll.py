@@ -82,6 +82,23 @@ def send_packets(words_ptr, idx, mask, flag, base, ptrs_ptr, rank, WORLD: tl.con
 
 
 @triton.jit
+def wait_packets(
+    src, mask, flag, gave_up, spins, t0, status, verdict, timeout, USE_CLOCK: tl.constexpr
+):  # fmt: skip
+    """The packets at src once each carries flag, or once the wait gives up:
+    (packets, gave_up, spins)."""
+    p = tl.load(src, mask=mask, other=0, volatile=True)
+    missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
+    while (missing > 0) & (gave_up == 0):
+        p = tl.load(src, mask=mask, other=0, volatile=True)
+        missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
+        spins += 1
+        if spins % 64 == 0:
+            gave_up = give_up_verdict(status, verdict, spins, t0, timeout, USE_CLOCK)
+    return p, gave_up, spins
+
+
+@triton.jit
 def receive_sums(
     idx, mask, flag, base, ptrs_ptr, rank, gave_up, spins, t0, verdict, timeout,
     WORLD: tl.constexpr, REGION, KIND: tl.constexpr, USE_CLOCK: tl.constexpr,
@@ -94,15 +111,10 @@ def receive_sums(
     lo = tl.zeros(idx.shape, dtype=tl.float32)
     hi = tl.zeros(idx.shape, dtype=tl.float32)
     for q in tl.static_range(WORLD):
-        src = mine + (base + q) * REGION + idx
-        p = tl.load(src, mask=mask, other=0, volatile=True)
-        missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
-        while (missing > 0) & (gave_up == 0):
-            p = tl.load(src, mask=mask, other=0, volatile=True)
-            missing = tl.sum((((p & HIGH) != flag) & mask).to(tl.int32), axis=0)
-            spins += 1
-            if spins % 64 == 0:
-                gave_up = give_up_verdict(status, verdict, spins, t0, timeout, USE_CLOCK)
+        p, gave_up, spins = wait_packets(
+            mine + (base + q) * REGION + idx, mask, flag, gave_up, spins, t0, status, verdict,
+            timeout, USE_CLOCK,
+        )  # fmt: skip
         a, b = halves((p & LOW).to(tl.int32), KIND)
         lo += a
         hi += b
@@ -142,6 +154,36 @@ def _ll_all_reduce_kernel(
     end_call(gave_up, failed, failed_ptr, ptrs_ptr, WORLD)
 
 
+@triton.jit
+def _ll_all_gather_kernel(
+    x_ptr, out_ptr, n, chunk, ptrs_ptr, state_ptr, failed_ptr, rank, timeout,
+    WORLD: tl.constexpr, G_MAX: tl.constexpr, REGION: tl.constexpr, BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):  # fmt: skip
+    """The same packets and waits as _ll_all_reduce_kernel's, each rank's words stored at
+    its place in out instead of summed."""
+    flag, base, failed, verdict = begin_call(state_ptr, failed_ptr, G_MAX, WORLD)
+    start = tl.program_id(0).to(tl.int64) * chunk
+    for off in range(0, chunk, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        send_packets(x_ptr + start, idx, start + idx < n, flag, base, ptrs_ptr, rank, WORLD, REGION)
+    mine = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int64))
+    status = tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32))
+    gave_up = failed
+    spins = tl.full([], 0, tl.int32)
+    t0 = globaltimer() if USE_CLOCK else 0
+    for off in range(0, chunk, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = start + idx < n
+        for q in tl.static_range(WORLD):
+            p, gave_up, spins = wait_packets(
+                mine + (base + q) * REGION + idx, mask, flag, gave_up, spins, t0, status,
+                verdict, timeout, USE_CLOCK,
+            )  # fmt: skip
+            tl.store(out_ptr + q * n + start + idx, (p & LOW).to(tl.int32), mask=mask)
+    end_call(gave_up, failed, failed_ptr, ptrs_ptr, WORLD)
+
+
 def region_words(max_bytes: int, g_max: int) -> int:
     """Packets each (parity, program, source) region holds for messages up to max_bytes."""
     return max(1, triton.cdiv(triton.cdiv(max_bytes // 4, g_max), BLOCK)) * BLOCK
@@ -170,4 +212,30 @@ def ll_all_reduce(
         words, n, chunk, ptrs, state, failed, rank, timeout,
         WORLD=world, G_MAX=g_max, REGION=region, BLOCK=BLOCK, KIND=KINDS[x.dtype],
         USE_CLOCK=not INTERPRETED, num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def ll_all_gather(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    ptrs: torch.Tensor,
+    state: torch.Tensor,
+    failed: torch.Tensor,
+    rank: int,
+    world: int,
+    g_max: int,
+    region: int,
+    timeout: int,
+) -> None:
+    """Every rank's x into out (contiguous, world times x's size: rank q's x at q's place),
+    any dtype: x contiguous, non-empty, a whole number of 4-byte words, at most g_max * region
+    of them. The rest as ll_all_reduce."""
+    words = x.reshape(-1).view(torch.int32)
+    n = words.numel()
+    programs, chunk = grid_and_chunk(n, g_max, BLOCK)
+    assert chunk <= region, (n, chunk, region)
+    _ll_all_gather_kernel[(programs,)](
+        words, out.reshape(-1).view(torch.int32), n, chunk, ptrs, state, failed, rank, timeout,
+        WORLD=world, G_MAX=g_max, REGION=region, BLOCK=BLOCK, USE_CLOCK=not INTERPRETED,
+        num_warps=NUM_WARPS,
     )  # fmt: skip

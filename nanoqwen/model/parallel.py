@@ -35,8 +35,8 @@ class TensorParallel:
     rank: int
     size: int
     group: dist.ProcessGroup | None = None
-    # The one-shot all-reduce over peer-mapped GPU buffers, where the ranks can run it
-    # (runtime/parallel/custom_all_reduce.py); None: the group's collective for every call.
+    # The all-reduce (and all-gather) kernels over peer-mapped GPU buffers, where the ranks
+    # can run them (runtime/parallel/custom_all_reduce.py); None: the group's collectives.
     custom_all_reduce: CustomAllReduce | None = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> None:
@@ -44,6 +44,12 @@ class TensorParallel:
         NCCL (gloo on the CPU) for the others."""
         if self.custom_all_reduce is None or not self.custom_all_reduce(x):
             dist.all_reduce(x, group=self.group)
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Every rank's x into out, in rank order: the custom kernel where it takes x, NCCL
+        (gloo on the CPU) otherwise."""
+        if self.custom_all_reduce is None or not self.custom_all_reduce.all_gather(x, out):
+            _all_gather(out, x, group=self.group)
 
     def vocab_shard(self, vocab_size: int) -> int:
         """Rows of the embedding and lm_head each rank holds; the last is zero-padded."""
@@ -130,5 +136,5 @@ def gather_vocab(local: torch.Tensor, vocab_size: int, tp: TensorParallel) -> to
     if rows == 0:  # every rank has the same row count, so all skip together
         return local.new_empty(0, vocab_size)
     out = local.new_empty(tp.size * rows, shard)
-    _all_gather(out, local.contiguous(), group=tp.group)
+    tp.all_gather(out, local.contiguous())
     return out.view(tp.size, rows, shard).transpose(0, 1).reshape(rows, -1)[:, :vocab_size]

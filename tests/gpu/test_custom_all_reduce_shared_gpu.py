@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 WORLD = 2
 HIDDEN = 3584  # 7B: one decode token's all-reduce
 LAYER_CALLS = 57  # a 7B decode step: two per layer and one more
+VOCAB_SHARD = 152064 // WORLD
 
 
 def join(rank: int, port: int) -> CustomAllReduce:
@@ -97,9 +98,12 @@ def protocol_rank(rank: int, port: int) -> None:
 
 def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
     """A 7B decode step's all-reduces as the model runs them, each fused with the residual
-    add and RMSNorm after it (kernels/all_reduce_norm.py), in a graph replayed over new
-    inputs: the residual stream exact, the normalized rows within an ulp of HF's order."""
+    add and RMSNorm after it (kernels/all_reduce_norm.py), then the logits' all-gather, in a
+    graph replayed over new inputs: the residual stream exact, the normalized rows within an
+    ulp of HF's order, every rank's logits in rank order."""
     device, eps = custom.device, 1e-6
+    logits = torch.zeros(1, VOCAB_SHARD, dtype=torch.bfloat16, device=device)
+    gathered = torch.empty(WORLD, VOCAB_SHARD, dtype=torch.bfloat16, device=device)
     weight = (1 + 0.1 * rand(HIDDEN)).view(1, HIDDEN)
     inputs = [torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device) for _ in range(56)]
     streams = [torch.zeros_like(x) for x in inputs]
@@ -114,6 +118,7 @@ def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
             r.copy_(s)
             assert custom.takes_rms_norm(p, r)
             outputs.append(custom.all_reduce_rms_norm(p, r, weight[0], eps)[0])
+        assert custom.all_gather(logits, gathered)
 
     step()
     torch.cuda.synchronize()
@@ -124,9 +129,13 @@ def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
         for x, s in zip(inputs, streams):
             x.copy_(rand(HIDDEN).view(1, HIDDEN))
             s.copy_(rand(HIDDEN).view(1, HIDDEN))  # each rank checks its own stream's sum
+        logits.copy_(rand(VOCAB_SHARD).view(1, -1))
         graph.replay()
         torch.cuda.synchronize()
         assert custom.error() is None, custom.error()
+        everyone = [torch.empty(1, VOCAB_SHARD) for _ in range(WORLD)]
+        dist.all_gather(everyone, logits.float().cpu())
+        assert torch.equal(gathered.cpu(), torch.cat(everyone).to(torch.bfloat16))
         for x, s, r, out in zip(inputs, streams, residual, outputs):
             summed = expected(x)
             stream = (summed.float() + s.cpu().float()).to(torch.bfloat16)

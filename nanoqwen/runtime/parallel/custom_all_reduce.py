@@ -249,6 +249,31 @@ class CustomAllReduce:
             )  # fmt: skip
         return True
 
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """Every rank's x into out in rank order (NCCL's all_gather_into_tensor layout) through
+        the low-latency kernel, and True; or False (out untouched) where that does not take x.
+        Every rank must make the same calls."""
+        nbytes = x.numel() * x.element_size()
+        if not (
+            self.ll_max_bytes
+            and x.device == self.device
+            and out.dtype == x.dtype
+            and out.numel() == self.world * x.numel()
+            and x.is_contiguous()
+            and out.is_contiguous()
+            and nbytes % 4 == 0
+            and x.data_ptr() % 4 == 0
+            and out.data_ptr() % 4 == 0
+            and nbytes // 4 <= self.g_max * self.ll_region
+        ):
+            return False
+        if nbytes:
+            self.ll_kernel.ll_all_gather(
+                x, out, self.ll_ptrs, self.ll_state, self.failed, self.rank, self.world,
+                self.g_max, self.ll_region, self.timeout,
+            )  # fmt: skip
+        return True
+
     def takes_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether all_reduce_rms_norm takes x [rows, cols] and its residual: a message the
         low-latency kernel takes, a row per program."""

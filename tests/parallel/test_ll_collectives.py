@@ -1,7 +1,8 @@
-"""The all-reduce fused with the residual add and RMSNorm (kernels/all_reduce_norm.py), run by
-Triton's interpreter in 2 and 3 processes as test_custom_all_reduce.py runs the others:
-against HF's numerics in torch, interleaved with the plain all-reduces whose programs it
-shares, and behind ReducingRMSNorm against the unfused all-reduce + norm."""
+"""What else rides on the low-latency all-reduce's packets, run by Triton's interpreter in 2
+and 3 processes as test_custom_all_reduce.py runs the all-reduces: the all-reduce fused with
+the residual add and RMSNorm (kernels/all_reduce_norm.py) against HF's numerics in torch and
+behind ReducingRMSNorm against the unfused pair, and the all-gather of the logits; both
+interleaved with plain all-reduces, whose programs and epochs they share."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoqwen.model.parallel import ReducingRMSNorm, TensorParallel
+from nanoqwen.model.parallel import ReducingRMSNorm, TensorParallel, gather_vocab
 from nanoqwen.runtime.parallel.group import spawn_store
 
 from .test_custom_all_reduce import PROGRAMS, interpreted, join
@@ -117,3 +118,35 @@ def norm_rank(rank: int, world: int, port: int) -> None:
 def test_reducing_norm_fuses_where_the_custom_all_reduce_can_and_equals_the_unfused_pair():
     store = spawn_store(2)
     mp.spawn(norm_rank, args=(2, store.port), nprocs=2)
+
+
+def gather_rank(rank: int, world: int, port: int) -> None:
+    reducer = join(rank, world, port, 600)
+    tp, tp_gloo = TensorParallel(rank, world, None, reducer), TensorParallel(rank, world)
+    # Sizes around the 512-word blocks, several programs, float32 and float16 (2 a word).
+    for i, (rows, shard, dtype) in enumerate(
+        [(1, 7, torch.float32), (2, 600, torch.float16), (3, 1500, torch.float32)]
+    ):
+        local = torch.randn(rows, shard, generator=torch.Generator().manual_seed(rank + 10 * i))
+        local = local.to(dtype)
+        vocab = world * shard - 1  # the last rank's last row is padding, cut
+        got = gather_vocab(local, vocab, tp)
+        assert torch.equal(got, gather_vocab(local, vocab, tp_gloo))
+        assert got.shape == (rows, vocab)
+        plain = torch.full((5,), float(rank))
+        assert reducer(plain) and torch.equal(plain, torch.full((5,), sum(range(world)) * 1.0))
+    taken = reducer.ll_state[0].item()
+    # Refused: an odd number of 16-bit values, past the buffers; NCCL's (gloo's) then.
+    out = torch.empty(world, 3, dtype=torch.float16)
+    assert not reducer.all_gather(torch.ones(3, dtype=torch.float16), out)
+    big = torch.ones(PROGRAMS * reducer.ll_region + 1)
+    assert not reducer.all_gather(big, torch.empty(world * big.numel()))
+    assert reducer.ll_state[0].item() == taken == 6 and reducer.error() is None
+    dist.destroy_process_group()
+
+
+@interpreted
+@pytest.mark.parametrize("world", [2, 3])
+def test_logits_gather_through_the_low_latency_kernel_equals_the_group_all_gather(world):
+    store = spawn_store(world)
+    mp.spawn(gather_rank, args=(world, store.port), nprocs=world)
