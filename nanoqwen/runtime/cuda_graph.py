@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -17,36 +19,56 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-class _HostMirror:
-    """Pinned host copies of the graphs' input buffers, with numpy views to fill them.
+def _fields(t64, t32, n: int, width: int) -> SimpleNamespace:
+    """The inputs' views of one buffer's two parts, numpy arrays (the host mirrors) or
+    tensors (the device buffer the graphs read) alike.
 
     int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
     previous step's output that holds it, and each row's sampler slot. int32 part:
-    context_lens, tables, then the cascade's suffix_lens, prefix_len and
-    suffix_tables (attention/cascade.py), then the rows longest context first (the decode
-    kernel's launch order). Both parts live in one buffer (t), so a step's
-    inputs are one copy, and with tensor parallelism one broadcast.
+    context_lens, the rows longest context first (the decode kernel's launch order), the
+    cascade's suffix_lens and prefix_len (attention/cascade.py), then the block tables and the
+    cascade's suffix tables: the wide ones last, so that what a graph of batch size bs reads
+    ends at row bs of its tables (used_entries).
     """
+    tables = 3 * n + 1
+    return SimpleNamespace(
+        ids=t64[:n],
+        pos=t64[n : 2 * n],
+        slots=t64[2 * n : 3 * n],
+        sources=t64[3 * n : 4 * n],
+        sampler_slots=t64[4 * n : 5 * n],
+        ctx=t32[:n],
+        order=t32[n : 2 * n],
+        suffix_lens=t32[2 * n : 3 * n],
+        prefix_len=t32[3 * n : 3 * n + 1],
+        tables=t32[tables : tables + n * width].reshape(n, width),
+        suffix_tables=t32[tables + n * width : tables + 2 * n * width].reshape(n, width),
+    )
+
+
+def int32_entries(n: int, width: int) -> int:
+    """context_lens, order, suffix_lens, prefix_len, tables, suffix_tables."""
+    return 3 * n + 1 + 2 * n * width
+
+
+def used_entries(n: int, width: int, bs: int, cascade: bool) -> int:
+    """The int64 entries at the start of the buffer that hold everything the graph of batch
+    size bs (with the cascade or not) reads: what a step copies, and broadcasts."""
+    int32 = 3 * n + 1 + (n * width if cascade else 0) + bs * width
+    return 5 * n + -(-int32 // 2)
+
+
+class _HostMirror:
+    """Pinned host copies of the graphs' input buffers (_fields's layout), with numpy views
+    to fill them. Both parts live in one buffer (t), so a step's inputs are one copy, and
+    with tensor parallelism one broadcast."""
 
     def __init__(self, n: int, width: int) -> None:
         self.t = torch.zeros(5 * n + -(-int32_entries(n, width) // 2), dtype=torch.int64)
         if torch.cuda.is_available():  # the layout's tests run without a GPU
             self.t = self.t.pin_memory()
-        self.t64, self.t32 = self.t[: 5 * n], self.t[5 * n :].view(torch.int32)
-        h64, h32 = self.t64.numpy(), self.t32.numpy()
-        self.ids, self.pos, self.slots = h64[:n], h64[n : 2 * n], h64[2 * n : 3 * n]
-        self.sources, self.sampler_slots = h64[3 * n : 4 * n], h64[4 * n :]
-        self.ctx = h32[:n]
-        end = n + n * width
-        self.tables = h32[n:end].reshape(n, width)
-        self.suffix_lens, self.prefix_len = h32[end : end + n], h32[end + n : end + n + 1]
-        self.suffix_tables = h32[end + n + 1 : end + n + 1 + n * width].reshape(n, width)
-        self.order = h32[end + n + 1 + n * width : end + 2 * n + 1 + n * width]
-
-
-def int32_entries(n: int, width: int) -> int:
-    """context_lens, tables, suffix_lens, prefix_len, suffix_tables, order."""
-    return 3 * n + 1 + 2 * n * width
+        host64, host32 = self.t[: 5 * n].numpy(), self.t[5 * n :].view(torch.int32).numpy()
+        self.fields = _fields(host64, host32, n, width)
 
 
 class CUDAGraphRunner:
@@ -79,54 +101,57 @@ class CUDAGraphRunner:
         self.variants: list[tuple[int, int]] = variants
         self.mirrors = [_HostMirror(n, width) for _ in range(2)]
         for m in self.mirrors:
-            self._fill_padding(m, 0, n)
+            self._fill_padding(m.fields, 0, n)
             # The capture warm-ups run on this; each step's prepare() sets its own order.
             # The decode kernel runs row order[i] as its i-th: a row the order leaves out
             # keeps whatever its output buffer held, and NaN logits there once made the
             # sampler count a token past the vocabulary, into memory past its tables.
-            m.order[:] = np.arange(n)
+            m.fields.order[:] = np.arange(n)
         self.turn = 0
         self.dev = self.mirrors[0].t.to(device)  # what the graphs read; its layout is t's
-        self.dev64, self.dev32 = self.dev[: 5 * n], self.dev[5 * n :].view(torch.int32)
-        self.ids = self.dev64[:n]
-        self.sampler_slots = self.dev64[4 * n :]
+        self.fields = _fields(self.dev[: 5 * n], self.dev[5 * n :].view(torch.int32), n, width)
+        self.ids, self.sampler_slots = self.fields.ids, self.fields.sampler_slots
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
 
-    def _fill_padding(self, m: _HostMirror, start: int, end: int) -> None:
+    def _fill_padding(self, h: SimpleNamespace, start: int, end: int) -> None:
         """Rows start:end become padding: they write to the scratch block and read only it."""
         scratch = self.kv.scratch_block
-        m.ids[start:end] = 0
-        m.sources[start:end] = 0
-        m.pos[start:end] = 0
-        m.slots[start:end] = scratch * self.kv.block_size
-        m.ctx[start:end] = 1
-        m.tables[start:end] = scratch
-        m.suffix_tables[start:end] = scratch
-        m.suffix_lens[start:end] = 1
-        m.sampler_slots[start:end] = self.sampler_scratch
+        h.ids[start:end] = 0
+        h.sources[start:end] = 0
+        h.pos[start:end] = 0
+        h.slots[start:end] = scratch * self.kv.block_size
+        h.ctx[start:end] = 1
+        h.tables[start:end] = scratch
+        h.suffix_tables[start:end] = scratch
+        h.suffix_lens[start:end] = 1
+        h.sampler_slots[start:end] = self.sampler_scratch
 
     def _static_meta(self, bs: int, variant: int, cascade: bool) -> AttentionMetadata:
-        n, d64, d32, w = self.max_bs, self.dev64, self.dev32, self.width
+        f = self.fields
         max_len, num_splits = self.variants[variant]
         width = -(-max_len // self.kv.block_size)
-        end = n + n * w
         meta = AttentionMetadata(
             is_prefill=False,
-            positions=d64[n : n + bs],
-            slot_mapping=d64[2 * n : 2 * n + bs],
-            context_lens=d32[:bs],
-            block_tables=d32[n:end].view(n, w)[:bs, :width],
+            positions=f.pos[:bs],
+            slot_mapping=f.slots[:bs],
+            context_lens=f.ctx[:bs],
+            block_tables=f.tables[:bs, :width],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             max_seqlen_q=1,
             max_seqlen_k=max_len,
             num_splits=num_splits,
-            decode_order=d32[end + n + 1 + n * w :][:bs],
+            decode_order=f.order[:bs],
         )
         if cascade:
-            meta.suffix_lens = d32[end : end + bs]
-            meta.prefix_len = d32[end + n : end + n + 1]
-            meta.suffix_tables = d32[end + n + 1 : end + n + 1 + n * w].view(n, w)[:bs, :width]
+            meta.suffix_lens = f.suffix_lens[:bs]
+            meta.prefix_len = f.prefix_len
+            meta.suffix_tables = f.suffix_tables[:bs, :width]
         return meta
+
+    def inputs(self, key) -> torch.Tensor:
+        """The start of the device buffer that holds everything the graph of key reads."""
+        bs, _, _, cascade = key
+        return self.dev[: used_entries(self.max_bs, self.width, bs, cascade)]
 
     @torch.inference_mode()
     def capture(
@@ -211,30 +236,32 @@ class CUDAGraphRunner:
         # step's tokens back since, so the copy is done and the mirror free to refill.
         m = self.mirrors[self.turn]
         self.turn ^= 1
-        m.ids[:n] = ids
-        m.sources[:n] = sources
-        m.sampler_slots[:n] = runner.sampler.slots(seqs)
-        m.pos[:n] = lens - 1
-        m.ctx[:n] = lens
+        h = m.fields
+        h.ids[:n] = ids
+        h.sources[:n] = sources
+        h.sampler_slots[:n] = runner.sampler.slots(seqs)
+        h.pos[:n] = lens - 1
+        h.ctx[:n] = lens
         # Columns past a sequence's own blocks keep stale ids; every kernel stops reading at
         # the context length, so they are never used.
         for i, s in enumerate(seqs):
-            m.tables[i, : len(s.block_table)] = s.block_table
-        last_block = m.tables[np.arange(n), (lens - 1) // block_size]
-        m.slots[:n] = last_block * block_size + (lens - 1) % block_size
+            h.tables[i, : len(s.block_table)] = s.block_table
+        last_block = h.tables[np.arange(n), (lens - 1) // block_size]
+        h.slots[:n] = last_block * block_size + (lens - 1) % block_size
         if self.cascade_from is not None and n >= self.cascade_from:
-            shared = shared_prefix_blocks(m.tables[:n], lens, block_size)
+            shared = shared_prefix_blocks(h.tables[:n], lens, block_size)
             if shared:
                 key = (bs, variant, filtering, True)
-                m.prefix_len[0] = shared * block_size
-                m.suffix_lens[:n] = lens - shared * block_size
-                m.suffix_tables[:n, : self.width - shared] = m.tables[:n, shared:]
-        self._fill_padding(m, n, bs)
-        m.order[:bs] = np.argsort(-m.ctx[:bs], kind="stable")
-        self.dev.copy_(m.t, non_blocking=True)
+                h.prefix_len[0] = shared * block_size
+                h.suffix_lens[:n] = lens - shared * block_size
+                h.suffix_tables[:n, : self.width - shared] = h.tables[:n, shared:]
+        self._fill_padding(h, n, bs)
+        h.order[:bs] = np.argsort(-h.ctx[:bs], kind="stable")
+        used = self.inputs(key)
+        used.copy_(m.t[: used.numel()], non_blocking=True)
         if pending:
-            ids, rows = self.dev64[:n], self.dev64[3 * self.max_bs :][:n]
-            ids.copy_(runner.fill_placeholders(ids, rows))
+            ids = self.fields.ids[:n]
+            ids.copy_(runner.fill_placeholders(ids, self.fields.sources[:n]))
         return key
 
     @torch.inference_mode()

@@ -34,3 +34,31 @@ def test_every_captured_batch_is_all_padding_rows_in_a_full_launch_order():
             assert meta.block_tables.shape == (bs, 8 if variant == 0 else 16)
     assert graphs.ids.tolist() == [0] * 40
     assert graphs.sampler_slots.tolist() == [40] * 40
+
+
+def test_a_step_copies_the_start_of_the_buffer_that_holds_all_its_graph_reads():
+    """Each step copies (and under tensor parallelism broadcasts) only inputs(key): every
+    view the graph of key reads must end inside it, and it must stay far below the whole
+    buffer for small batches (the whole was 262 KB a step at batch 1 with 16 rows of 2,048
+    blocks)."""
+    kv = KVCache.allocate(CFG, 12, 16, torch.float32, "cpu")
+    graphs = CUDAGraphRunner(16, kv, sampler_scratch=16)
+    graphs._allocate(torch.device("cpu"), 32768, [(4096, 4), (32768, 1)])
+    base, item = graphs.dev.data_ptr(), graphs.dev.element_size()
+    for bs in graphs.sizes:
+        for variant in (0, 1):
+            for cascade in (False, True):
+                key = (bs, variant, False, cascade)
+                end = base + graphs.inputs(key).numel() * item
+                meta = graphs._static_meta(bs, variant, cascade)
+                views = [graphs.ids[:bs], graphs.sampler_slots[:bs]]
+                views += [v for v in vars(meta).values() if isinstance(v, torch.Tensor)]
+                for v in views:
+                    if v is meta.cu_seqlens_q:  # a buffer of its own, never copied
+                        continue
+                    extent = 1 + sum((d - 1) * st for d, st in zip(v.shape, v.stride()))
+                    last = v.data_ptr() + extent * v.element_size()
+                    assert base <= v.data_ptr() and last <= end, (key, v.shape)
+    whole = graphs.dev.numel() * item
+    assert whole > 250_000
+    assert graphs.inputs((1, 0, False, False)).numel() * item < 10_000

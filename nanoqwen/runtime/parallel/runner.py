@@ -88,7 +88,7 @@ class ParallelModelRunner(ModelRunner):
             graph_cascade=cascade,
         )  # fmt: skip
         self.channel.send(h, self._copies())
-        self.channel.share(self.graphs.dev)
+        self.channel.share(self.graphs.inputs(key))
 
     # ---- failure and shutdown ---------------------------------------------------------------
     def _all_reduce_failed(self) -> str | None:

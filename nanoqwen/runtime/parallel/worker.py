@@ -56,11 +56,11 @@ class WorkerRunner:
             for direction, a, b in decode_copies(extra[n:]):
                 (self.host.copy_out if direction == 0 else self.host.copy_in)(a, b)
             if h[Field.OP] == Op.GRAPH:
-                self.channel.share(self.graphs.dev)
                 key = (
                     h[Field.GRAPH_BS], h[Field.GRAPH_VARIANT], bool(h[Field.GRAPH_FILTERING]),
                     bool(h[Field.GRAPH_CASCADE]),
                 )  # fmt: skip
+                self.channel.share(self.graphs.inputs(key))
                 self.graphs.replay(key)
             else:
                 self._step(h, prompt_rows)
