@@ -19,6 +19,8 @@ Flags are never 0 (the buffers start zeroed): epoch e writes ((e - 1) mod (2^32 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -189,53 +191,54 @@ def region_words(max_bytes: int, g_max: int) -> int:
     return max(1, triton.cdiv(triton.cdiv(max_bytes // 4, g_max), BLOCK)) * BLOCK
 
 
-def ll_all_reduce(
-    x: torch.Tensor,
-    ptrs: torch.Tensor,
-    state: torch.Tensor,
-    failed: torch.Tensor,
-    rank: int,
-    world: int,
-    g_max: int,
-    region: int,
-    timeout: int,
-) -> None:
+@dataclass(frozen=True)
+class LowLatencyBuffers:
+    """What every low-latency call of a rank passes its kernel. ptrs: int64 [world + 1] =
+    every rank's ll buffer, this rank's pinned status words; state: int64 [2 * g_max] epochs
+    and verdicts; failed: the failed word (shared with all_reduce.py's kernel); region:
+    packets per (parity, program, source); timeout: ns on a GPU, spins in the interpreter."""
+
+    ptrs: torch.Tensor
+    state: torch.Tensor
+    failed: torch.Tensor
+    rank: int
+    world: int
+    g_max: int
+    region: int
+    timeout: int
+
+    def launch(self, kernel, grid: tuple[int], *args, **constexprs) -> None:
+        """kernel's own arguments, then the protocol's (its signature ends with them)."""
+        kernel[grid](
+            *args, self.ptrs, self.state, self.failed, self.rank, self.timeout,
+            WORLD=self.world, G_MAX=self.g_max, REGION=self.region, USE_CLOCK=not INTERPRETED,
+            **constexprs,
+        )  # fmt: skip
+
+    def chunked(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+        """x's 32-bit words, their count, the programs and the words each takes."""
+        words = x.reshape(-1).view(torch.int32)
+        n = words.numel()
+        programs, chunk = grid_and_chunk(n, self.g_max, BLOCK)
+        assert chunk <= self.region, (n, chunk, self.region)
+        return words, n, programs, chunk
+
+
+def ll_all_reduce(x: torch.Tensor, buffers: LowLatencyBuffers) -> None:
     """Sums x (contiguous, non-empty, a whole number of 4-byte words, 4-byte aligned, at most
-    g_max * region words) over the ranks, in place. ptrs: int64 [world + 1] = every rank's
-    ll buffer, this rank's pinned status words; state: int64 [2 * g_max] epochs and
-    verdicts; failed: the failed word (shared with all_reduce.py's kernel)."""
-    words = x.reshape(-1).view(torch.int32)
-    n = words.numel()
-    programs, chunk = grid_and_chunk(n, g_max, BLOCK)
-    assert chunk <= region, (n, chunk, region)
-    _ll_all_reduce_kernel[(programs,)](
-        words, n, chunk, ptrs, state, failed, rank, timeout,
-        WORLD=world, G_MAX=g_max, REGION=region, BLOCK=BLOCK, KIND=KINDS[x.dtype],
-        USE_CLOCK=not INTERPRETED, num_warps=NUM_WARPS,
+    g_max * region words) over the ranks, in place."""
+    words, n, programs, chunk = buffers.chunked(x)
+    buffers.launch(
+        _ll_all_reduce_kernel, (programs,), words, n, chunk, BLOCK=BLOCK, KIND=KINDS[x.dtype],
+        num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
-def ll_all_gather(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    ptrs: torch.Tensor,
-    state: torch.Tensor,
-    failed: torch.Tensor,
-    rank: int,
-    world: int,
-    g_max: int,
-    region: int,
-    timeout: int,
-) -> None:
+def ll_all_gather(x: torch.Tensor, out: torch.Tensor, buffers: LowLatencyBuffers) -> None:
     """Every rank's x into out (contiguous, world times x's size: rank q's x at q's place),
-    any dtype: x contiguous, non-empty, a whole number of 4-byte words, at most g_max * region
-    of them. The rest as ll_all_reduce."""
-    words = x.reshape(-1).view(torch.int32)
-    n = words.numel()
-    programs, chunk = grid_and_chunk(n, g_max, BLOCK)
-    assert chunk <= region, (n, chunk, region)
-    _ll_all_gather_kernel[(programs,)](
-        words, out.reshape(-1).view(torch.int32), n, chunk, ptrs, state, failed, rank, timeout,
-        WORLD=world, G_MAX=g_max, REGION=region, BLOCK=BLOCK, USE_CLOCK=not INTERPRETED,
-        num_warps=NUM_WARPS,
+    any dtype; x as ll_all_reduce takes it."""
+    words, n, programs, chunk = buffers.chunked(x)
+    buffers.launch(
+        _ll_all_gather_kernel, (programs,), words, out.reshape(-1).view(torch.int32), n, chunk,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip

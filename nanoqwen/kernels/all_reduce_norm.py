@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from nanoqwen.kernels.all_reduce import INTERPRETED
 from nanoqwen.kernels.all_reduce_ll import (
     KINDS,
+    LowLatencyBuffers,
     begin_call,
     end_call,
     halves,
@@ -91,28 +91,19 @@ def all_reduce_rms_norm(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    ptrs: torch.Tensor,
-    state: torch.Tensor,
-    failed: torch.Tensor,
-    rank: int,
-    world: int,
-    g_max: int,
-    region: int,
-    timeout: int,
+    buffers: LowLatencyBuffers,
 ) -> torch.Tensor:
     """x [rows, cols] (this rank's partial sums, contiguous, fits()) summed over the ranks,
     then RMSNorm(x + residual) with weight: returns the normalized rows, and leaves the
-    residual stream in residual (updated in place) or, without one, in x (summed in place).
-    The rest as all_reduce_ll.ll_all_reduce."""
+    residual stream in residual (updated in place) or, without one, in x (summed in place)."""
     rows, cols = x.shape
     words = cols * x.element_size() // 4
     out = torch.empty_like(x)
     res = residual if residual is not None else x
-    _all_reduce_rms_norm_kernel[(rows,)](
-        x.view(torch.int32), res.view(torch.int32), weight.view(torch.int32),
-        out.view(torch.int32), words, cols, eps, ptrs, state, failed, rank, timeout,
-        WORLD=world, G_MAX=g_max, REGION=region, BLOCK=triton.next_power_of_2(words),
-        KIND=KINDS[x.dtype], HAS_RESIDUAL=residual is not None, USE_CLOCK=not INTERPRETED,
-        num_warps=4 if words <= 1024 else 8,
+    buffers.launch(
+        _all_reduce_rms_norm_kernel, (rows,), x.view(torch.int32), res.view(torch.int32),
+        weight.view(torch.int32), out.view(torch.int32), words, cols, eps,
+        BLOCK=triton.next_power_of_2(words), KIND=KINDS[x.dtype],
+        HAS_RESIDUAL=residual is not None, num_warps=4 if words <= 1024 else 8,
     )  # fmt: skip
     return out

@@ -6,6 +6,7 @@ carries the CUDA IPC handles on GPUs. tests/gpu/test_custom_all_reduce_gpu.py ru
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 from datetime import timedelta
@@ -200,7 +201,9 @@ def stalled_rank(rank: int, world: int, port: int, abort: bool, ll_max_bytes: in
     reducer = join(rank, world, port, 600, ll_max_bytes)
     x = torch.ones(10)
     assert reducer(x) and torch.equal(x, torch.full((10,), 2.0))
-    reducer.timeout = 300  # spins in the interpreter: a fraction of a second
+    # spins in the interpreter: a fraction of a second
+    reducer.timeout = 300
+    reducer.ll_buffers = dataclasses.replace(reducer.ll_buffers, timeout=300)
     if rank == 0:
         if abort:
             reducer.abort()

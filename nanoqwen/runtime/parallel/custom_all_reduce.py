@@ -193,7 +193,10 @@ class CustomAllReduce:
         table = [d.data_ptr() for d, _, _ in self.peers] + [f.data_ptr() for _, f, _ in self.peers]
         self.ptrs = torch.tensor(table + status, dtype=torch.int64).to(device)
         ll_table = [ll.data_ptr() for _, _, ll in self.peers]
-        self.ll_ptrs = torch.tensor(ll_table + status, dtype=torch.int64).to(device)
+        self.ll_buffers = ll_kernel.LowLatencyBuffers(
+            torch.tensor(ll_table + status, dtype=torch.int64).to(device), self.ll_state,
+            self.failed, rank, world, programs, self.ll_region, self.timeout,
+        )  # fmt: skip
 
     def _exchange(self, group) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Every rank's (data, flags, ll), opened in this process: IPC handles for CUDA
@@ -238,10 +241,7 @@ class CustomAllReduce:
         if nbytes == 0:
             return True
         if nbytes <= self.ll_max_bytes and nbytes % 4 == 0 and x.data_ptr() % 4 == 0:
-            self.ll_kernel.ll_all_reduce(
-                x, self.ll_ptrs, self.ll_state, self.failed, self.rank, self.world, self.g_max,
-                self.ll_region, self.timeout,
-            )  # fmt: skip
+            self.ll_kernel.ll_all_reduce(x, self.ll_buffers)
         else:
             self.kernel.one_shot_all_reduce(
                 x, self.ptrs, self.state, self.rank, self.world, self.g_max,
@@ -268,10 +268,7 @@ class CustomAllReduce:
         ):
             return False
         if nbytes:
-            self.ll_kernel.ll_all_gather(
-                x, out, self.ll_ptrs, self.ll_state, self.failed, self.rank, self.world,
-                self.g_max, self.ll_region, self.timeout,
-            )  # fmt: skip
+            self.ll_kernel.ll_all_gather(x, out, self.ll_buffers)
         return True
 
     def takes_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -301,10 +298,7 @@ class CustomAllReduce:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm.forward's (normed, residual stream) of x summed over the ranks, in one
         kernel (takes_rms_norm(x, residual) must hold; every rank must make the same calls)."""
-        out = self.norm_kernel.all_reduce_rms_norm(
-            x, residual, weight, eps, self.ll_ptrs, self.ll_state, self.failed, self.rank,
-            self.world, self.g_max, self.ll_region, self.timeout,
-        )  # fmt: skip
+        out = self.norm_kernel.all_reduce_rms_norm(x, residual, weight, eps, self.ll_buffers)
         return out, residual if residual is not None else x
 
     def error(self) -> str | None:
