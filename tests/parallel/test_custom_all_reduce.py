@@ -52,14 +52,27 @@ def test_ranks_that_cannot_map_each_other_keep_nccl(infos, reason):
     assert reason in refusal(infos)
 
 
-def test_not_created_on_the_cpu_or_unless_switched_on(monkeypatch):
-    # Each returns before any collective or CUDA call: no group is needed.
-    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "1")
+class _Asked(Exception):
+    pass
+
+
+def _ask(*args, **kwargs):
+    raise _Asked
+
+
+def test_on_by_default_between_gpus_off_on_the_cpu_alone_or_switched_off(monkeypatch):
+    # Switched on, creating starts by asking this GPU what it is: stopped there, before any
+    # collective or CUDA call.
+    monkeypatch.setattr(custom_all_reduce.RankInfo, "local", _ask)
+    monkeypatch.delenv(custom_all_reduce.SWITCH_ENV, raising=False)
+    with pytest.raises(_Asked):
+        create(0, 2, torch.device("cuda", 0), None)
     assert create(0, 2, torch.device("cpu"), None) is None
-    for off in ("0", "", "yes"):
-        monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, off)
-        assert create(0, 2, torch.device("cuda", 0), None) is None
-    monkeypatch.delenv(custom_all_reduce.SWITCH_ENV)  # off by default, until measured
+    assert create(0, 1, torch.device("cuda", 0), None) is None
+    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "1")
+    with pytest.raises(_Asked):
+        create(0, 2, torch.device("cuda", 0), None)
+    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "0")
     assert create(0, 2, torch.device("cuda", 0), None) is None
 
 
