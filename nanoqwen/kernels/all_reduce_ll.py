@@ -160,10 +160,11 @@ def _ll_all_reduce_kernel(
 def _ll_all_gather_kernel(
     x_ptr, out_ptr, n, chunk, ptrs_ptr, state_ptr, failed_ptr, rank, timeout,
     WORLD: tl.constexpr, G_MAX: tl.constexpr, REGION: tl.constexpr, BLOCK: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
+    SOURCE: tl.constexpr, USE_CLOCK: tl.constexpr,
 ):  # fmt: skip
     """The same packets and waits as _ll_all_reduce_kernel's, each rank's words stored at
-    its place in out instead of summed."""
+    its place in out instead of summed; SOURCE >= 0: only that rank's words, stored at the
+    start of out (a broadcast; every rank still sends and waits, as the protocol needs)."""
     flag, base, failed, verdict = begin_call(state_ptr, failed_ptr, G_MAX, WORLD)
     start = tl.program_id(0).to(tl.int64) * chunk
     for off in range(0, chunk, BLOCK):
@@ -182,7 +183,10 @@ def _ll_all_gather_kernel(
                 mine + (base + q) * REGION + idx, mask, flag, gave_up, spins, t0, status,
                 verdict, timeout, USE_CLOCK,
             )  # fmt: skip
-            tl.store(out_ptr + q * n + start + idx, (p & LOW).to(tl.int32), mask=mask)
+            if SOURCE < 0:
+                tl.store(out_ptr + q * n + start + idx, (p & LOW).to(tl.int32), mask=mask)
+            elif q == SOURCE:
+                tl.store(out_ptr + start + idx, (p & LOW).to(tl.int32), mask=mask)
     end_call(gave_up, failed, failed_ptr, ptrs_ptr, WORLD)
 
 
@@ -234,11 +238,14 @@ def ll_all_reduce(x: torch.Tensor, buffers: LowLatencyBuffers) -> None:
     )  # fmt: skip
 
 
-def ll_all_gather(x: torch.Tensor, out: torch.Tensor, buffers: LowLatencyBuffers) -> None:
+def ll_all_gather(
+    x: torch.Tensor, out: torch.Tensor, buffers: LowLatencyBuffers, source: int = -1
+) -> None:
     """Every rank's x into out (contiguous, world times x's size: rank q's x at q's place),
-    any dtype; x as ll_all_reduce takes it."""
+    any dtype; x as ll_all_reduce takes it. source >= 0: only that rank's x, into out of x's
+    size (which may be x itself: each program sends its words before it stores any)."""
     words, n, programs, chunk = buffers.chunked(x)
     buffers.launch(
         _ll_all_gather_kernel, (programs,), words, out.reshape(-1).view(torch.int32), n, chunk,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        BLOCK=BLOCK, SOURCE=source, num_warps=NUM_WARPS,
     )  # fmt: skip

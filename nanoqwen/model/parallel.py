@@ -51,6 +51,12 @@ class TensorParallel:
         if self.custom_all_reduce is None or not self.custom_all_reduce.all_gather(x, out):
             _all_gather(out, x, group=self.group)
 
+    def broadcast(self, x: torch.Tensor) -> None:
+        """Rank 0's x into every rank's x, in place: the custom kernel where it takes x, NCCL
+        (gloo on the CPU) otherwise."""
+        if self.custom_all_reduce is None or not self.custom_all_reduce.broadcast(x):
+            dist.broadcast(x, group=self.group, group_src=0)
+
     def vocab_shard(self, vocab_size: int) -> int:
         """Rows of the embedding and lm_head each rank holds; the last is zero-padded."""
         return -(-vocab_size // self.size)

@@ -180,10 +180,10 @@ class CUDAGraphRunner:
         for key in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, leave=False):
             bs, variant, filtering, cascade = key
             meta = self._static_meta(bs, variant, cascade)
-            ids, slots = self.ids[:bs], self.sampler_slots[:bs]
+            slots = self.sampler_slots[:bs]
             # Warm-up: autotuning, lazy init, Triton compiles (padding rows sample in the
             # sampler's scratch slot). Other tensor-parallel ranks have no sampler.
-            logits = model.compute_logits(model(ids, meta))
+            logits = self._forward(model, key, meta)
             if runner.sampler is not None:
                 runner.sampler(logits, slots, filtering)
             torch.cuda.synchronize()
@@ -191,7 +191,7 @@ class CUDAGraphRunner:
             # thread_local: the NCCL watchdog thread may query events while this captures.
             mode = "global" if model.tp is None else "thread_local"
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                logits = model.compute_logits(model(ids, meta))
+                logits = self._forward(model, key, meta)
                 tokens = None
                 if runner.sampler is not None:
                     tokens = runner.sampler(logits, slots, filtering)
@@ -199,6 +199,13 @@ class CUDAGraphRunner:
             self.graphs[key] = (graph, logits, tokens)
             self.meta[key] = meta
         torch.cuda.synchronize()
+
+    def _forward(self, model, key, meta: AttentionMetadata) -> torch.Tensor:
+        """What a graph runs before the sampler: the model, and under tensor parallelism
+        first the broadcast of rank 0's inputs into every rank's buffer."""
+        if model.tp is not None:
+            model.tp.broadcast(self.inputs(key))
+        return model.compute_logits(model(self.ids[: key[0]], meta))
 
     def release(self) -> None:
         """Frees every graph and its memory pool; later steps run eagerly. NCCL cannot

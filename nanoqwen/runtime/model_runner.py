@@ -103,8 +103,9 @@ class ModelRunner:
         ids, meta, _ = self.upload(self.decode_inputs(batch, rows))
         return ids, meta
 
-    def _share_graph_inputs(self, key) -> None:
-        """With tensor parallelism: hands the graph's inputs to the other ranks."""
+    def _announce_graph(self, key) -> None:
+        """With tensor parallelism: tells the other ranks which graph to replay (the graph
+        itself broadcasts its inputs, cuda_graph.py)."""
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool):
         slots = self._tensor(self.sampler.slots(seqs), torch.int64)
@@ -127,7 +128,7 @@ class ModelRunner:
             tokens = self._sample(logits, seqs, filtering) if seqs else None
         elif self.graphs is not None and self.graphs.can_run(n):
             key = self.graphs.prepare(self, batch.seqs, filtering)
-            self._share_graph_inputs(key)
+            self._announce_graph(key)
             logits, tokens = self.graphs.replay(key)
             logits, tokens = logits[:n], tokens[:n]
         else:

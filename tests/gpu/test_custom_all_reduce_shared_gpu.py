@@ -97,11 +97,14 @@ def protocol_rank(rank: int, port: int) -> None:
 
 
 def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
-    """A 7B decode step's all-reduces as the model runs them, each fused with the residual
-    add and RMSNorm after it (kernels/all_reduce_norm.py), then the logits' all-gather, in a
-    graph replayed over new inputs: the residual stream exact, the normalized rows within an
-    ulp of HF's order, every rank's logits in rank order."""
+    """A 7B decode step's collectives as the graph runs them: the broadcast of rank 0's
+    inputs, the all-reduces each fused with the residual add and RMSNorm after it
+    (kernels/all_reduce_norm.py), then the logits' all-gather, replayed over new inputs: the
+    inputs rank 0's, the residual stream exact, the normalized rows within an ulp of HF's
+    order, every rank's logits in rank order."""
     device, eps = custom.device, 1e-6
+    graph_inputs = torch.zeros(1200, dtype=torch.int64, device=device)
+    gen = torch.Generator().manual_seed(99 + custom.rank)  # each rank sends its own
     logits = torch.zeros(1, VOCAB_SHARD, dtype=torch.bfloat16, device=device)
     gathered = torch.empty(WORLD, VOCAB_SHARD, dtype=torch.bfloat16, device=device)
     weight = (1 + 0.1 * rand(HIDDEN)).view(1, HIDDEN)
@@ -112,6 +115,7 @@ def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
     outputs: list[torch.Tensor] = []
 
     def step() -> None:
+        assert custom.broadcast(graph_inputs)
         outputs.clear()
         for x, s, p, r in zip(inputs, streams, partial, residual):
             p.copy_(x)
@@ -130,9 +134,13 @@ def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
             x.copy_(rand(HIDDEN).view(1, HIDDEN))
             s.copy_(rand(HIDDEN).view(1, HIDDEN))  # each rank checks its own stream's sum
         logits.copy_(rand(VOCAB_SHARD).view(1, -1))
+        sent = torch.randint(-(2**62), 2**62, (1200,), generator=gen)
+        graph_inputs.copy_(sent)
         graph.replay()
         torch.cuda.synchronize()
         assert custom.error() is None, custom.error()
+        dist.broadcast(sent, 0)
+        assert torch.equal(graph_inputs.cpu(), sent)
         everyone = [torch.empty(1, VOCAB_SHARD) for _ in range(WORLD)]
         dist.all_gather(everyone, logits.float().cpu())
         assert torch.equal(gathered.cpu(), torch.cat(everyone).to(torch.bfloat16))

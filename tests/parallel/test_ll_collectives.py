@@ -1,8 +1,9 @@
 """What else rides on the low-latency all-reduce's packets, run by Triton's interpreter in 2
 and 3 processes as test_custom_all_reduce.py runs the all-reduces: the all-reduce fused with
 the residual add and RMSNorm (kernels/all_reduce_norm.py) against HF's numerics in torch and
-behind ReducingRMSNorm against the unfused pair, and the all-gather of the logits; both
-interleaved with plain all-reduces, whose programs and epochs they share."""
+behind ReducingRMSNorm against the unfused pair, the all-gather of the logits and the
+broadcast of a graph's inputs; all interleaved with plain all-reduces, whose programs and
+epochs they share."""
 
 from __future__ import annotations
 
@@ -135,18 +136,24 @@ def gather_rank(rank: int, world: int, port: int) -> None:
         assert got.shape == (rows, vocab)
         plain = torch.full((5,), float(rank))
         assert reducer(plain) and torch.equal(plain, torch.full((5,), sum(range(world)) * 1.0))
+    # A broadcast in place: rank 0's int64 words everywhere (a graph's inputs, 0.5-2 blocks).
+    for n in (3, 700):
+        mine = torch.arange(n, dtype=torch.int64) * (rank + 1) - 5
+        tp.broadcast(mine)
+        assert torch.equal(mine, torch.arange(n, dtype=torch.int64) - 5)
     taken = reducer.ll_state[0].item()
     # Refused: an odd number of 16-bit values, past the buffers; NCCL's (gloo's) then.
     out = torch.empty(world, 3, dtype=torch.float16)
     assert not reducer.all_gather(torch.ones(3, dtype=torch.float16), out)
     big = torch.ones(PROGRAMS * reducer.ll_region + 1)
     assert not reducer.all_gather(big, torch.empty(world * big.numel()))
-    assert reducer.ll_state[0].item() == taken == 6 and reducer.error() is None
+    assert not reducer.broadcast(big)
+    assert reducer.ll_state[0].item() == taken == 8 and reducer.error() is None
     dist.destroy_process_group()
 
 
 @interpreted
 @pytest.mark.parametrize("world", [2, 3])
-def test_logits_gather_through_the_low_latency_kernel_equals_the_group_all_gather(world):
+def test_gather_and_broadcast_through_the_low_latency_kernel_equal_the_group_collectives(world):
     store = spawn_store(world)
     mp.spawn(gather_rank, args=(world, store.port), nprocs=world)

@@ -249,26 +249,41 @@ class CustomAllReduce:
             )  # fmt: skip
         return True
 
+    def _takes_words(self, *tensors: torch.Tensor) -> bool:
+        """Whether the low-latency kernel takes these as whole 4-byte words."""
+        return bool(self.ll_max_bytes) and all(
+            t.device == self.device
+            and t.is_contiguous()
+            and t.numel() * t.element_size() % 4 == 0
+            and t.data_ptr() % 4 == 0
+            for t in tensors
+        )
+
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> bool:
         """Every rank's x into out in rank order (NCCL's all_gather_into_tensor layout) through
         the low-latency kernel, and True; or False (out untouched) where that does not take x.
         Every rank must make the same calls."""
         nbytes = x.numel() * x.element_size()
         if not (
-            self.ll_max_bytes
-            and x.device == self.device
+            self._takes_words(x, out)
             and out.dtype == x.dtype
             and out.numel() == self.world * x.numel()
-            and x.is_contiguous()
-            and out.is_contiguous()
-            and nbytes % 4 == 0
-            and x.data_ptr() % 4 == 0
-            and out.data_ptr() % 4 == 0
             and nbytes // 4 <= self.g_max * self.ll_region
         ):
             return False
         if nbytes:
             self.ll_kernel.ll_all_gather(x, out, self.ll_buffers)
+        return True
+
+    def broadcast(self, x: torch.Tensor) -> bool:
+        """Rank 0's x into every rank's x, in place, through the low-latency kernel, and True;
+        or False (x untouched) where that does not take x. Every rank must make the same
+        calls."""
+        nbytes = x.numel() * x.element_size()
+        if not (self._takes_words(x) and nbytes // 4 <= self.g_max * self.ll_region):
+            return False
+        if nbytes:
+            self.ll_kernel.ll_all_gather(x, x, self.ll_buffers, source=0)
         return True
 
     def takes_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:

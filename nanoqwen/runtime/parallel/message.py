@@ -3,8 +3,10 @@
 A step is a small fixed header over the gloo control group (what kind of step, the sizes of
 its parts, which CUDA graph) and then one broadcast of the step's inputs packed into a single
 int64 tensor, on the step's device (NCCL between GPUs), so rank 0 never waits for the GPU to
-send it. Host work the others must repeat (KV block copies to and from the host pool, the
-row ranges of prompt logprobs) rides in an extra control message on the steps that have any.
+send it. A CUDA graph's replay broadcasts its own inputs, as its first kernel
+(runtime/cuda_graph.py). Host work the others must repeat (KV block copies to and from the
+host pool, the row ranges of prompt logprobs) rides in an extra control message on the steps
+that have any.
 """
 
 from __future__ import annotations

@@ -81,14 +81,13 @@ class ParallelModelRunner(ModelRunner):
         self.channel.share(packed)
         return ids, meta, rows
 
-    def _share_graph_inputs(self, key) -> None:
+    def _announce_graph(self, key) -> None:
         bs, variant, filtering, cascade = key
         h = header(
             Op.GRAPH, graph_bs=bs, graph_variant=variant, graph_filtering=filtering,
             graph_cascade=cascade,
         )  # fmt: skip
         self.channel.send(h, self._copies())
-        self.channel.share(self.graphs.inputs(key))
 
     # ---- failure and shutdown ---------------------------------------------------------------
     def _all_reduce_failed(self) -> str | None:

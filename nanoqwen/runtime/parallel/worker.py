@@ -60,8 +60,7 @@ class WorkerRunner:
                     h[Field.GRAPH_BS], h[Field.GRAPH_VARIANT], bool(h[Field.GRAPH_FILTERING]),
                     bool(h[Field.GRAPH_CASCADE]),
                 )  # fmt: skip
-                self.channel.share(self.graphs.inputs(key))
-                self.graphs.replay(key)
+                self.graphs.replay(key)  # its first kernel receives rank 0's inputs
             else:
                 self._step(h, prompt_rows)
 
