@@ -27,13 +27,9 @@ import torch.multiprocessing as mp
 
 from nanoqwen.model.parallel import _all_gather
 from nanoqwen.model.shapes import shape_config
-from nanoqwen.runtime.parallel.custom_all_reduce import (
-    CustomAllReduce,
-    RankInfo,
-    ll_max_bytes_from_env,
-    refusal,
-)
+from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, ll_max_bytes_from_env
 from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
+from nanoqwen.runtime.parallel.peer_memory import RankInfo, refusal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import graph_us as _graph_us  # noqa: E402

@@ -17,15 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoqwen.model.parallel import TensorParallel
-from nanoqwen.runtime.parallel import custom_all_reduce
-from nanoqwen.runtime.parallel.custom_all_reduce import (
-    CustomAllReduce,
-    RankInfo,
-    create,
-    max_bytes_for,
-    refusal,
-)
+from nanoqwen.runtime.parallel import custom_all_reduce, peer_memory
+from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, create, max_bytes_for
 from nanoqwen.runtime.parallel.group import spawn_store
+from nanoqwen.runtime.parallel.peer_memory import RankInfo, refusal
 
 A, B, C = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
 
@@ -63,7 +58,7 @@ def _ask(*args, **kwargs):
 def test_on_by_default_between_gpus_off_on_the_cpu_alone_or_switched_off(monkeypatch):
     # Switched on, creating starts by asking this GPU what it is: stopped there, before any
     # collective or CUDA call.
-    monkeypatch.setattr(custom_all_reduce.RankInfo, "local", _ask)
+    monkeypatch.setattr(RankInfo, "local", _ask)
     monkeypatch.delenv(custom_all_reduce.SWITCH_ENV, raising=False)
     with pytest.raises(_Asked):
         create(0, 2, torch.device("cuda", 0), None)
@@ -94,9 +89,9 @@ def test_peer_buffers_open_under_this_ranks_device(monkeypatch):
     mapping of it (an illegal address on two H200s): every argument passes through but
     storage_device, which becomes this rank's."""
     opened = []
-    monkeypatch.setattr(custom_all_reduce, "rebuild_cuda_tensor", lambda *a: opened.append(a))
+    monkeypatch.setattr(peer_memory, "rebuild_cuda_tensor", lambda *a: opened.append(a))
     blob = pickle.dumps([_SharedCudaTensor(), torch.arange(3)])
-    _, plain = custom_all_reduce._OpenHere(blob, torch.device("cuda", 0)).load()
+    _, plain = peer_memory.PeerUnpickler(blob, torch.device("cuda", 0)).load()
     want = list(_SharedCudaTensor.ARGS)
     want[6] = 0
     assert opened == [tuple(want)]

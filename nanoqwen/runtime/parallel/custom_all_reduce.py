@@ -2,37 +2,35 @@
 buffers every rank maps from every other (CUDA IPC), instead of NCCL's ~16 µs per call.
 
 Each rank allocates its buffers, shares their IPC handles over the gloo control group and
-opens the others' in its own device's context. Two kernels: up to ll_max_bytes (64 KiB, a
-decode step's messages) the low-latency one (kernels/all_reduce_ll.py: data and flag in one
-packet, one link crossing a call), above it up to max_bytes the one-shot one (kernels/
-all_reduce.py: half the bytes, three crossings). The low-latency one also comes fused with
-the residual add and RMSNorm that read a row-parallel layer's sums (kernels/
-all_reduce_norm.py, called by model/parallel.py's ReducingRMSNorm). Larger messages, other
-dtypes, and ranks that cannot map each other's memory (several machines, no peer access)
-keep NCCL.
+opens the others' in its own device's context (peer_memory.py). Two kernels: up to
+ll_max_bytes (64 KiB, a decode step's messages) the low-latency one (kernels/
+all_reduce_ll.py: data and flag in one packet, one link crossing a call), above it up to
+max_bytes the one-shot one (kernels/all_reduce.py: half the bytes, three crossings). The
+low-latency one's packets also carry the logits' all-gather, a graph's broadcast of its
+inputs, and the all-reduce fused with the residual add and RMSNorm that read a row-parallel
+layer's sums (kernels/all_reduce_norm.py, called by model/parallel.py's ReducingRMSNorm).
+Larger messages, other dtypes, and ranks that cannot map each other's memory (several
+machines, no peer access) keep NCCL.
 
 On by default; NANOQWEN_CUSTOM_ALL_REDUCE=0 keeps NCCL for every all-reduce. History on two
 H200s: handles opened in the peers' device contexts were an illegal address (session 6, hence
-_OpenHere below); warps that disagreed on leaving a wait loop hung a graph replay (session 7,
-fixed in session 8); the graph test and every tp=2 engine then hung on exit, which was
-NCCL's, not this kernel's (session 12: CUDAGraphRunner.release says why).
+peer_memory.PeerUnpickler); warps that disagreed on leaving a wait loop hung a graph replay
+(session 7, fixed in session 8); the graph test and every tp=2 engine then hung on exit,
+which was NCCL's, not this kernel's (session 12: CUDAGraphRunner.release says why).
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
-import socket
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions ForkingPickler uses)
-from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from nanoqwen.runtime.parallel.peer_memory import PeerUnpickler, RankInfo, refusal
 
 SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "0": NCCL for every all-reduce; otherwise on
 TIMEOUT_ENV = "NANOQWEN_ALL_REDUCE_TIMEOUT_S"
@@ -43,49 +41,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The status words (kernels/all_reduce.py writes the same numbers).
 ABORT, ERROR = 0, 1
 TIMED_OUT, ABORTED = 1, 2
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """What the other ranks need to know to decide whether they can map this rank's GPU."""
-
-    host: str
-    device: int  # this rank's GPU, as this process numbers them
-    visible: tuple[str, ...]  # UUID of every GPU this process sees, by index
-    peer_access: tuple[bool, ...]  # whether this rank's GPU can map each of those
-    programs: int  # streaming multiprocessors of this rank's GPU
-
-    @classmethod
-    def local(cls, device: torch.device) -> RankInfo:
-        count = torch.cuda.device_count()
-        return cls(
-            host=socket.gethostname(),
-            device=device.index,
-            visible=tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count)),
-            peer_access=tuple(
-                i == device.index or torch.cuda.can_device_access_peer(device.index, i)
-                for i in range(count)
-            ),
-            programs=torch.cuda.get_device_properties(device).multi_processor_count,
-        )
-
-
-def refusal(infos: list[RankInfo]) -> str | None:
-    """Why these ranks cannot use the custom all-reduce; None when they can. Every rank
-    decides from the same gathered infos, so all agree."""
-    if len({i.host for i in infos}) > 1:
-        return "the ranks run on several machines"
-    uuids = [i.visible[i.device] for i in infos]
-    if len(set(uuids)) < len(uuids):
-        return "two ranks share a GPU"
-    for r, info in enumerate(infos):
-        for q, uuid in enumerate(uuids):
-            d = infos[q].device
-            if d >= len(info.visible) or info.visible[d] != uuid:
-                return f"rank {r} does not see rank {q}'s GPU as cuda:{d} (CUDA_VISIBLE_DEVICES)"
-            if not info.peer_access[d]:
-                return f"rank {r}'s GPU cannot access rank {q}'s GPU memory (no peer access)"
-    return None
 
 
 def max_bytes_for(world: int) -> int:
@@ -111,28 +66,6 @@ def ll_max_bytes_from_env(given: int | None) -> int:
 def timeout_from_env() -> timedelta:
     value = os.environ.get(TIMEOUT_ENV)
     return timedelta(seconds=float(value)) if value else DEFAULT_TIMEOUT
-
-
-class _OpenHere(pickle.Unpickler):
-    """Unpickles a peer's shared tensors with their CUDA IPC handles opened in this rank's
-    device context (cudaIpcOpenMemHandle with lazy peer access, under that device), where
-    the kernel reads and writes them. torch would open them under the peer's device index,
-    a context this rank's kernels have no peer mapping from: an illegal address on the GPU.
-    The tensors then name this rank's device; only their addresses are used."""
-
-    def __init__(self, blob: bytes, device: torch.device) -> None:
-        super().__init__(io.BytesIO(blob))
-        self.device = device
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
-            return self._rebuild_here
-        return super().find_class(module, name)
-
-    def _rebuild_here(self, *args):
-        args = list(args)
-        args[6] = self.device.index  # storage_device
-        return rebuild_cuda_tensor(*args)
 
 
 class CustomAllReduce:
@@ -214,7 +147,7 @@ class CustomAllReduce:
                 peers.append((self.data, self.flags, self.ll))
                 continue
             try:
-                peers.append(_OpenHere(blob, self.device).load())
+                peers.append(PeerUnpickler(blob, self.device).load())
             except Exception as e:  # noqa: BLE001
                 failure = failure or f"rank {self.rank} could not open rank {q}'s buffers ({e})"
         failures: list[str | None] = [None] * self.world
