@@ -115,7 +115,19 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
         if custom.all_gather(local, gathered):  # the low-latency kernel takes it
             gather = lambda g=gathered, lo=local: custom.all_gather(lo, g)  # noqa: E731
             custom_gather_us = round(graph_us(gather), 2)
+        # A batch-1 graph's inputs (block size 256, 16 rows: what the batch-1 bench captures).
+        inputs = torch.zeros(5 * 16 + (3 * 16 + 1 + 128) // 2 + 1, dtype=torch.int64, device=dev)
+        broadcast_us = graph_us(lambda i=inputs: dist.broadcast(i, group_src=0))
+        custom_broadcast_us = graph_us(lambda i=inputs: custom.broadcast(i))
         count = 2 * cfg.num_hidden_layers + 1
+        if fused and custom_gather_us is not None and rank == 0:
+            # A step's collectives and norms as the engine now runs them, and with NCCL.
+            steps = {
+                "nccl_step_ms": count * (reduce_us + fused["norm_us"]) + gather_us + broadcast_us,
+                "custom_step_ms": count * fused["fused_us"] + custom_gather_us
+                + custom_broadcast_us,
+            }  # fmt: skip
+            print(json.dumps({k: round(v / 1e3, 3) for k, v in steps.items()}), flush=True)
         if rank == 0:
             row = {
                 "shape": name,
@@ -128,6 +140,8 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
                 "all_reduces_per_step": count,
                 "logits_all_gather_us": round(gather_us, 2),
                 "custom_logits_all_gather_us": custom_gather_us,
+                "inputs_broadcast_us": round(broadcast_us, 2),
+                "custom_inputs_broadcast_us": round(custom_broadcast_us, 2),
                 "per_step_ms": round((count * reduce_us + gather_us) / 1e3, 3),
                 "custom_per_step_ms": round((count * custom_us + gather_us) / 1e3, 3),
             }
