@@ -48,6 +48,10 @@ def _all_reduce_rms_norm_kernel(
     idx = tl.arange(0, BLOCK)
     mask = idx < words
     send_packets(x_ptr + row, idx, mask, flag, base, ptrs_ptr, rank, WORLD, REGION)
+    # Read while the packets cross the link: after the wait only the arithmetic is left.
+    w_words = tl.load(w_ptr + idx, mask=mask, other=0)
+    if HAS_RESIDUAL:
+        r_words = tl.load(res_ptr + row + idx, mask=mask, other=0)
     t0 = globaltimer() if USE_CLOCK else 0
     spins = tl.full([], 0, tl.int32)  # a tensor, as receive_sums's loop carries it
     lo, hi, gave_up, _ = receive_sums(
@@ -57,18 +61,18 @@ def _all_reduce_rms_norm_kernel(
     summed = to_word(lo, hi, KIND)  # the all-reduce's result, in the model's dtype
     if HAS_RESIDUAL:
         # The residual stream after the add, rounded to the model dtype as HF's add is.
-        r_lo, r_hi = halves(tl.load(res_ptr + row + idx, mask=mask, other=0), KIND)
+        r_lo, r_hi = halves(r_words, KIND)
         s_lo, s_hi = halves(summed, KIND)
         summed = to_word(s_lo + r_lo, s_hi + r_hi, KIND)
         tl.store(res_ptr + row + idx, summed, mask=mask)
     else:  # the summed input is the residual stream
         tl.store(x_ptr + row + idx, summed, mask=mask)
     a, b = halves(summed, KIND)
-    var = (tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / n_cols
+    var = tl.sum(a * a + b * b, axis=0) / n_cols
     inv = tl.rsqrt(var + eps)
     # Normalized in float32, rounded to the model dtype before the weight multiply (HF's).
     n_lo, n_hi = halves(to_word(a * inv, b * inv, KIND), KIND)
-    w_lo, w_hi = halves(tl.load(w_ptr + idx, mask=mask, other=0), KIND)
+    w_lo, w_hi = halves(w_words, KIND)
     tl.store(out_ptr + row + idx, to_word(n_lo * w_lo, n_hi * w_hi, KIND), mask=mask)
     end_call(gave_up, failed, failed_ptr, ptrs_ptr, WORLD)
 
@@ -98,12 +102,13 @@ def all_reduce_rms_norm(
     residual stream in residual (updated in place) or, without one, in x (summed in place)."""
     rows, cols = x.shape
     words = cols * x.element_size() // 4
+    block = triton.next_power_of_2(words)
     out = torch.empty_like(x)
     res = residual if residual is not None else x
     buffers.launch(
         _all_reduce_rms_norm_kernel, (rows,), x.view(torch.int32), res.view(torch.int32),
         weight.view(torch.int32), out.view(torch.int32), words, cols, eps,
-        BLOCK=triton.next_power_of_2(words), KIND=KINDS[x.dtype],
-        HAS_RESIDUAL=residual is not None, num_warps=4 if words <= 1024 else 8,
+        BLOCK=block, KIND=KINDS[x.dtype],
+        HAS_RESIDUAL=residual is not None, num_warps=min(16, max(4, block // 256)),
     )  # fmt: skip
     return out
