@@ -52,7 +52,7 @@ def on_one_gpu(rank: int, port: int) -> None:
     """What torchrun and a two-GPU machine would give this rank, on cuda:0 over gloo."""
     from nanoqwen.runtime.parallel import custom_all_reduce, launch
 
-    os.environ |= dict(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ |= dict(RANK=str(rank), LOCAL_RANK=str(rank), NANOQWEN_CUSTOM_ALL_REDUCE="1")
     os.environ |= dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     launch.rank_device = lambda device, local, size: torch.device("cuda", 0)
     custom_all_reduce.refusal = lambda infos: None  # the ranks share a GPU, knowingly

@@ -55,20 +55,27 @@ def _ask(*args, **kwargs):
     raise _Asked
 
 
-def test_on_by_default_between_gpus_off_on_the_cpu_alone_or_switched_off(monkeypatch):
+def test_switched_on_between_gpus_off_on_the_cpu_alone_or_switched_off(monkeypatch):
+    assert custom_all_reduce.DEFAULT_SWITCH == "0"  # off until run on two GPUs (#12)
     # Switched on, creating starts by asking this GPU what it is: stopped there, before any
     # collective or CUDA call.
     monkeypatch.setattr(RankInfo, "local", _ask)
-    monkeypatch.delenv(custom_all_reduce.SWITCH_ENV, raising=False)
+    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "1")
     with pytest.raises(_Asked):
         create(0, 2, torch.device("cuda", 0), None)
     assert create(0, 2, torch.device("cpu"), None) is None
     assert create(0, 1, torch.device("cuda", 0), None) is None
-    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "1")
-    with pytest.raises(_Asked):
-        create(0, 2, torch.device("cuda", 0), None)
-    monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, "0")
-    assert create(0, 2, torch.device("cuda", 0), None) is None
+    for off in ("0", "", "yes"):
+        monkeypatch.setenv(custom_all_reduce.SWITCH_ENV, off)
+        assert create(0, 2, torch.device("cuda", 0), None) is None
+    monkeypatch.delenv(custom_all_reduce.SWITCH_ENV)  # unset: the default
+    for default, created in (("0", False), ("1", True)):
+        monkeypatch.setattr(custom_all_reduce, "DEFAULT_SWITCH", default)
+        if created:
+            with pytest.raises(_Asked):
+                create(0, 2, torch.device("cuda", 0), None)
+        else:
+            assert create(0, 2, torch.device("cuda", 0), None) is None
 
 
 class _SharedCudaTensor:

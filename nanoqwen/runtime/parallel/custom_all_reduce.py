@@ -12,11 +12,13 @@ layer's sums (kernels/all_reduce_norm.py, called by model/parallel.py's Reducing
 Larger messages, other dtypes, and ranks that cannot map each other's memory (several
 machines, no peer access) keep NCCL.
 
-On by default; NANOQWEN_CUSTOM_ALL_REDUCE=0 keeps NCCL for every all-reduce. History on two
-H200s: handles opened in the peers' device contexts were an illegal address (session 6, hence
-peer_memory.PeerUnpickler); warps that disagreed on leaving a wait loop hung a graph replay
-(session 7, fixed in session 8); the graph test and every tp=2 engine then hung on exit,
-which was NCCL's, not this kernel's (session 12: CUDAGraphRunner.release says why).
+NANOQWEN_CUSTOM_ALL_REDUCE=1 switches it on, =0 off; unset, DEFAULT_SWITCH decides: off
+until the low-latency kernels have run on two GPUs (they have on one, shared by two
+processes: tests/gpu/*_shared_gpu.py). History on two H200s: handles opened in the peers'
+device contexts were an illegal address (session 6, hence peer_memory.PeerUnpickler); warps
+that disagreed on leaving a wait loop hung a graph replay (session 7, fixed in session 8);
+the graph test and every tp=2 engine then hung on exit, which was NCCL's, not this kernel's
+(session 12: CUDAGraphRunner.release says why).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions For
 
 from nanoqwen.runtime.parallel.peer_memory import PeerUnpickler, RankInfo, refusal
 
-SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "0": NCCL for every all-reduce; otherwise on
+SWITCH_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE"  # "1": on, "0": NCCL for every all-reduce
+DEFAULT_SWITCH = "0"
 TIMEOUT_ENV = "NANOQWEN_ALL_REDUCE_TIMEOUT_S"
 MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_MAX_BYTES"  # the limit below, overridden
 LL_MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_LL_MAX_BYTES"  # the low-latency kernel's
@@ -275,7 +278,7 @@ def create(
 ) -> CustomAllReduce | None:
     """The group's custom all-reduce (a collective over the gloo group), or None where it
     cannot run or is switched off; rank 0 says which on stderr."""
-    if world < 2 or device.type != "cuda" or os.environ.get(SWITCH_ENV, "1") == "0":
+    if world < 2 or device.type != "cuda" or os.environ.get(SWITCH_ENV, DEFAULT_SWITCH) != "1":
         return None
     infos: list[RankInfo | None] = [None] * world
     dist.all_gather_object(infos, RankInfo.local(device), group=group)
