@@ -27,6 +27,12 @@ CASES = [
 ]  # fmt: skip
 
 
+def run_ranks(fn, world: int) -> None:
+    """fn(rank, world, port) in a process per rank, the rendezvous held here meanwhile."""
+    store = spawn_store(world)
+    mp.spawn(fn, args=(world, store.port), nprocs=world)
+
+
 def hf_reference(xs: list[torch.Tensor], residual, weight: torch.Tensor):
     """The ranks' sum (float32, rank order, rounded once), then HF's add and RMSNorm."""
     dtype = xs[0].dtype
@@ -88,8 +94,7 @@ def fused_rank(rank: int, world: int, port: int) -> None:
 @interpreted
 @pytest.mark.parametrize("world", [2, 3])
 def test_fused_all_reduce_add_and_norm_match_hf_on_every_rank(world):
-    store = spawn_store(world)
-    mp.spawn(fused_rank, args=(world, store.port), nprocs=world)
+    run_ranks(fused_rank, world)
 
 
 def norm_rank(rank: int, world: int, port: int) -> None:
@@ -117,8 +122,7 @@ def norm_rank(rank: int, world: int, port: int) -> None:
 
 @interpreted
 def test_reducing_norm_fuses_where_the_custom_all_reduce_can_and_equals_the_unfused_pair():
-    store = spawn_store(2)
-    mp.spawn(norm_rank, args=(2, store.port), nprocs=2)
+    run_ranks(norm_rank, 2)
 
 
 def gather_rank(rank: int, world: int, port: int) -> None:
@@ -155,5 +159,4 @@ def gather_rank(rank: int, world: int, port: int) -> None:
 @interpreted
 @pytest.mark.parametrize("world", [2, 3])
 def test_gather_and_broadcast_through_the_low_latency_kernel_equal_the_group_collectives(world):
-    store = spawn_store(world)
-    mp.spawn(gather_rank, args=(world, store.port), nprocs=world)
+    run_ranks(gather_rank, world)
