@@ -49,7 +49,9 @@ if [[ $what == exit || $what == all ]]; then  # a tp=2 engine's shutdown, clean 
   NANOQWEN_CUSTOM_ALL_REDUCE=1 probe "rank 1 killed, leave alone: abort" --kill --leave-alone abort
 fi
 if [[ $what == tests || $what == all ]]; then
-  timeout 300 python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -v -rs -p no:cacheprovider 2>&1 \
+  # The custom collectives on (CUSTOM=0: the NCCL default); the exit tests set both.
+  NANOQWEN_CUSTOM_ALL_REDUCE=${CUSTOM:-1} timeout 300 python3 -m pytest \
+    tests/gpu/test_tensor_parallel_gpu.py -v -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tp_tests.log"
 fi
 if [[ $what == allreduce || $what == all ]]; then
