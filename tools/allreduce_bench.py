@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from nanoqwen.model.parallel import _all_gather
 from nanoqwen.model.shapes import shape_config
+from nanoqwen.runtime.cuda_graph import used_entries
 from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, ll_max_bytes_from_env
 from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
 from nanoqwen.runtime.parallel.peer_memory import RankInfo, refusal
@@ -115,8 +116,8 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
         if custom.all_gather(local, gathered):  # the low-latency kernel takes it
             gather = lambda g=gathered, lo=local: custom.all_gather(lo, g)  # noqa: E731
             custom_gather_us = round(graph_us(gather), 2)
-        # A batch-1 graph's inputs (block size 256, 16 rows: what the batch-1 bench captures).
-        inputs = torch.zeros(5 * 16 + (3 * 16 + 1 + 128) // 2 + 1, dtype=torch.int64, device=dev)
+        # A batch-1 graph's inputs (16 rows of 128 blocks of 256: the batch-1 bench's graphs).
+        inputs = torch.zeros(used_entries(16, 128, 1, False), dtype=torch.int64, device=dev)
         broadcast_us = graph_us(lambda i=inputs: dist.broadcast(i, group_src=0))
         custom_broadcast_us = graph_us(lambda i=inputs: custom.broadcast(i))
         count = 2 * cfg.num_hidden_layers + 1

@@ -225,23 +225,12 @@ class CustomAllReduce:
     def takes_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether all_reduce_rms_norm takes x [rows, cols] and its residual: a message the
         low-latency kernel takes, a row per program."""
-        nbytes = x.numel() * x.element_size()
         return (
-            x.device == self.device
+            self._takes_words(x, *([] if residual is None else [residual]))
             and x.dim() == 2
-            and x.is_contiguous()
-            and x.data_ptr() % 4 == 0
-            and nbytes <= self.ll_max_bytes
+            and x.numel() * x.element_size() <= self.ll_max_bytes
             and self.norm_kernel.fits(x, self.g_max, self.ll_region)
-            and (
-                residual is None
-                or (
-                    residual.shape == x.shape
-                    and residual.dtype == x.dtype
-                    and residual.is_contiguous()
-                    and residual.data_ptr() % 4 == 0
-                )
-            )
+            and (residual is None or (residual.shape, residual.dtype) == (x.shape, x.dtype))
         )
 
     def all_reduce_rms_norm(
