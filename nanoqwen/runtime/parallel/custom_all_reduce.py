@@ -176,7 +176,7 @@ class CustomAllReduce:
         nbytes = x.numel() * x.element_size()
         if nbytes == 0:
             return True
-        if nbytes <= self.ll_max_bytes and nbytes % 4 == 0 and x.data_ptr() % 4 == 0:
+        if nbytes <= self.ll_max_bytes and self._takes_words(x):
             self.ll_kernel.ll_all_reduce(x, self.ll_buffers)
         else:
             self.kernel.one_shot_all_reduce(
