@@ -34,7 +34,7 @@ if [[ $what == probe || $what == all ]]; then
   done
 fi
 if [[ $what == custom || $what == all ]]; then
-  timeout 540 python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
+  timeout "${CUSTOM_TIMEOUT_S:-540}" python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
     -p no:cacheprovider 2>&1 | tee "$OUT/custom_all_reduce_tests.log"
 fi
 if [[ $what == exit || $what == all ]]; then  # a tp=2 engine's shutdown, clean and after a kill
@@ -50,12 +50,14 @@ if [[ $what == exit || $what == all ]]; then  # a tp=2 engine's shutdown, clean 
 fi
 if [[ $what == tests || $what == all ]]; then
   # The custom collectives on (CUSTOM=0: the NCCL default); the exit tests set both.
-  NANOQWEN_CUSTOM_ALL_REDUCE=${CUSTOM:-1} timeout 300 python3 -m pytest \
+  NANOQWEN_CUSTOM_ALL_REDUCE=${CUSTOM:-1} timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest \
     tests/gpu/test_tensor_parallel_gpu.py -v -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tp_tests.log"
 fi
 if [[ $what == allreduce || $what == all ]]; then
-  timeout 540 python3 tools/allreduce_bench.py --tp 2 --shapes 7B,14B,32B,72B --sweep 2>&1 \
+  # SHAPES and SWEEP (=0: no sweep over sizes) narrow it to fit one call with other parts.
+  timeout "${ALLREDUCE_TIMEOUT_S:-540}" python3 tools/allreduce_bench.py --tp 2 \
+    --shapes "${SHAPES:-7B,14B,32B,72B}" $([[ ${SWEEP:-1} == 0 ]] || echo --sweep) 2>&1 \
     | tee "$OUT/allreduce.log"
 fi
 if [[ $what == ncclenv ]]; then
