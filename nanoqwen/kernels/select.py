@@ -26,6 +26,14 @@ def from_ordered_key(key):
 
 
 @triton.jit
+def _store_compacted(x, keep, fill, out_ptr, K: tl.constexpr):
+    """x's kept values at out_ptr[:count] in x's order, fill in the rest of out_ptr[:K]."""
+    tl.store(out_ptr + tl.cumsum(keep.to(tl.int32), axis=0) - 1, x, mask=keep)
+    idx = tl.arange(0, K)
+    tl.store(out_ptr + idx, fill, mask=idx >= tl.sum(keep.to(tl.int32), axis=0))
+
+
+@triton.jit
 def store_largest(x, out_ptr, K: tl.constexpr):
     """Stores the K largest values of the 1-D block x (K at most its size) at out_ptr[:K], the
     K-th largest last and the others in no order, and returns the K-th largest. The bisection
@@ -41,10 +49,7 @@ def store_largest(x, out_ptr, K: tl.constexpr):
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
     kth = from_ordered_key(lo)
-    above = keys > lo
-    tl.store(out_ptr + tl.cumsum(above.to(tl.int32), axis=0) - 1, x, mask=above)
-    idx = tl.arange(0, K)
-    tl.store(out_ptr + idx, kth, mask=idx >= tl.sum(above.to(tl.int32), axis=0))
+    _store_compacted(x, keys > lo, kth, out_ptr, K)
     return kth
 
 
@@ -71,8 +76,5 @@ def store_above(x, top, out_ptr, K: tl.constexpr):
     probes = hi - span * (j.to(tl.float32) / 16.0)
     fits = _count_above(x, probes) <= K
     floor = tl.min(tl.where(fits, probes, hi), axis=0)
-    above = x > floor
-    tl.store(out_ptr + tl.cumsum(above.to(tl.int32), axis=0) - 1, x, mask=above)
-    idx = tl.arange(0, K)
-    tl.store(out_ptr + idx, float("-inf"), mask=idx >= tl.sum(above.to(tl.int32), axis=0))
+    _store_compacted(x, x > floor, float("-inf"), out_ptr, K)
     return floor
