@@ -84,6 +84,18 @@ def send_packets(words_ptr, idx, mask, flag, base, ptrs_ptr, rank, WORLD: tl.con
 
 
 @triton.jit
+def send_chunk(
+    x_ptr, n, chunk, flag, base, ptrs_ptr, rank, WORLD: tl.constexpr, REGION, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Sends this program's chunk of the n words at x_ptr; returns the chunk's start."""
+    start = tl.program_id(0).to(tl.int64) * chunk
+    for off in range(0, chunk, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        send_packets(x_ptr + start, idx, start + idx < n, flag, base, ptrs_ptr, rank, WORLD, REGION)
+    return start
+
+
+@triton.jit
 def wait_packets(
     src, mask, flag, gave_up, spins, t0, status, verdict, timeout, USE_CLOCK: tl.constexpr
 ):  # fmt: skip
@@ -138,10 +150,7 @@ def _ll_all_reduce_kernel(
     KIND: tl.constexpr, USE_CLOCK: tl.constexpr,
 ):  # fmt: skip
     flag, base, failed, verdict = begin_call(state_ptr, failed_ptr, G_MAX, WORLD)
-    start = tl.program_id(0).to(tl.int64) * chunk
-    for off in range(0, chunk, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        send_packets(x_ptr + start, idx, start + idx < n, flag, base, ptrs_ptr, rank, WORLD, REGION)
+    start = send_chunk(x_ptr, n, chunk, flag, base, ptrs_ptr, rank, WORLD, REGION, BLOCK)
     gave_up = failed  # a rank that gave up once no longer waits: its results are void anyway
     spins = tl.full([], 0, tl.int32)  # a tensor, as receive_sums's loop carries it
     t0 = globaltimer() if USE_CLOCK else 0
@@ -166,10 +175,7 @@ def _ll_all_gather_kernel(
     its place in out instead of summed; SOURCE >= 0: only that rank's words, stored at the
     start of out (a broadcast; every rank still sends and waits, as the protocol needs)."""
     flag, base, failed, verdict = begin_call(state_ptr, failed_ptr, G_MAX, WORLD)
-    start = tl.program_id(0).to(tl.int64) * chunk
-    for off in range(0, chunk, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        send_packets(x_ptr + start, idx, start + idx < n, flag, base, ptrs_ptr, rank, WORLD, REGION)
+    start = send_chunk(x_ptr, n, chunk, flag, base, ptrs_ptr, rank, WORLD, REGION, BLOCK)
     mine = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int64))
     status = tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32))
     gave_up = failed
