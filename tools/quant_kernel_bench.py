@@ -26,7 +26,7 @@ Sections, printed as they finish:
   prefill  M 512 and 2048: the Triton GEMM against dequantize + cuBLAS (DEQUANT_MIN_M),
            outside the sweep budget
 
-Usage: python3 tools/quant_kernel_bench.py [--shapes 0.5B,7B]
+Usage: python3 tools/quant_kernel_bench.py [--shapes 0.5B,7B] [--tp 2] [--formats none]
            [--sections table,stack,mma,gemv,gemm,prefill] [--formats q4g32o,q4g128,...]
            [--sweep-budget-s 90] [--json PATH]
 
@@ -90,16 +90,18 @@ def out_of_time() -> bool:
     return time.monotonic() > DEADLINE[0]
 
 
-def shapes(name: str) -> dict[str, tuple[int, int]]:
+def shapes(name: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection on one of tp ranks: column-parallel ones split N,
+    row-parallel ones (o, down) K, the lm_head its vocabulary rows."""
     cfg = shape_config(name)
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
     return {
-        "qkv": (qkv, h),
-        "o": (h, cfg.num_attention_heads * d),
-        "gate_up": (2 * cfg.intermediate_size, h),
-        "down": (h, cfg.intermediate_size),
-        "lm_head": (cfg.vocab_size, h),
+        "qkv": (qkv // tp, h),
+        "o": (h, cfg.num_attention_heads * d // tp),
+        "gate_up": (2 * cfg.intermediate_size // tp, h),
+        "down": (h, cfg.intermediate_size // tp),
+        "lm_head": (-(-cfg.vocab_size // tp), h),
     }
 
 
@@ -156,8 +158,10 @@ def gbps(nbytes: int, us: float) -> float:
 class Shape:
     """One projection's bf16 weights and quantized formats, each in rotating copies."""
 
-    def __init__(self, model: str, name: str, n: int, k: int, formats=tuple(FORMATS)):
-        self.model, self.name, self.n, self.k = model, name, n, k
+    def __init__(
+        self, model: str, name: str, n: int, k: int, formats=tuple(FORMATS), tp: int = 1
+    ) -> None:
+        self.model, self.name, self.n, self.k, self.tp = model, name, n, k, tp
         w = torch.randn(n, k, device=DEV, dtype=BF16) * 0.02
         self.bf16 = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
         self.quant = {}
@@ -169,7 +173,8 @@ class Shape:
         return torch.randn(m, self.k, device=DEV, dtype=BF16)
 
     def label(self) -> str:
-        return f"{self.model} {self.name} N={self.n} K={self.k}"
+        rank = f" (one of {self.tp} ranks)" if self.tp > 1 else ""
+        return f"{self.model}{rank} {self.name} N={self.n} K={self.k}"
 
     def io_bytes(self, m: int) -> int:
         return 2 * m * (self.n + self.k)
@@ -224,8 +229,10 @@ def stack(model: str, built: dict[str, Shape]) -> None:
         print(f"  stack part {model} {name} x{times}: "
               + " | ".join(f"{k} {v:.1f} µs" for k, v in per.items()), flush=True)  # fmt: skip
     base = totals["bf16"]
+    tp = next(iter(built.values())).tp
+    rank = f" (one of {tp} ranks)" if tp > 1 else ""
     print(
-        f"{model} whole layer stack at batch 1 ({layers} layers x (qkv+o+gate_up+down) + "
+        f"{model}{rank} whole layer stack at batch 1 ({layers} layers x (qkv+o+gate_up+down) + "
         f"lm_head): bf16 (as the model runs it) {base / 1e3:.3f} ms | "
         + " | ".join(
             f"{k} {v / 1e3:.3f} ms x{base / v:.2f}" for k, v in totals.items() if k != "bf16"
@@ -341,7 +348,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="0.5B,7B")
     p.add_argument("--sections", default="table,stack,mma,gemv,gemm,prefill")
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default=",".join(FORMATS), help="'none': bf16 only")
+    p.add_argument("--tp", type=int, default=1, help="one rank's shards at this tp size")
     p.add_argument(
         "--sweep-budget-s", type=float, default=90.0,
         help="seconds for the sweeps, counted once table and stack are done",
@@ -353,8 +361,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {sm_count(DEV)} SMs", flush=True)
     models = {}
     for model in args.shapes.split(","):
-        formats = tuple(args.formats.split(","))
-        built = {name: Shape(model, name, n, k, formats) for name, (n, k) in shapes(model).items()}
+        formats = () if args.formats == "none" else tuple(args.formats.split(","))
+        built = {
+            name: Shape(model, name, n, k, formats, args.tp)
+            for name, (n, k) in shapes(model, args.tp).items()
+        }
         models[model] = built
         if "table" in sections:
             for shape in built.values():
