@@ -48,9 +48,9 @@ def engine_flags() -> argparse.ArgumentParser:
         "--attention-backend",
         default="auto",
         choices=BACKENDS,
-        help="auto: triton (Triton decode kernel, flash-attn prefill) where flash-attn can run "
-        "(CUDA, Ampere+, float16/bfloat16, head_dim 64/128, --block-size a multiple of 256), "
-        "else torch",
+        help="auto: triton on a CUDA GPU (Ampere+, float16/bfloat16, head_dim 64/128; with "
+        "flash-attn's prefill where it imports and --block-size is a multiple of 256), native "
+        "(C decode kernels) on a CPU in bfloat16, else torch",
     )
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     g.add_argument(

@@ -34,11 +34,13 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm that can also absorb the residual add in front of it.
 
-    With fused=True (set for bf16/fp16 on CUDA) one Triton kernel does add + norm;
-    otherwise plain torch ops in HF's exact order.
+    With fused=True (set for bf16/fp16 on CUDA) one Triton kernel does add + norm; with
+    native=True (bf16 on the CPU) one C call, with HF's roundings; otherwise plain torch ops
+    in HF's exact order.
     """
 
     fused = False
+    native = False
 
     def __init__(self, size: int, eps: float, dtype, device) -> None:
         super().__init__()
@@ -62,6 +64,10 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps), x
             return rms_norm(x, self.weight, self.eps, residual), residual
+        if self.native:
+            from nanoqwen.native.cpu_decode import add_rms_norm
+
+            return add_rms_norm(x, self.weight, self.eps, residual)
         residual = x if residual is None else residual + x
         return self._norm(residual), residual
 
@@ -99,6 +105,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class MLP(nn.Module):
     fused = False  # Triton SiLU·up kernel
+    native = False  # C SiLU·up (bf16 on the CPU)
     gemv = False  # a single row: gate_up GEMV with SiLU·up in its epilogue
 
     def __init__(self, hidden: int, intermediate: int, dtype, device) -> None:
@@ -119,5 +126,9 @@ class MLP(nn.Module):
             from nanoqwen.kernels.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
+        if self.native:
+            from nanoqwen.native.cpu_decode import silu_mul as native_silu_mul
+
+            return self.down_proj(native_silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -104,6 +104,12 @@ class Qwen2ForCausalLM(nn.Module):
             if isinstance(module, MLP):
                 module.gemv = enabled and gemv_pays(module.gate_up_proj.weight)
 
+    def use_native_kernels(self, enabled: bool) -> None:
+        """The C add + norm and SiLU·up (nanoqwen/native/cpu_decode.c), for bf16 on the CPU."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.native = enabled
+
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:
             layer.self_attn.backend = backend

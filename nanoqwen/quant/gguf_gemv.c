@@ -28,6 +28,25 @@ static inline float bf16_to_float(uint16_t v) {
     return c.f;
 }
 
+static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+    union { float f; uint32_t u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);  // NaN
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+// Output n of row m: float32, or bfloat16 with the bias (bfloat16, or NULL) added after the
+// rounding, as torch's .to(bfloat16) and then + bias round twice.
+static inline void store(void* y, int out_bf16, const uint16_t* bias, int64_t m, int64_t n,
+                         int64_t N, float v) {
+    if (!out_bf16) {
+        ((float*)y)[m * N + n] = v;
+        return;
+    }
+    uint16_t r = float_to_bf16(v);
+    if (bias) r = float_to_bf16(bf16_to_float(r) + bf16_to_float(bias[n]));
+    ((uint16_t*)y)[m * N + n] = r;
+}
+
 // One activation row of K values (bfloat16 or float32) to int8 blocks: xq, per-block scale
 // dx and zero * dx * sum(xq) (the term that the codes' offset `zero` contributes).
 static void quantize_row(const void* x, int is_bf16, int64_t K, float zero, int8_t* xq,
@@ -88,7 +107,7 @@ static inline __m256i one_block(const uint8_t* qs, uint32_t qh) {
 static inline __attribute__((always_inline)) void dot_row(
     const int M, const int bits, int64_t n, int64_t N, int64_t K, const uint8_t* qs,
     const uint32_t* qh, const uint16_t* d, const int8_t* xq, const float* dx, const float* off,
-    float* y) {
+    void* y, int out_bf16, const uint16_t* bias) {
     const int64_t nb = K / 32;
     const int64_t block_bytes = bits == 5 ? 16 : 32;
     qs += n * nb * block_bytes, d += n * nb;
@@ -133,20 +152,23 @@ static inline __attribute__((always_inline)) void dot_row(
             tail[m] = hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[m][b])));
         }
     }
-    for (int m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]) + tail[m] - corr[m];
+    for (int m = 0; m < M; m++)
+        store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) + tail[m] - corr[m]);
 }
 
 #define ROWS_CASE(R, BITS)                                                          \
     case R:                                                                         \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")           \
         for (int64_t n = 0; n < N; n++)                                             \
-            dot_row(R, BITS, n, N, K, qs, qh, d, xq, dx, off, y);                   \
+            dot_row(R, BITS, n, N, K, qs, qh, d, xq, dx, off, y, out_bf16, bias);   \
         break;
 
 // y[m][n] = sum_k x[m][k] * w[n][k] for m < M <= MAX_ROWS; x is bfloat16 when is_bf16, else
-// float32; y is float32 [M][N]. Returns 0, or nonzero for arguments it does not take.
+// float32; y is float32 [M][N], or bfloat16 plus bias (NULL: none) when out_bf16. Returns 0,
+// or nonzero for arguments it does not take.
 static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-                const uint32_t* qh, const uint16_t* d, int64_t N, float* y, int threads) {
+                const uint32_t* qh, const uint16_t* d, int64_t N, void* y, int out_bf16,
+                const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 32) return 1;
     const int64_t nb = K / 32;
     int8_t* xq = malloc((size_t)(M * K));
@@ -177,13 +199,15 @@ static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, cons
 }
 
 int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-            const uint32_t* qh, const uint16_t* d, int64_t N, float* y, int threads) {
-    return gemv(5, x, is_bf16, M, K, qs, qh, d, N, y, threads);
+            const uint32_t* qh, const uint16_t* d, int64_t N, void* y, int out_bf16,
+            const uint16_t* bias, int threads) {
+    return gemv(5, x, is_bf16, M, K, qs, qh, d, N, y, out_bf16, bias, threads);
 }
 
 int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-            const uint16_t* d, int64_t N, float* y, int threads) {
-    return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, threads);
+            const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
+            int threads) {
+    return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, out_bf16, bias, threads);
 }
 
 // Per-channel int8 of one row of a symmetric int8 weight in groups of g (codes q [K], float32

@@ -152,6 +152,8 @@ class QuantizedLinear(nn.Module):
             if self._int8 is None or x.dtype == torch.float32:
                 return F.linear(x, dequantize(self.weight, x.dtype), self.bias)
             y = _int8_matmul(x2, *self._int8)
+        elif self.kind in ("q5_0", "q8_0") and x.dtype == torch.bfloat16:
+            return gguf_matmul(x2.contiguous(), self._decode, self.bias).view(shape)
         elif self.kind in ("q5_0", "q8_0"):
             y = gguf_matmul(x2.contiguous(), self._decode).to(x.dtype)
         elif self.kind == "int4pack":

@@ -2,26 +2,21 @@
 the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight, against 8 for torch's per-channel
 int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8 requantizes, and faster).
 
-They are compiled at first use with the system C compiler (-march=native, OpenMP) into a cache
-directory and called through ctypes; where there is no compiler or the CPU lacks AVX512-VNNI
-the build fails once and `gguf_kernel()` returns None, and the layers keep torch's kernels.
+They are compiled at first use (nanoqwen/native/build.py) and called through ctypes; where
+there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
+returns None, and the layers keep torch's kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from nanoqwen.native.build import load_library
 from nanoqwen.quant.format import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("gguf_gemv.c")
@@ -29,59 +24,18 @@ MAX_ROWS = 8  # MAX_ROWS in gguf_gemv.c
 _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("NANOQWEN_CACHE") or os.environ.get("XDG_CACHE_HOME")
-    return Path(root or Path.home() / ".cache") / "nanoqwen"
-
-
-def _build(source: Path, target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Written aside and renamed: test processes may build at the same time.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise OSError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
-    os.replace(tmp, target)
-
-
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
-
-
 @cache
 def gguf_kernel() -> ctypes.CDLL | None:
     """The loaded library, or None (with one note on stderr) when it cannot be built here.
     NANOQWEN_NATIVE=0 turns it off."""
-    if os.environ.get("NANOQWEN_NATIVE", "1") == "0":
+    lib = load_library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel")
+    if lib is None:
         return None
-    # -march=native: a library built on one CPU is kept for that CPU only (shared home dirs).
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
-    target = cache_dir() / f"gguf_gemv-{key}.so"
-    try:
-        if not target.is_file():
-            _build(SOURCE, target)
-        lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        print(
-            f"[nanoqwen] GGUF CPU kernels unavailable, using torch's int8 kernel: {e}",
-            file=sys.stderr,
-        )
-        return None
-    # x, is_bf16, M, K, qs, [qh,] d, N, y, threads
+    # x, is_bf16, M, K, qs, [qh,] d, N, y, out_bf16, bias, threads
     lib.q5_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 3, _c_int64]
-    lib.q5_gemv.argtypes += [_ptr, ctypes.c_int]
+    lib.q5_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
     lib.q8_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 2, _c_int64]
-    lib.q8_gemv.argtypes += [_ptr, ctypes.c_int]
+    lib.q8_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
     lib.q5_gemv.restype = lib.q8_gemv.restype = ctypes.c_int
     # q, s, N, K, g, out, r, threads
     lib.requantize_rows.argtypes = [_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, ctypes.c_int]
@@ -132,20 +86,25 @@ def pack_q8_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
     return qs.contiguous(), w.scale.half().contiguous()
 
 
-def gguf_matmul(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (contiguous) @ W.T -> float32 [M, N], W packed by pack_q5_0
-    (three tensors) or pack_q8_0 (two)."""
+def gguf_matmul(
+    x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W packed by pack_q5_0 (three tensors) or
+    pack_q8_0 (two): float32 [M, N], or for bfloat16 x bfloat16 with bias (bfloat16) added,
+    rounded as F.linear's output and then its bias add would be, in the one kernel."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()  # float16: the kernels read bf16 or float32
+    out_bf16 = x.dtype == torch.bfloat16
+    assert bias is None or (out_bf16 and bias.dtype == torch.bfloat16 and bias.is_contiguous())
     rows, k = x.shape
     n = packed[0].shape[0]
-    out = torch.empty(rows, n, dtype=torch.float32)
+    out = torch.empty(rows, n, dtype=x.dtype)
     lib = gguf_kernel()
     fn = lib.q5_gemv if len(packed) == 3 else lib.q8_gemv
     args = [t.data_ptr() for t in packed]
     status = fn(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), rows, k, *args, n, out.data_ptr(),
-        torch.get_num_threads(),
+        x.data_ptr(), int(out_bf16), rows, k, *args, n, out.data_ptr(), int(out_bf16),
+        None if bias is None else bias.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise RuntimeError(f"gguf_gemv failed (status {status}) for x {tuple(x.shape)}")

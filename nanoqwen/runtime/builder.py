@@ -14,7 +14,7 @@ from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
 from nanoqwen.quant.apply import describe, quantize_loaded
 from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
-from nanoqwen.runtime.attention import BACKENDS, create_backend
+from nanoqwen.runtime.attention import BACKENDS, create_backend, native_problem
 from nanoqwen.runtime.device_choice import (
     DTYPES,
     default_is_quantized,
@@ -174,6 +174,8 @@ def _assemble(
     # Before loading: quantization swaps in layers that keep their own kernels.
     if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
         net.use_fused_kernels(True)
+    elif native_problem(dev, torch_dtype) is None:
+        net.use_native_kernels(True)
     if path is None and gguf is None:
         fill_random(net, seed=parallel.tp.rank if parallel else 0)
     elif gguf is not None:

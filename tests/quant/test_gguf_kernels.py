@@ -74,11 +74,18 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero block: scale 0
     ref = _expected(x.bfloat16(), dequantize(w))
-    for xin in (x.bfloat16(), x.bfloat16().float(), x.bfloat16().half()):  # same values
-        got = gguf_matmul(xin, PACK[type_name](w))
+    packed = PACK[type_name](w)
+    for xin in (x.bfloat16().float(), x.bfloat16().half()):  # the same values
+        got = gguf_matmul(xin, packed)
         assert got.shape == (rows, 80) and got.dtype == torch.float32
         # Integer sums are exact; float32 scaling and accumulation of k / 32 block terms.
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    # bfloat16 activations: the same sums, rounded in the kernel as .to(bfloat16) rounds them,
+    # and a bias added after that rounding as F.linear's bias add would.
+    bias = torch.randn(80).bfloat16()
+    sums = gguf_matmul(x.bfloat16().float(), packed)
+    assert torch.equal(gguf_matmul(x.bfloat16(), packed), sums.bfloat16())
+    assert torch.equal(gguf_matmul(x.bfloat16(), packed, bias), sums.bfloat16() + bias)
 
 
 def test_layouts_are_told_apart():

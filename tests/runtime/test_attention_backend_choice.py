@@ -15,6 +15,7 @@ from nanoqwen.runtime.attention import create_backend
 
 pytest.importorskip("triton")
 CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
@@ -62,6 +63,8 @@ def test_triton_uses_flash_attn_only_where_it_fits(hopper, fake_flash_attn):
         ("triton", {"dtype": torch.float32}, "it needs float16 or bfloat16, not float32"),
         ("triton", {"head_dim": 96}, "head_dim 96 is not supported (64, 128)"),
         ("triton", {"device": torch.device("cpu")}, "it needs a CUDA device"),
+        ("native", {}, "it runs on the CPU only"),
+        ("native", {"device": CPU, "dtype": torch.float32}, "it needs bfloat16, not float32"),
     ],
 )
 def test_unavailable_backends_say_why(hopper, name, kwargs, problem):
@@ -77,8 +80,21 @@ def test_flash_attn_needs_blocks_of_256(hopper, fake_flash_attn):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"dtype": torch.float32}, {"head_dim": 96}, {"device": torch.device("cpu")}],
-    ids=["float32", "head_dim-96", "cpu"],
+    [{"dtype": torch.float32}, {"head_dim": 96}, {"device": CPU, "dtype": torch.float32}],
+    ids=["float32", "head_dim-96", "cpu-float32"],
 )
 def test_auto_falls_back_to_torch(hopper, kwargs):
     assert _backend("auto", **kwargs).name == "torch"
+
+
+def test_auto_takes_the_c_kernels_on_a_cpu_in_bfloat16(monkeypatch):
+    from nanoqwen.native.cpu_decode import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C compiler here")
+    assert _backend("auto", device=CPU).name == "native"
+    assert _backend("native", device=CPU, head_dim=96).name == "native"  # any head size
+    monkeypatch.setenv("NANOQWEN_NATIVE", "0")
+    assert _backend("auto", device=CPU).name == "torch"
+    with pytest.raises(InvalidInputError, match="NANOQWEN_NATIVE=0 turns it off"):
+        _backend("native", device=CPU)

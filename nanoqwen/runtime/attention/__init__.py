@@ -9,7 +9,7 @@ from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
 from nanoqwen.validation import choice, invalid
 
-BACKENDS = ("auto", "triton", "flash-attn", "torch")
+BACKENDS = ("auto", "triton", "flash-attn", "native", "torch")
 
 __all__ = [
     "BACKENDS",
@@ -17,6 +17,7 @@ __all__ = [
     "AttentionMetadata",
     "create_backend",
     "flash_attn_problem",
+    "native_problem",
     "triton_problem",
 ]
 
@@ -54,6 +55,22 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, 
     return None
 
 
+def native_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the C decode kernels cannot serve this setup, or None when they can."""
+    if device.type != "cpu":
+        return "it runs on the CPU only"
+    if dtype != torch.bfloat16:
+        return f"it needs bfloat16, not {str(dtype).removeprefix('torch.')}"
+    from nanoqwen.native.build import native_enabled
+    from nanoqwen.native.cpu_decode import cpu_kernels
+
+    if not native_enabled():
+        return "NANOQWEN_NATIVE=0 turns it off"
+    if cpu_kernels() is None:
+        return "its C library could not be built here: it needs a C compiler"
+    return None
+
+
 def create_backend(
     name: str,
     rotary: RotaryEmbedding,
@@ -64,8 +81,17 @@ def create_backend(
     block_size: int,
 ) -> AttentionBackend:
     """auto: the Triton backend on any CUDA GPU with float16/bfloat16 (with flash-attn's
-    kernels inside where flash-attn imports and fits), else torch."""
+    kernels inside where flash-attn imports and fits), the native one on a CPU in bfloat16
+    where its C library builds, else torch."""
     choice("attention_backend", name, BACKENDS)
+    if name == "native" or (name == "auto" and device.type == "cpu"):
+        problem = native_problem(device, dtype)
+        if problem is None:
+            from nanoqwen.runtime.attention.native_backend import NativeAttention
+
+            return NativeAttention(rotary, scale)
+        if name == "native":
+            raise invalid("attention_backend", name, f"is unavailable ({problem})", "auto or torch")
     problem = (
         flash_attn_problem(device, dtype, head_dim, block_size)
         if name == "flash-attn"

@@ -1,0 +1,64 @@
+"""Compiles a C source of the package at first use with the system C compiler (-O3,
+-march=native, OpenMP) into a cache directory, and loads it; the library is then reused until
+the source or the CPU changes. NANOQWEN_NATIVE=0 turns every such library off."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("NANOQWEN_CACHE") or os.environ.get("XDG_CACHE_HOME")
+    return Path(root or Path.home() / ".cache") / "nanoqwen"
+
+
+def native_enabled() -> bool:
+    return os.environ.get("NANOQWEN_NATIVE", "1") != "0"
+
+
+def _compile(source: Path, target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written aside and renamed: test processes may build at the same time.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise OSError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def load_library(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """source's library, or None with one note on stderr naming the fallback where it cannot
+    be built or loaded here (or NANOQWEN_NATIVE=0)."""
+    if not native_enabled():
+        return None
+    # -march=native: a library built on one CPU is kept for that CPU only (shared home dirs).
+    key = hashlib.sha256(source.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    try:
+        if not target.is_file():
+            _compile(source, target)
+        return ctypes.CDLL(str(target))
+    except OSError as e:
+        print(f"[nanoqwen] {fallback}: {e}", file=sys.stderr)
+        return None
