@@ -112,62 +112,53 @@ static inline __attribute__((always_inline)) int attend(
     const uint16_t* v_cache, int64_t block_size, int64_t s, int64_t h, int64_t heads,
     int64_t kv_heads, const int64_t dim, float scale, uint16_t* out) {
     int64_t group = heads / kv_heads;
-    // scores [group, len], then float32 copies of q [group, dim] and of one key or value
-    // row [dim] (converted once for the group's q heads), and the outputs [group, dim].
-    float* scores = malloc(sizeof(float) * (group * len + dim * (2 * group + 1)));
+    // scores [group, len], then one block of keys in float32 [block_size, dim], converted
+    // once for all the group's q heads, each of which streams it with its q in registers.
+    float* scores = malloc(sizeof(float) * (group * len + block_size * dim));
     if (!scores) return 1;
-    float* restrict q = scores + group * len;
-    float* restrict row = q + group * dim;
-    float* restrict acc = row + dim;
-    for (int64_t i = 0; i < group * dim; i++) {
-        q[i] = bf(q_rot[(s * heads + h * group) * dim + i]);
-        acc[i] = 0.0f;
-    }
+    float* restrict keys = scores + group * len;
+    float q[dim], acc[dim];
     // Block by block: a 64-bit division per key would cost as much as its dots.
     for (int64_t b = 0, start = 0; start < len; b++, start += block_size) {
         int64_t n = len - start < block_size ? len - start : block_size;
         const uint16_t* k = k_cache + ((int64_t)table[b] * block_size * kv_heads + h) * dim;
-        for (int64_t i = 0; i < n; i++, k += kv_heads * dim) {
-            for (int64_t d = 0; d < dim; d++) row[d] = bf(k[d]);
-            for (int64_t g = 0; g < group; g++) {
-                const float* restrict qg = q + g * dim;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t d = 0; d < dim; d++) keys[i * dim + d] = bf(k[i * kv_heads * dim + d]);
+        for (int64_t g = 0; g < group; g++) {
+            const uint16_t* qg = q_rot + (s * heads + h * group + g) * dim;
+            for (int64_t d = 0; d < dim; d++) q[d] = bf(qg[d]);
+            float* sg = scores + g * len + start;
+            for (int64_t i = 0; i < n; i++) {
+                const float* restrict key = keys + i * dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += qg[d] * row[d];
-                scores[g * len + start + i] = dot;
+                for (int64_t d = 0; d < dim; d++) dot += q[d] * key[d];
+                sg[i] = dot * scale;
             }
         }
     }
     for (int64_t g = 0; g < group; g++) {
         float top = -INFINITY, sum = 0.0f, *sg = scores + g * len;
-        for (int64_t j = 0; j < len; j++) {
-            sg[j] *= scale;
-            top = sg[j] > top ? sg[j] : top;
-        }
+        for (int64_t j = 0; j < len; j++) top = sg[j] > top ? sg[j] : top;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < len; j++) {
             sg[j] = exp_approx(sg[j] - top);
             sum += sg[j];
         }
-        float inv = 1.0f / sum;
+        // Each head's output row stays in registers over every value of the context.
+        for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
+        for (int64_t b = 0, start = 0; start < len; b++, start += block_size) {
+            int64_t n = len - start < block_size ? len - start : block_size;
+            const uint16_t* v = v_cache + ((int64_t)table[b] * block_size * kv_heads + h) * dim;
+            for (int64_t i = 0; i < n; i++, v += kv_heads * dim) {
+                float p = sg[start + i];
 #pragma omp simd
-        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
-    }
-    for (int64_t b = 0, start = 0; start < len; b++, start += block_size) {
-        int64_t n = len - start < block_size ? len - start : block_size;
-        const uint16_t* v = v_cache + ((int64_t)table[b] * block_size * kv_heads + h) * dim;
-        for (int64_t i = 0; i < n; i++, v += kv_heads * dim) {
-            for (int64_t d = 0; d < dim; d++) row[d] = bf(v[d]);
-            for (int64_t g = 0; g < group; g++) {
-                float p = scores[g * len + start + i], *restrict a = acc + g * dim;
-#pragma omp simd
-                for (int64_t d = 0; d < dim; d++) a[d] += p * row[d];
+                for (int64_t d = 0; d < dim; d++) acc[d] += p * bf(v[d]);
             }
         }
-    }
-    for (int64_t g = 0; g < group; g++) {
         uint16_t* o = out + (s * heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; d++) o[d] = to_bf(acc[g * dim + d]);
+        float inv = 1.0f / sum;
+        for (int64_t d = 0; d < dim; d++) o[d] = to_bf(acc[d] * inv);
     }
     free(scores);
     return 0;
