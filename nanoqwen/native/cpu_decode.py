@@ -72,18 +72,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(
     qkv: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     cos_half: torch.Tensor,
     sin_half: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """A decode step's attention (one token a sequence), bf16, as AttentionMetadata describes
-    it: [seqs, heads, dim], the rotated k and v written to the caches at slot_mapping."""
+    """A decode step's attention (one token a sequence), bf16, with the arguments of the
+    Triton kernel's decode_attention (kernels/decode_attention.py): [seqs, heads, dim], the
+    rotated k and v written to the caches at slot_mapping."""
     _, block_size, kv_heads, dim = k_cache.shape
     seqs = qkv.shape[0]
     heads = qkv.shape[1] // dim - 2 * kv_heads

@@ -120,8 +120,8 @@ def test_decode_attention_writes_the_cache_as_torch_and_attends_within_rounding(
     k_torch, v_torch = k_cache.clone(), v_cache.clone()
     TorchAttention(rotary, dim**-0.5).forward(qkv, k_torch, v_torch, meta)
     got = decode_attention(
-        qkv, k_cache, v_cache, meta.positions, meta.slot_mapping, meta.context_lens,
-        meta.block_tables, rotary.cos_half, rotary.sin_half, dim**-0.5,
+        qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
+        rotary.cos_half, rotary.sin_half, k_cache, v_cache, dim**-0.5,
     )  # fmt: skip
     assert torch.equal(bits(k_cache), bits(k_torch)) and torch.equal(bits(v_cache), bits(v_torch))
     want = reference(qkv, k_cache, v_cache, meta, rotary, heads, kv_heads, dim)

@@ -19,6 +19,6 @@ class NativeAttention(TorchAttention):
         if meta.is_prefill:
             return super().forward(qkv, k_cache, v_cache, meta)
         return decode_attention(
-            qkv, k_cache, v_cache, meta.positions, meta.slot_mapping, meta.context_lens,
-            meta.block_tables, self.rotary.cos_half, self.rotary.sin_half, self.scale,
+            qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
+            self.rotary.cos_half, self.rotary.sin_half, k_cache, v_cache, self.scale,
         )  # fmt: skip
