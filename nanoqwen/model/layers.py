@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
                 return rms_norm(x, self.weight, self.eps), x
             return rms_norm(x, self.weight, self.eps, residual), residual
         if self.native:
-            from nanoqwen.native.cpu_decode import add_rms_norm
+            from nanoqwen.native.cpu_ops import add_rms_norm
 
             return add_rms_norm(x, self.weight, self.eps, residual)
         residual = x if residual is None else residual + x
@@ -127,7 +127,7 @@ class MLP(nn.Module):
 
             return self.down_proj(silu_mul(gate_up))
         if self.native:
-            from nanoqwen.native.cpu_decode import silu_mul as native_silu_mul
+            from nanoqwen.native.cpu_ops import silu_mul as native_silu_mul
 
             return self.down_proj(native_silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -105,7 +105,7 @@ class Qwen2ForCausalLM(nn.Module):
                 module.gemv = enabled and gemv_pays(module.gate_up_proj.weight)
 
     def use_native_kernels(self, enabled: bool) -> None:
-        """The C add + norm and SiLU·up (nanoqwen/native/cpu_decode.c), for bf16 on the CPU."""
+        """The C add + norm and SiLU·up (nanoqwen/native/cpu_ops.c), for bf16 on the CPU."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.native = enabled

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoqwen.native.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_packed import PackedBlocks
 from nanoqwen.quant.gguf_rows import GGUFRows
@@ -151,6 +152,8 @@ class QuantizedLinear(nn.Module):
         if x2.shape[0] > CPU_PACKED_MAX_ROWS or self.kind in ("dequant", "unprepared"):
             if self._int8 is None or x.dtype == torch.float32:
                 return F.linear(x, dequantize(self.weight, x.dtype), self.bias)
+            if x.dtype == torch.bfloat16 and cpu_kernels() is not None:
+                return _int8_matmul_native(x2, *self._int8, self.bias).view(shape)
             y = _int8_matmul(x2, *self._int8)
         elif self.kind in ("q5_0", "q8_0") and x.dtype == torch.bfloat16:
             return gguf_matmul(x2.contiguous(), self._decode, self.bias).view(shape)
@@ -175,6 +178,16 @@ def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     xq = torch.round(xf / x_scale).to(torch.int8)
     y = torch._int_mm(xq, q.t()).float()
     return (y * x_scale * scale).to(x.dtype)
+
+
+def _int8_matmul_native(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """_int8_matmul(x, q, scale) (+ bias) for bf16 x, bit for bit, its elementwise passes in C
+    (the activations' quantization, the sums' scaling, cast and bias): in torch's ops they
+    took ~40% of a 512-token prefill of the default model."""
+    xq, x_scale = quantize_rows_int8(x)
+    return dequantize_rows(torch._int_mm(xq, q.t()), x_scale, scale, bias)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -10,7 +10,7 @@ from conftest import write_tiny_model
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.model.layers import MLP, RMSNorm
-from nanoqwen.native.cpu_decode import cpu_kernels
+from nanoqwen.native.cpu_ops import cpu_kernels
 from nanoqwen.runtime import builder
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler here")

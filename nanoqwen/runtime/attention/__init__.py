@@ -62,7 +62,7 @@ def native_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype != torch.bfloat16:
         return f"it needs bfloat16, not {str(dtype).removeprefix('torch.')}"
     from nanoqwen.native.build import native_enabled
-    from nanoqwen.native.cpu_decode import cpu_kernels
+    from nanoqwen.native.cpu_ops import cpu_kernels
 
     if not native_enabled():
         return "NANOQWEN_NATIVE=0 turns it off"

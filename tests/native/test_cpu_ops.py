@@ -1,8 +1,9 @@
-"""nanoqwen/native/cpu_decode.c, the bfloat16 CPU decode step's C kernels, against the torch
-ops they replace: the residual sum and SiLU·up bit for bit, RMSNorm but for the odd element
-its sum of squares' order rounds the other way, the decode attention's KV writes bit for bit
-and its output within bfloat16 rounding of a float64 reference, over block sizes, GQA
-groups, head sizes and contexts that span many blocks of a shuffled table."""
+"""nanoqwen/native/cpu_ops.c, a bfloat16 CPU step's C kernels, against the torch ops they
+replace: the residual sum, SiLU·up, RoPE with the KV write (a prefill's attention then equal)
+and the int8 matmul's activations bit for bit, RMSNorm but for the odd element its sum of
+squares' order rounds the other way, decode attention's KV writes bit for bit and its output
+within bfloat16 rounding of a float64 reference, over block sizes, GQA groups, head sizes and
+contexts that span many blocks of a shuffled table."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import torch.nn.functional as F
 
 from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from nanoqwen.native.cpu_decode import add_rms_norm, cpu_kernels, decode_attention, silu_mul
+from nanoqwen.native.cpu_ops import (
+    add_rms_norm,
+    cpu_kernels,
+    decode_attention,
+    dequantize_rows,
+    quantize_rows_int8,
+    silu_mul,
+)
+from nanoqwen.quant.linear import _int8_matmul
+from nanoqwen.runtime.attention.native_backend import NativeAttention
 from nanoqwen.runtime.attention.torch_backend import TorchAttention
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler here")
@@ -129,3 +139,45 @@ def test_decode_attention_writes_the_cache_as_torch_and_attends_within_rounding(
     # float32 sums rounded once to bfloat16: within half a bfloat16 ulp, plus float32 noise.
     ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
     assert ((got.double() - want).abs() <= 0.5 * ulp + 1e-6).all()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (28, 4, 128)])
+def test_a_prefill_rotates_and_writes_as_torch_and_attends_alike(heads, kv_heads, dim):
+    """Two prompts, the second after 40 cached tokens of its own (a prefix-cache hit)."""
+    rotary = RotaryEmbedding(dim, 4096, 1e6, "cpu")
+    block_size, new, cached = 16, [70, 9], [0, 40]
+    lens = [n + c for n, c in zip(new, cached)]
+    qkv, k_cache, v_cache, meta = paged_inputs(lens, heads, kv_heads, dim, block_size, seed=1)
+    positions = torch.cat([torch.arange(c, c + n) for n, c in zip(new, cached)])
+    tables = meta.block_tables
+    slots = torch.cat(
+        [tables[i, positions_i // block_size].long() * block_size + positions_i % block_size
+         for i, positions_i in enumerate(torch.split(positions, new))]
+    )  # fmt: skip
+    qkv = torch.randn(sum(new), qkv.shape[1], generator=torch.Generator().manual_seed(2)).to(BF16)
+    cu = torch.tensor([0, new[0], sum(new)], dtype=torch.int32)
+    meta = AttentionMetadata(
+        is_prefill=True, positions=positions, slot_mapping=slots, context_lens=meta.context_lens,
+        block_tables=tables, cu_seqlens_q=cu, max_seqlen_q=max(new), max_seqlen_k=max(lens),
+    )  # fmt: skip
+    k_torch, v_torch = k_cache.clone(), v_cache.clone()
+    want = TorchAttention(rotary, dim**-0.5).forward(qkv, k_torch, v_torch, meta)
+    got = NativeAttention(rotary, dim**-0.5).forward(qkv, k_cache, v_cache, meta)
+    assert torch.equal(bits(k_cache), bits(k_torch)) and torch.equal(bits(v_cache), bits(v_torch))
+    assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_int8_activations_are_the_torch_ops_bit_for_bit(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 896, generator=g) * 4).to(BF16)
+    x[0, :] = 0  # scale from the 1e-30 floor, codes 0
+    q = torch.randint(-127, 128, (1152, 896), generator=g, dtype=torch.int8)
+    scale = torch.rand(1152, generator=g) * 0.01
+    bias = torch.randn(1152, generator=g).to(BF16) if with_bias else None
+    want = _int8_matmul(x, q, scale)
+    want = want if bias is None else want + bias
+    xq, x_scale = quantize_rows_int8(x)
+    got = dequantize_rows(torch._int_mm(xq, q.t()), x_scale, scale, bias)
+    assert torch.equal(bits(got), bits(want))
