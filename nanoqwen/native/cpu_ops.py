@@ -93,6 +93,7 @@ def decode_attention(
     Triton kernel's decode_attention (kernels/decode_attention.py): [seqs, heads, dim], the
     rotated k and v written to the caches at slot_mapping."""
     _, block_size, kv_heads, dim = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.dtype == torch.bfloat16
     seqs = qkv.shape[0]
     heads = qkv.shape[1] // dim - 2 * kv_heads
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
@@ -123,6 +124,7 @@ def rope_and_store(
     """Every token's rotated q [tokens, heads, dim] (bf16), its rotated k and its v written to
     the caches at slot_mapping: torch's apply_rotary and index_copy_, bit for bit."""
     kv_heads, dim = k_cache.shape[-2:]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.dtype == torch.bfloat16
     tokens = qkv.shape[0]
     heads = qkv.shape[1] // dim - 2 * kv_heads
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
