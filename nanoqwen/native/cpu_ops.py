@@ -22,7 +22,7 @@ _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes
 
 @cache
 def cpu_kernels() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE, "CPU decode kernels unavailable, using torch's ops")
+    lib = load_library(SOURCE, "CPU kernels unavailable, using torch's ops")
     if lib is None:
         return None
     lib.add_rms_norm_bf16.argtypes = [*[_ptr] * 4, _i64, _i64, _float, _int]
@@ -41,11 +41,6 @@ def cpu_kernels() -> ctypes.CDLL | None:
     lib.dequantize_rows_bf16.argtypes = [*[_ptr] * 5, _i64, _i64, _int]
     lib.dequantize_rows_bf16.restype = None
     return lib
-
-
-def serves(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether these kernels run this setup: bfloat16 on the CPU, the library built."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels() is not None
 
 
 def add_rms_norm(

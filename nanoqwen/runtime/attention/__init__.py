@@ -56,7 +56,8 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, 
 
 
 def native_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the C decode kernels cannot serve this setup, or None when they can."""
+    """Why the CPU's C kernels (nanoqwen/native/cpu_ops.c) cannot serve this setup, or None
+    when they can."""
     if device.type != "cpu":
         return "it runs on the CPU only"
     if dtype != torch.bfloat16:
