@@ -1,8 +1,13 @@
 """A bfloat16 engine on the CPU runs its decode steps on the C kernels (auto), and what it
 generates is as faithful to float32 as the torch ops' bfloat16 engine: per generated token,
-the engine's logprob against float32's teacher-forced one on the same context."""
+the engine's logprob against float32's teacher-forced one on the same context. Without a C
+compiler it keeps the torch ops, after one note."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,3 +60,21 @@ def test_bfloat16_decode_on_the_c_kernels_is_as_close_to_float32_as_torchs(model
     err_native = error_against_float32(native, reference)
     err_torch = error_against_float32(torch_ops, reference)
     assert err_native <= 1.5 * err_torch + 1e-3, (err_native, err_torch)
+
+
+def test_without_a_compiler_a_bfloat16_engine_keeps_torchs_ops(model_dir, tmp_path):
+    """A failed build is one note on stderr; the engine then runs the torch backend."""
+    script = (
+        "from nanoqwen import LLM, SamplingParams\n"
+        f"llm = LLM({str(model_dir)!r}, dtype='bfloat16', device='cpu', num_kv_blocks=8,\n"
+        "          swap_space=0, progress=False)\n"
+        "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))\n"
+        "print(llm.runner.model.layers[0].self_attn.backend.name, len(out[0].token_ids))\n"
+    )
+    env = {**os.environ, "CC": "false", "NANOQWEN_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["torch", "4"]
+    assert done.stderr.count("CPU kernels unavailable, using torch's ops") == 1
