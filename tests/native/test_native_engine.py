@@ -78,3 +78,19 @@ def test_without_a_compiler_a_bfloat16_engine_keeps_torchs_ops(model_dir, tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["torch", "4"]
     assert done.stderr.count("CPU kernels unavailable, using torch's ops") == 1
+
+
+def test_two_ranks_on_the_c_kernels_are_as_close_to_float32_as_one(model_dir):
+    """tensor_parallel_size=2 over gloo in bfloat16: each rank's norms sum their input over
+    the ranks (ReducingRMSNorm) before the C add + norm."""
+    reference = LLM(str(model_dir), dtype="float32", **ENGINE)
+    one = LLM(str(model_dir), dtype="bfloat16", **ENGINE)
+    two = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=2, **ENGINE)
+    try:
+        assert two.runner.model.layers[0].self_attn.backend.name == "native"
+        assert two.runner.model.layers[0].input_layernorm.native
+        err_one = error_against_float32(one, reference)
+        err_two = error_against_float32(two, reference)
+    finally:
+        two.close()
+    assert err_two <= 1.5 * err_one + 1e-3, (err_one, err_two)
