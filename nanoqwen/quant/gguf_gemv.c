@@ -22,6 +22,9 @@
 #endif
 
 #define MAX_ROWS 8
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
 
 static inline float bf16_to_float(uint16_t v) {
     union { uint32_t u; float f; } c = {(uint32_t)v << 16};
@@ -112,6 +115,22 @@ static inline __attribute__((always_inline)) void dot_row(
     const int64_t block_bytes = bits == 5 ? 16 : 32;
     qs += n * nb * block_bytes, d += n * nb;
     if (bits == 5) qh += n * nb;
+    // The rows PREFETCH_BYTES of weight ahead (this thread's, under the static schedule)
+    // into the cache while this one computes: without it a core stalls on a row's loads, then
+    // computes, and Q5_0's unpacking did not overlap memory at all (gate_up streamed at 17
+    // GB/s against 34 when cache-resident; 23 with the prefetch).
+    const int64_t row_bytes = nb * block_bytes;
+    const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
+    if (n + ahead < N) {
+        const char* next = (const char*)(qs + ahead * row_bytes);
+        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        const char* next_d = (const char*)(d + ahead * nb);
+        for (int64_t off = 0; off < nb * 2; off += 64) _mm_prefetch(next_d + off, _MM_HINT_T0);
+        if (bits == 5) {
+            const char* next_h = (const char*)(qh + ahead * nb);
+            for (int64_t off = 0; off < nb * 4; off += 64) _mm_prefetch(next_h + off, _MM_HINT_T0);
+        }
+    }
     float scale[M][nb + 16];  // room for the masked stores past nb
     __m512 corr16[M];
     for (int m = 0; m < M; m++) corr16[m] = _mm512_setzero_ps();
