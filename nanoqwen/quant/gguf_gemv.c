@@ -123,12 +123,12 @@ static inline __attribute__((always_inline)) void dot_row(
     const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
     if (n + ahead < N) {
         const char* next = (const char*)(qs + ahead * row_bytes);
-        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
         const char* next_d = (const char*)(d + ahead * nb);
-        for (int64_t off = 0; off < nb * 2; off += 64) _mm_prefetch(next_d + off, _MM_HINT_T0);
+        for (int64_t at = 0; at < nb * 2; at += 64) _mm_prefetch(next_d + at, _MM_HINT_T0);
         if (bits == 5) {
             const char* next_h = (const char*)(qh + ahead * nb);
-            for (int64_t off = 0; off < nb * 4; off += 64) _mm_prefetch(next_h + off, _MM_HINT_T0);
+            for (int64_t at = 0; at < nb * 4; at += 64) _mm_prefetch(next_h + at, _MM_HINT_T0);
         }
     }
     float scale[M][nb + 16];  // room for the masked stores past nb
