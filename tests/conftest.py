@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -233,3 +234,12 @@ def backend(request, monkeypatch) -> tuple[str, int, bool]:
     else:
         monkeypatch.setitem(sys.modules, "flash_attn", None)
     return name, block, flash
+
+
+def run_without_a_compiler(script: str, cache: Path) -> subprocess.CompletedProcess:
+    """script in a fresh interpreter whose C builds fail (CC=false), with an empty kernel
+    cache: what a machine without a C compiler sees."""
+    env = {**os.environ, "CC": "false", "NANOQWEN_CACHE": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )

@@ -5,13 +5,9 @@ compiler it keeps the torch ops, after one note."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import write_tiny_model
+from conftest import run_without_a_compiler, write_tiny_model
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.model.layers import MLP, RMSNorm
@@ -71,10 +67,7 @@ def test_without_a_compiler_a_bfloat16_engine_keeps_torchs_ops(model_dir, tmp_pa
         "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))\n"
         "print(llm.runner.model.layers[0].self_attn.backend.name, len(out[0].token_ids))\n"
     )
-    env = {**os.environ, "CC": "false", "NANOQWEN_CACHE": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_without_a_compiler(script, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["torch", "4"]
     assert done.stderr.count("CPU kernels unavailable, using torch's ops") == 1

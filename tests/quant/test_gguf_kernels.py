@@ -5,14 +5,11 @@ scaling."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_without_a_compiler
 
 from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
@@ -145,10 +142,7 @@ def test_without_a_compiler_the_layers_keep_torchs_kernels(tmp_path):
         "layer.prepare(torch.bfloat16)\n"
         "print(gguf_kernel(), layer.kind)\n"
     )
-    env = {**os.environ, "CC": "false", "NANOQWEN_CACHE": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
+    done = run_without_a_compiler(script, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", "int8pack"]
     assert "GGUF CPU kernels unavailable, using torch's int8 kernel" in done.stderr
