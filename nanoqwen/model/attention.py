@@ -39,6 +39,9 @@ class AttentionMetadata:
     prefix_len: torch.Tensor | None = None  # [1] int32
     suffix_tables: torch.Tensor | None = None  # [seqs, max_blocks] int32
     suffix_lens: torch.Tensor | None = None  # [seqs] int32
+    # Prefill graphs (runtime/prefill_graph.py): the last sequence is padding rows, and the
+    # step is captured, so only kernels the backend's captures_prefill vouches for may run.
+    padded: bool = False
     # What every layer of the step would compute alike (RoPE rows, the decode mask): the
     # first layer stores it, the others reuse it. On the CPU each small op costs ~10 us.
     shared: dict = field(default_factory=dict, repr=False)
@@ -73,6 +76,9 @@ class AttentionBackend(Protocol):
         """The smallest decode batch that takes cascade metadata (prefix_len set), or None
         where the backend has no cascade decode."""
         ...
+
+    # Whether prefill steps may be captured in CUDA graphs (metadata with padded=True).
+    captures_prefill: bool
 
 
 def split_qkv(

@@ -247,7 +247,9 @@ def _assemble(
     blocks = BlockManager(num_kv_blocks, block_size, kw["enable_prefix_caching"], host)
     scheduler = Scheduler(sched_config, blocks, sampler.release)
     if parallel is None:
-        runner = ModelRunner(net, kv, blocks, sampler, graphs)
+        longest = min(kw["max_num_batched_tokens"], max_len)  # the longest chunk there can be
+        prefill_graphs = _prefill_graphs(graphs, backend, kv, longest)
+        runner = ModelRunner(net, kv, blocks, sampler, graphs, prefill_graphs)
     else:
         from nanoqwen.runtime.parallel.message import StepChannel
         from nanoqwen.runtime.parallel.runner import ParallelModelRunner
@@ -258,4 +260,17 @@ def _assemble(
         graphs.capture(
             runner, max_len, variants, progress=progress, cascade_from=backend.cascade_from
         )
+    if runner.prefill_graphs is not None:
+        runner.prefill_graphs.capture(runner, max_len, graphs.pool, progress=progress)
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
+
+
+def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int):
+    """Graphs for short single-sequence prefills wherever decode has graphs and the backend
+    can capture a prefill (not yet under tensor parallelism: its ranks replay what rank 0
+    announces, decode graphs only)."""
+    if graphs is None or not backend.captures_prefill:
+        return None
+    from nanoqwen.runtime.prefill_graph import PrefillGraphRunner
+
+    return PrefillGraphRunner(max_tokens, kv, graphs.sampler_scratch)

@@ -94,6 +94,7 @@ class CUDAGraphRunner:
         ] = {}
         self.meta: dict[tuple[int, int, bool, bool], AttentionMetadata] = {}
         self.cascade_from: int | None = None
+        self.pool = None  # the graphs' memory pool, once captured
 
     def _allocate(self, device: torch.device, max_model_len: int, variants) -> None:
         n = self.max_bs = self.sizes[-1]
@@ -198,6 +199,7 @@ class CUDAGraphRunner:
             pool = graph.pool()
             self.graphs[key] = (graph, logits, tokens)
             self.meta[key] = meta
+        self.pool = pool
         torch.cuda.synchronize()
 
     def _forward(self, model, key, meta: AttentionMetadata) -> torch.Tensor:

@@ -41,6 +41,7 @@ class ModelRunner:
         block_manager: BlockManager,
         sampler: Sampler,
         graphs=None,
+        prefill_graphs=None,
     ) -> None:
         self.model = model
         self.kv = kv_cache
@@ -48,6 +49,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(block_manager, kv_cache)
         self.sampler = sampler
         self.graphs = graphs  # CUDAGraphRunner for decode, or None for eager
+        self.prefill_graphs = prefill_graphs  # PrefillGraphRunner, or None
         self.device = model.embed_tokens.device
         self._pin = self.device.type == "cuda"
         model.bind_kv_cache(kv_cache.k, kv_cache.v)
@@ -120,7 +122,13 @@ class ModelRunner:
         filtering = self.sampler.filtering
         n = len(batch.seqs)
         prompt_lp: list = []
-        if batch.is_prefill:
+        if (
+            batch.is_prefill
+            and self.prefill_graphs is not None
+            and self.prefill_graphs.can_run(batch)
+        ):
+            logits, tokens = self.prefill_graphs.run(self, batch, filtering)
+        elif batch.is_prefill:
             ids, meta, rows = self.prepare_prefill(batch)
             x, residual = self.model(ids, meta)
             prompt_lp = self._prompt_logprobs(batch, x, residual)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.attention import triton_backend
 from nanoqwen.runtime.scheduler import Batch
 
 
@@ -205,6 +206,105 @@ def test_capture_warm_ups_run_every_padding_row(gpu_model):
     graphs, state = llm.runner.graphs, llm.runner.sampler.state
     for (bs, *_), meta in graphs.meta.items():
         assert sorted(meta.decode_order.tolist()) == list(range(bs))
-    # Every warm-up row sampled in the scratch slot, each token inside its row of counts.
-    assert int(state.counts[state.scratch].sum()) == sum(bs for bs, *_ in graphs.meta)
+    # Every warm-up row sampled in the scratch slot, each token inside its row of counts
+    # (one row per prefill graph's warm-up too).
+    warm_ups = sum(bs for bs, *_ in graphs.meta) + len(llm.runner.prefill_graphs.graphs)
+    assert int(state.counts[state.scratch].sum()) == warm_ups
     assert int(graphs.ids.abs().sum()) == 0
+
+
+def _prefill_engine(gpu_model, backend, **kw) -> LLM:
+    """An engine with prefill graphs. The flash-attn backend has none: its varlen forward,
+    captured over the graphs' padded layout, wrote NaN into the KV cache and the model's
+    buffers (the triton backend captures its own prefill kernel instead)."""
+    llm = _engine(gpu_model, backend, **kw)
+    if backend[0] == "flash-attn":
+        assert llm.runner.prefill_graphs is None
+        pytest.skip("the flash-attn backend captures no prefill")
+    assert llm.runner.prefill_graphs.sizes == [16, 32, 64, 128, 256, 512]
+    return llm
+
+
+def _prefill_one(llm: LLM, prompt: list[int], params=None) -> Batch:
+    llm._add(prompt, params or SamplingParams(temperature=0.0, max_tokens=8), detokenize=False)
+    b = llm.scheduler.schedule()
+    assert b.is_prefill and len(b.seqs) == 1
+    return b
+
+
+def _check_prefill_graph(llm: LLM, b: Batch, bucket: int, monkeypatch) -> None:
+    """The graph's logits are its step's run eagerly on its own buffers, bit for bit, and
+    close to the runner's eager prefill of the chunk alone, on the same attention kernel.
+    (flash-attn's prefill, which the eager step takes where installed, differs from the
+    Triton kernel by a bf16 step here and there: up to ~0.1 in these logits.)"""
+    runner, graphs = llm.runner, llm.runner.prefill_graphs
+    assert graphs.can_run(b)
+    graph_logits = runner.compute_logits(b).clone()
+    with torch.inference_mode():
+        eager = graphs._forward(runner.model, bucket, graphs.meta[bucket])
+    assert torch.equal(graph_logits, eager)
+    monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
+    runner.prefill_graphs = None
+    try:
+        plain = runner.compute_logits(b)
+    finally:
+        runner.prefill_graphs = graphs
+    assert plain.shape == graph_logits.shape == (1, 1000)
+    # Other GEMM shapes (the bucket's rows), so not bit for bit; a wrong key or row would
+    # move these logits (~6 at most) by far more.
+    torch.testing.assert_close(graph_logits, plain, rtol=0.02, atol=0.1)
+    top2 = plain[0].topk(2).values
+    if top2[0] - top2[1] > 0.2:
+        assert torch.equal(plain.argmax(-1), graph_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 100, 511])
+def test_prefill_graph_replay_matches_eager(gpu_model, backend, length, monkeypatch):
+    llm = _prefill_engine(gpu_model, backend)
+    # The capture warm-ups wrote nothing outside the KV cache's scratch block.
+    kv = llm.runner.kv
+    assert not any(t[: kv.scratch_block].any() for t in kv.k + kv.v)
+    assert all(torch.isfinite(t).all() for t in llm.runner.model.state_dict().values())
+    b = _prefill_one(llm, [(7 * j) % 997 for j in range(length)])
+    bucket = next(s for s in (16, 32, 64, 128, 256, 512) if s > length)
+    _check_prefill_graph(llm, b, bucket, monkeypatch)
+
+
+def test_prefill_graph_after_a_cached_prefix(gpu_model, backend, monkeypatch):
+    """A prompt whose first 512 tokens are cached runs only its last 20 in the graph."""
+    llm = _prefill_engine(gpu_model, backend)
+    prefix = [(5 * j) % 997 for j in range(512)]
+    llm._add(prefix + [1, 2], SamplingParams(temperature=0.0, max_tokens=8), detokenize=False)
+    llm.step()
+    b = _prefill_one(llm, prefix + [(3 * j) % 997 for j in range(20)])
+    assert b.seqs[0].num_computed_tokens == 512 and b.num_new_tokens == [20]
+    _check_prefill_graph(llm, b, 32, monkeypatch)
+
+
+@pytest.mark.parametrize("params", MIXED, ids=map(str, range(6)))
+def test_prefill_graph_steps_have_no_host_sync(gpu_model, backend, params):
+    llm = _prefill_engine(gpu_model, backend)
+    b = _prefill_one(llm, [(7 * j) % 997 for j in range(40)], params)
+    assert llm.runner.prefill_graphs.can_run(b)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = llm._launch(b)
+        second = llm._launch(llm.scheduler.schedule())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    first.result(), second.result()
+
+
+def test_prefill_graphs_and_eager_generate_the_same_tokens(gpu_model, backend, monkeypatch):
+    """One request at a time, so each prefill is a single prompt (the graphs' case); both
+    engines prefill with the Triton kernel (see _check_prefill_graph)."""
+    monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
+    with_graphs = _prefill_engine(gpu_model, backend)
+    eager = _engine(gpu_model, backend, enforce_eager=True)
+    assert eager.runner.prefill_graphs is None
+    for length in (3, 40, 300, 600):
+        prompt = [(3 * length + j) % 991 for j in range(length)]
+        for p in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), MIXED[2]):
+            a = with_graphs.generate([prompt], p)[0].token_ids
+            assert a == eager.generate([prompt], p)[0].token_ids, (length, p)

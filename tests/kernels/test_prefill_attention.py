@@ -150,3 +150,33 @@ def test_chunked_prefill_equals_one_pass():
         outs.append(backend.forward(whole[start:end].clone(), k_chunks, v_chunks, chunk))
     torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(k_chunks, k_whole) and torch.equal(v_chunks, v_whole)
+
+
+def test_a_prefill_graph_bucket_computes_the_chunk_as_alone():
+    """A prefill graph (runtime/prefill_graph.py) runs a chunk as the first sequence of a
+    bucket of rows, a padding sequence after it and max_seqlen_q the bucket's size: the
+    chunk's rows and cache entries must be what the chunk alone gives."""
+    heads, kv_heads, head_dim, page = 4, 2, 64, 16
+    # 21 new tokens over 30 cached, then 11 padding tokens: a bucket of 32 rows.
+    qkv, k_cache, v_cache, meta = _prefill_step([(30, 21), (0, 11)], heads, kv_heads,
+                                                head_dim, page, torch.float32, seed=3)  # fmt: skip
+    meta.max_seqlen_q, meta.padded = 32, True
+    alone = AttentionMetadata(
+        is_prefill=True,
+        positions=meta.positions[:21],
+        slot_mapping=meta.slot_mapping[:21],
+        context_lens=meta.context_lens[:1],
+        block_tables=meta.block_tables[:1],
+        cu_seqlens_q=meta.cu_seqlens_q[:2],
+        max_seqlen_q=21,
+        max_seqlen_k=51,
+        cu_seqlens_k=meta.cu_seqlens_k[:2],
+    )
+    rotary = RotaryEmbedding(head_dim, 1024, 1e6, "cpu")
+    backend = TritonAttention(rotary, head_dim**-0.5, use_flash_attn=False)
+    k_alone, v_alone = k_cache.clone(), v_cache.clone()
+    expected = backend.forward(qkv[:21].clone(), k_alone, v_alone, alone)
+    padded = backend.forward(qkv.clone(), k_cache, v_cache, meta)
+    torch.testing.assert_close(padded[:21], expected, rtol=1e-6, atol=1e-6)
+    own = meta.block_tables[0, :4].long()
+    assert torch.equal(k_cache[own], k_alone[own]) and torch.equal(v_cache[own], v_alone[own])

@@ -36,6 +36,9 @@ class FlashAttention:
         return [(SHORT_CONTEXT, 1), (max_model_len, 0)]
 
     cascade_from = CASCADE_FROM
+    # Its varlen forward, captured over the prefill graphs' padded layout, wrote NaN into
+    # the KV cache and the model's buffers on the H200 (BENCHMARKS.md, session 15).
+    captures_prefill = False
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, _ = split_qkv(qkv, k_cache)

@@ -105,6 +105,7 @@ class TorchAttention:
         return paged_attention(q, k_cache, v_cache, meta, self.scale)
 
     cascade_from = None
+    captures_prefill = False  # no decode graphs either (graph_variants)
 
     def graph_variants(self, max_model_len: int) -> list[tuple[int, int]]:
         # Decode gathers every block-table column of every sequence; a graph captured for

@@ -45,13 +45,15 @@ class TritonAttention:
         # per batch size.
         return [(max_model_len, 0)]
 
+    captures_prefill = True  # with its own prefill kernel, never flash-attn's (flash_backend.py)
+
     @property
     def cascade_from(self) -> int | None:
         return None if self.flash is None else self.flash.cascade_from
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_prefill:
-            if self.flash is not None and PREFILL_WITH_FLASH_ATTN:
+            if self.flash is not None and PREFILL_WITH_FLASH_ATTN and not meta.padded:
                 return self.flash.forward(qkv, k_cache, v_cache, meta)
             return self.prefill(qkv, k_cache, v_cache, meta)
         if meta.prefix_len is not None:

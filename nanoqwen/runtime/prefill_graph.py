@@ -1,0 +1,180 @@
+"""Short prefills of one sequence captured as CUDA graphs, for the time to first token.
+
+Eagerly, a prefill of a few hundred tokens is bound by the CPU: some 200 kernel launches
+through torch's dispatcher take 8-12 ms of CPU for 1-5 ms of GPU work (BENCHMARKS.md,
+session 10), and that is most of a short request's time to first token. One graph per
+token bucket replays the model, lm_head and the sampler in one launch.
+
+A chunk of L new tokens runs in the smallest bucket of T > L rows. Rows [0, L) are the
+sequence's; rows [L, T) are a second sequence of T - L padding tokens whose keys go to the
+KV cache's scratch block, so every row the graph computes is an ordinary token of some
+sequence (no row reads uninitialised memory) and nothing it writes reaches a real block.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from nanoqwen.model.attention import AttentionMetadata
+from nanoqwen.runtime.kv.cache import KVCache
+from nanoqwen.runtime.scheduler import Batch
+
+# Above this many tokens the GPU's work outlasts the CPU's launches, and eager costs little.
+MAX_BUCKET = 512
+
+
+def buckets(max_tokens: int) -> list[int]:
+    """Powers of two from 16 while a chunk of max_tokens (or fewer) needs them: a chunk of
+    L tokens takes the smallest bucket above L."""
+    sizes = []
+    size = 16
+    while size <= MAX_BUCKET:
+        sizes.append(size)
+        if size > max_tokens:
+            break
+        size *= 2
+    return sizes
+
+
+def _fields(t64, t32, rows: int, width: int) -> SimpleNamespace:
+    """The buffer's views, numpy (the host mirror) or tensors (what the graphs read) alike.
+    int64: ids, positions, KV slots per row, then the logit row and the sampler slot; int32:
+    cu_seqlens_q, cu_seqlens_k, context_lens (sequence and padding), the two block tables."""
+    return SimpleNamespace(
+        ids=t64[:rows],
+        pos=t64[rows : 2 * rows],
+        slots=t64[2 * rows : 3 * rows],
+        logit_row=t64[3 * rows : 3 * rows + 1],
+        sampler_slot=t64[3 * rows + 1 : 3 * rows + 2],
+        cu_q=t32[:3],
+        cu_k=t32[3:6],
+        ctx=t32[6:8],
+        tables=t32[8 : 8 + 2 * width].reshape(2, width),
+    )
+
+
+class PrefillGraphRunner:
+    """Replays the prefill step of one sequence whose chunk is shorter than MAX_BUCKET
+    tokens and completes its prompt (so it samples), without prompt logprobs."""
+
+    def __init__(self, max_tokens: int, kv: KVCache, sampler_scratch: int) -> None:
+        self.sizes = buckets(max_tokens)
+        self.kv = kv
+        self.sampler_scratch = sampler_scratch
+        # (bucket, filtering) -> (graph, logits, tokens)
+        self.graphs: dict[tuple[int, bool], tuple] = {}
+        self.meta: dict[int, AttentionMetadata] = {}
+
+    def _allocate(self, device: torch.device, max_model_len: int) -> None:
+        rows = self.rows = self.sizes[-1]
+        # Wide enough for the padding sequence too, which may be longer than max_model_len.
+        self.width = width = -(-max(max_model_len, rows) // self.kv.block_size)
+        self.max_model_len = max_model_len
+        int64s = 3 * rows + 2 + -(-(8 + 2 * width) // 2)
+        # Two pinned mirrors take turns, as the decode graphs' do (cuda_graph.py): a step's
+        # copy may still be queued while the next step fills the other.
+        self.mirrors = [torch.zeros(int64s, dtype=torch.int64) for _ in range(2)]
+        if device.type == "cuda":  # the layout's tests run on the CPU
+            self.mirrors = [m.pin_memory() for m in self.mirrors]
+        self.host = [self._split(m.numpy(), m) for m in self.mirrors]
+        self.turn = 0
+        # The capture warm-ups run on this: one token, its key in the scratch block too.
+        scratch = np.full(width, self.kv.scratch_block, np.int32)
+        self._fill(self.host[0], [0], scratch, 0, 1, self.sampler_scratch, rows)
+        self.dev = self.mirrors[0].to(device)
+        self.fields = self._split(self.dev, self.dev)
+
+    def _split(self, whole, t: torch.Tensor) -> SimpleNamespace:
+        rows = self.rows
+        i32 = t[3 * rows + 2 :].view(torch.int32)
+        if isinstance(whole, np.ndarray):
+            i32 = i32.numpy()
+        return _fields(whole, i32, rows, self.width)
+
+    def _fill(self, h, ids, table, start: int, end: int, sampler_slot: int, bucket: int) -> None:
+        """Rows [0, L) hold positions start..end-1 of a sequence whose block table is table;
+        rows [L, bucket) the padding sequence."""
+        n, pad = end - start, bucket - (end - start)
+        bs, scratch = self.kv.block_size, self.kv.scratch_block
+        pos = np.arange(start, end)
+        h.ids[:n] = ids
+        h.pos[:n] = pos
+        h.slots[:n] = table[pos // bs].astype(np.int64) * bs + pos % bs
+        h.ids[n:bucket] = 0
+        h.pos[n:bucket] = np.arange(pad)
+        # Padding keys overwrite one another in the scratch block: they are never read
+        # by anything but the padding rows themselves.
+        h.slots[n:bucket] = scratch * bs + np.arange(pad) % bs
+        h.logit_row[0] = n - 1
+        h.sampler_slot[0] = sampler_slot
+        h.cu_q[:] = (0, n, bucket)
+        h.cu_k[:] = (0, end, end + pad)
+        h.ctx[:] = (end, pad)
+        h.tables[0, : len(table)] = table
+        h.tables[1] = scratch
+
+    def _static_meta(self, bucket: int) -> AttentionMetadata:
+        f = self.fields
+        return AttentionMetadata(
+            is_prefill=True,
+            positions=f.pos[:bucket],
+            slot_mapping=f.slots[:bucket],
+            context_lens=f.ctx,
+            block_tables=f.tables,
+            cu_seqlens_q=f.cu_q,
+            max_seqlen_q=bucket,
+            max_seqlen_k=max(self.max_model_len, bucket),
+            cu_seqlens_k=f.cu_k,
+            padded=True,
+        )
+
+    @torch.inference_mode()
+    def capture(self, runner, max_model_len: int, pool=None, progress: bool = True) -> None:
+        """pool: the decode graphs' memory pool, shared (no two graphs ever run at once)."""
+        self._allocate(runner.device, max_model_len)
+        keys = [(b, f) for b in sorted(self.sizes, reverse=True) for f in (False, True)]
+        for key in tqdm(keys, desc="Capturing prefill graphs", disable=not progress, leave=False):
+            bucket, filtering = key
+            meta = self.meta.setdefault(bucket, self._static_meta(bucket))
+            slot = self.fields.sampler_slot
+            runner.sampler(self._forward(runner.model, bucket, meta), slot, filtering)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(runner.model, bucket, meta)
+                tokens = runner.sampler(logits, slot, filtering)
+            pool = graph.pool()
+            self.graphs[key] = (graph, logits, tokens)
+        torch.cuda.synchronize()
+
+    def _forward(self, model, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = model(self.fields.ids[:bucket], meta)
+        rows = self.fields.logit_row
+        return model.compute_logits((x[rows], residual[rows]))
+
+    def can_run(self, batch: Batch) -> bool:
+        if not self.graphs or len(batch.seqs) != 1 or not batch.completes(0):
+            return False
+        seq = batch.seqs[0]
+        return batch.num_new_tokens[0] < self.rows and seq.params.prompt_logprobs is None
+
+    @torch.inference_mode()
+    def run(self, runner, batch: Batch, filtering: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays the step of batch (can_run's kind); returns [1, vocab] logits and [1]
+        tokens, the graph's own output buffers. Nothing here waits for the GPU."""
+        seq, n = batch.seqs[0], batch.num_new_tokens[0]
+        start = seq.num_computed_tokens
+        bucket = next(b for b in self.sizes if b > n)
+        h, mirror = self.host[self.turn], self.mirrors[self.turn]
+        self.turn ^= 1
+        table = np.asarray(seq.block_table, dtype=np.int32)
+        ids = seq.token_ids[start : start + n]
+        self._fill(h, ids, table, start, start + n, runner.sampler.slots([seq])[0], bucket)
+        self.dev.copy_(mirror, non_blocking=True)
+        graph, logits, tokens = self.graphs[(bucket, filtering)]
+        graph.replay()
+        return logits, tokens
