@@ -1,12 +1,14 @@
 """Compiles a C source of the package at first use with the system C compiler (-O3,
 -march=native, OpenMP) into a cache directory, and loads it; the library is then reused until
-the source or the CPU changes. NANOQWEN_NATIVE=0 turns every such library off."""
+the source, a header it includes or the CPU changes. NANOQWEN_NATIVE=0 turns every such
+library off."""
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,13 +49,30 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
+def _with_headers(source: Path) -> list[Path]:
+    """source and every header it includes with quotes, transitively: what the library is
+    built from, so that an edit to any of them rebuilds it."""
+    found, todo = [source.resolve()], [source.resolve()]
+    while todo:
+        path = todo.pop()
+        for line in path.read_text().splitlines():
+            match = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+            if match:
+                header = (path.parent / match.group(1)).resolve()
+                if header not in found:
+                    found.append(header)
+                    todo.append(header)
+    return found
+
+
 def load_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     """source's library, or None with one note on stderr naming the fallback where it cannot
     be built or loaded here (or NANOQWEN_NATIVE=0)."""
     if not native_enabled():
         return None
     # -march=native: a library built on one CPU is kept for that CPU only (shared home dirs).
-    key = hashlib.sha256(source.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
+    parts = [p.read_bytes() for p in _with_headers(source)]
+    key = hashlib.sha256(b"".join(parts) + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.is_file():

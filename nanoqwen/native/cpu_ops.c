@@ -10,21 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float bf(uint16_t v) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)v << 16;
-    return c.f;
-}
-
-static inline uint16_t to_bf(float f) {  // round to nearest even, as torch does
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);  // NaN
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
-
-static inline float round_bf(float f) { return bf(to_bf(f)); }
+#include "bf16.h"
 
 // exp(x) within ~2 float32 ulps, in plain arithmetic so that loops over it vectorize (libm's
 // expf does not without -ffast-math): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
@@ -62,17 +48,17 @@ void add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* we
         if (residual) {
 #pragma omp simd reduction(+ : ss)
             for (int64_t i = 0; i < n; i++) {
-                uint16_t h = to_bf(bf(xr[i]) + bf(hr[i]));
+                uint16_t h = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(hr[i]));
                 hr[i] = h;
-                ss += bf(h) * bf(h);
+                ss += bf16_to_float(h) * bf16_to_float(h);
             }
         } else {
 #pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < n; i++) ss += bf(xr[i]) * bf(xr[i]);
+            for (int64_t i = 0; i < n; i++) ss += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
         }
         float inv = 1.0f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = to_bf(bf(weight[i]) * round_bf(bf(hr[i]) * inv));
+        for (int64_t i = 0; i < n; i++) o[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(hr[i]) * inv));
     }
 }
 
@@ -86,8 +72,8 @@ void silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t
         uint16_t* o = out + r * n;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) {
-            float x = bf(g[i]);
-            o[i] = to_bf(round_bf(x / (1.0f + exp_approx(-x))) * bf(u[i]));
+            float x = bf16_to_float(g[i]);
+            o[i] = float_to_bf16(round_bf16(x / (1.0f + exp_approx(-x))) * bf16_to_float(u[i]));
         }
     }
 }
@@ -98,10 +84,10 @@ static void rope_head(const uint16_t* x, const float* cos_half, const float* sin
                       int64_t dim, uint16_t* out) {
     int64_t half = dim / 2;
     for (int64_t i = 0; i < half; i++) {
-        float c = round_bf(cos_half[i]), s = round_bf(sin_half[i]);
-        float x1 = bf(x[i]), x2 = bf(x[i + half]);
-        out[i] = to_bf(round_bf(x1 * c) + round_bf(-x2 * s));
-        out[i + half] = to_bf(round_bf(x2 * c) + round_bf(x1 * s));
+        float c = round_bf16(cos_half[i]), s = round_bf16(sin_half[i]);
+        float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+        out[i] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+        out[i + half] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
     }
 }
 
@@ -124,10 +110,10 @@ static inline __attribute__((always_inline)) int attend(
         int64_t n = len - start < block_size ? len - start : block_size;
         const uint16_t* k = k_cache + ((int64_t)table[b] * block_size * kv_heads + h) * dim;
         for (int64_t i = 0; i < n; i++)
-            for (int64_t d = 0; d < dim; d++) keys[i * dim + d] = bf(k[i * kv_heads * dim + d]);
+            for (int64_t d = 0; d < dim; d++) keys[i * dim + d] = bf16_to_float(k[i * kv_heads * dim + d]);
         for (int64_t g = 0; g < group; g++) {
             const uint16_t* qg = q_rot + (s * heads + h * group + g) * dim;
-            for (int64_t d = 0; d < dim; d++) q[d] = bf(qg[d]);
+            for (int64_t d = 0; d < dim; d++) q[d] = bf16_to_float(qg[d]);
             float* sg = scores + g * len + start;
             for (int64_t i = 0; i < n; i++) {
                 const float* restrict key = keys + i * dim;
@@ -154,12 +140,12 @@ static inline __attribute__((always_inline)) int attend(
             for (int64_t i = 0; i < n; i++, v += kv_heads * dim) {
                 float p = sg[start + i];
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) acc[d] += p * bf(v[d]);
+                for (int64_t d = 0; d < dim; d++) acc[d] += p * bf16_to_float(v[d]);
             }
         }
         uint16_t* o = out + (s * heads + h * group + g) * dim;
         float inv = 1.0f / sum;
-        for (int64_t d = 0; d < dim; d++) o[d] = to_bf(acc[d] * inv);
+        for (int64_t d = 0; d < dim; d++) o[d] = float_to_bf16(acc[d] * inv);
     }
     free(scores);
     return 0;
@@ -236,14 +222,14 @@ void quantize_rows_int8(const uint16_t* x, int8_t* xq, float* scale, int64_t row
         const uint16_t* xr = x + r * k;
         float top = 0.0f;
         for (int64_t i = 0; i < k; i++) {
-            float a = fabsf(bf(xr[i]));
+            float a = fabsf(bf16_to_float(xr[i]));
             top = a > top ? a : top;
         }
         float s = (top > 1e-30f ? top : 1e-30f) / 127.0f;
         scale[r] = s;
         int8_t* q = xq + r * k;
 #pragma omp simd
-        for (int64_t i = 0; i < k; i++) q[i] = (int8_t)nearbyintf(bf(xr[i]) / s);
+        for (int64_t i = 0; i < k; i++) q[i] = (int8_t)nearbyintf(bf16_to_float(xr[i]) / s);
     }
 }
 
@@ -260,10 +246,10 @@ void dequantize_rows_bf16(const int32_t* y, const float* x_scale, const float* w
         if (bias) {
 #pragma omp simd
             for (int64_t i = 0; i < n; i++)
-                o[i] = to_bf(round_bf((float)yr[i] * xs * w_scale[i]) + bf(bias[i]));
+                o[i] = float_to_bf16(round_bf16((float)yr[i] * xs * w_scale[i]) + bf16_to_float(bias[i]));
         } else {
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) o[i] = to_bf((float)yr[i] * xs * w_scale[i]);
+            for (int64_t i = 0; i < n; i++) o[i] = float_to_bf16((float)yr[i] * xs * w_scale[i]);
         }
     }
 }

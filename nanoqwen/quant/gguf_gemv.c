@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../native/bf16.h"
+
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__AVX512VNNI__) || !defined(__F16C__)
 #error "gguf_gemv.c needs AVX512 F/BW/VL/VNNI and F16C"
@@ -25,17 +27,6 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
-
-static inline float bf16_to_float(uint16_t v) {
-    union { uint32_t u; float f; } c = {(uint32_t)v << 16};
-    return c.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-    union { float f; uint32_t u; } c = {f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);  // NaN
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 // Output n of row m: float32, or bfloat16 with the bias (bfloat16, or NULL) added after the
 // rounding, as torch's .to(bfloat16) and then + bias round twice.
