@@ -243,3 +243,16 @@ def run_without_a_compiler(script: str, cache: Path) -> subprocess.CompletedProc
     return subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def launch_two_steps_without_host_sync(llm, first) -> None:
+    """Launches the scheduled batch `first` and the step scheduled after it (a token still in
+    flight) with CUDA's sync debug mode raising on any host sync, then waits for both."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        one = llm._launch(first)
+        two = llm._launch(llm.scheduler.schedule())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    one.result(), two.result()

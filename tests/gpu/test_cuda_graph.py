@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import launch_two_steps_without_host_sync
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.runtime.attention import triton_backend
@@ -110,14 +111,7 @@ def test_steps_have_no_host_sync(gpu_model, backend, params):
         assert prefill.is_prefill
         if not graphs:
             llm.runner.graphs = None
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            first = llm._launch(prefill)
-            second = llm._launch(llm.scheduler.schedule())  # decode, a token in flight
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        first.result(), second.result()
+        launch_two_steps_without_host_sync(llm, prefill)  # then decode, a token in flight
         llm.abort(prefill.seqs)
 
 
@@ -286,14 +280,7 @@ def test_prefill_graph_steps_have_no_host_sync(gpu_model, backend, params):
     llm = _prefill_engine(gpu_model, backend)
     b = _prefill_one(llm, [(7 * j) % 997 for j in range(40)], params)
     assert llm.runner.prefill_graphs.can_run(b)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        first = llm._launch(b)
-        second = llm._launch(llm.scheduler.schedule())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    first.result(), second.result()
+    launch_two_steps_without_host_sync(llm, b)
 
 
 def test_prefill_graphs_and_eager_generate_the_same_tokens(gpu_model, backend, monkeypatch):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import launch_two_steps_without_host_sync
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.runtime.parallel.worker import SYNC_DEBUG_ENV
@@ -106,14 +107,7 @@ def test_tp2_steps_have_no_host_sync(model_dir, monkeypatch):
             prefill = llm.scheduler.schedule()
             if not graphs:
                 llm.runner.graphs = None
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                first = llm._launch(prefill)
-                second = llm._launch(llm.scheduler.schedule())
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            first.result(), second.result()
+            launch_two_steps_without_host_sync(llm, prefill)
             llm.abort(prefill.seqs)
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # the other rank lives
         assert len(out[0].token_ids) == 4
