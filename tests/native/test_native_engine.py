@@ -59,18 +59,22 @@ def test_bfloat16_decode_on_the_c_kernels_is_as_close_to_float32_as_torchs(model
 
 
 def test_without_a_compiler_a_bfloat16_engine_keeps_torchs_ops(model_dir, tmp_path):
-    """A failed build is one note on stderr; the engine then runs the torch backend."""
+    """A failed build is one note on stderr for each library; the engine then runs the torch
+    backend and the torch sampler."""
     script = (
         "from nanoqwen import LLM, SamplingParams\n"
         f"llm = LLM({str(model_dir)!r}, dtype='bfloat16', device='cpu', num_kv_blocks=8,\n"
         "          swap_space=0, progress=False)\n"
-        "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))\n"
-        "print(llm.runner.model.layers[0].self_attn.backend.name, len(out[0].token_ids))\n"
+        "params = SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=4)\n"
+        "out = llm.generate([[1, 2, 3]], params)\n"
+        "print(llm.runner.model.layers[0].self_attn.backend.name,\n"
+        "      type(llm.runner.sampler.passes).__name__, len(out[0].token_ids))\n"
     )
     done = run_without_a_compiler(script, tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["torch", "4"]
+    assert done.stdout.split() == ["torch", "TorchPasses", "4"]
     assert done.stderr.count("CPU kernels unavailable, using torch's ops") == 1
+    assert done.stderr.count("the C sampler is unavailable, using torch's ops") == 1
 
 
 def test_two_ranks_on_the_c_kernels_are_as_close_to_float32_as_one(model_dir):

@@ -1,6 +1,6 @@
 """The device-resident Sampler against the reference sampler: filtered sets (ties included),
-sampled frequencies (chi-square), penalties and bans, and its torch and Triton passes against
-each other (Triton in its CPU interpreter, see conftest.py)."""
+sampled frequencies (chi-square), penalties and bans, and its torch, C and Triton passes
+against each other (Triton in its CPU interpreter, see conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from nanoqwen import SamplingParams
+from nanoqwen.native.sampling import sampling_kernels
 from nanoqwen.runtime.sampling import sampler as sampler_module
-from nanoqwen.runtime.sampling.passes import TorchPasses, TritonPasses
+from nanoqwen.runtime.sampling.passes import NativePasses, TorchPasses, TritonPasses
 from nanoqwen.runtime.sampling.reference import ReferenceSampler, filter_logits
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sequence import Sequence
@@ -31,6 +32,10 @@ def make_sampler(seqs, vocab, passes="torch", capacity=None) -> tuple[Sampler, t
         if torch.cuda.is_available():
             pytest.skip("the Triton interpreter runs on CPU machines; tests/gpu covers CUDA")
         sampler.passes = TritonPasses()
+    elif passes == "native":
+        if sampling_kernels() is None:
+            pytest.skip("no C compiler here")
+        sampler.passes = NativePasses()
     else:
         sampler.passes = TorchPasses()
     sampler.admit(seqs)
@@ -60,7 +65,7 @@ FILTERS = [
 ]
 
 
-@pytest.mark.parametrize("passes", ["torch", "triton"])
+@pytest.mark.parametrize("passes", ["torch", "native", "triton"])
 # 4 candidates: every boundary past them; 10 tiles of 32: most skipped for a small top-k
 @pytest.mark.parametrize(("candidates", "tile"), [(256, 2048), (4, 2048), (4, 32)])
 def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candidates, tile):
@@ -74,7 +79,7 @@ def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candid
     params = [dict(temperature=1.0) | f for f in FILTERS]
     seqs = [make_seq([1, 2], **p) for p in params]
     sampler, slots = make_sampler(seqs, vocab, passes)
-    for seed in range(3 if passes == "torch" else 1):
+    for seed in range(1 if passes == "triton" else 3):
         logits = tied_logits(len(seqs), vocab, seed)
         ours = sampler.filtered_logits(logits, slots)
         temps = torch.tensor([[p["temperature"]] for p in params])
@@ -146,6 +151,12 @@ def test_tiles_under_the_rows_bound_are_skipped_and_the_rest_cover_its_top_k(mon
             assert parts.floor[row].max() < z[row].topk(k).values[-1], k
 
 
+def test_a_cpu_sampler_takes_the_c_passes_where_they_build():
+    if sampling_kernels() is None:
+        pytest.skip("no C compiler here")
+    assert isinstance(Sampler(frozenset(), 10, 2, torch.device("cpu")).passes, NativePasses)
+
+
 def test_top_k_keeps_every_token_tied_with_the_kth():
     logits = torch.tensor([[5.0, 4.0, 4.0, 4.0, 1.0, 0.0]])
     sampler, slots = make_sampler([make_seq([1], top_k=2)], 6)
@@ -182,14 +193,15 @@ DISTRIBUTIONS = [
 ]
 
 
+@pytest.mark.parametrize("passes", ["torch", "native"])
 @pytest.mark.parametrize("params", DISTRIBUTIONS, ids=lambda p: ",".join(map(str, p.values())))
-def test_sampled_frequencies_match_the_reference_distribution(params):
+def test_sampled_frequencies_match_the_reference_distribution(params, passes):
     """20,000 draws: 500 requests with their own seeds, 40 steps each over fixed logits."""
     vocab, requests, steps = 24, 500, 40
     g = torch.Generator().manual_seed(7)
     row = torch.randn(vocab, generator=g) * 1.5
     seqs = [make_seq([1], seed=1000 + i, **params) for i in range(requests)]
-    sampler, slots = make_sampler(seqs, vocab)
+    sampler, slots = make_sampler(seqs, vocab, passes)
     logits = row.expand(requests, vocab).contiguous()
     counts = torch.zeros(vocab)
     for _ in range(steps):
@@ -199,9 +211,12 @@ def test_sampled_frequencies_match_the_reference_distribution(params):
     assert chi_square_p(counts.double(), probs) > 0.001
 
 
-def test_torch_and_triton_passes_sample_the_same_tokens():
+@pytest.mark.parametrize("spread", [3.0, 40.0])
+def test_torch_c_and_triton_passes_sample_the_same_tokens(spread):
     """Same state, same logits: the same processed logits and the same draws, for a batch
-    that mixes every option (the counter-based noise is bit-identical in both)."""
+    that mixes every option (the counter-based noise is bit-identical in all three). At a
+    spread of 40 most tokens lie too far below the best to win any draw: the C passes skip
+    their noise."""
     vocab = 1200
     mixed = [
         dict(temperature=0),
@@ -213,10 +228,10 @@ def test_torch_and_triton_passes_sample_the_same_tokens():
         dict(temperature=0.9, top_k=100, frequency_penalty=1.0),  # past the 64 candidates
     ]
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(len(mixed), vocab, generator=g) * 3
-    logits[:, EOS] = 20  # EOS would win but for min_tokens
+    logits = torch.randn(len(mixed), vocab, generator=g) * spread
+    logits[:, EOS] = 7 * spread  # EOS would win but for min_tokens
     tokens = {}
-    for passes in ("torch", "triton"):
+    for passes in ("torch", "native", "triton"):
         seqs = []
         for i, p in enumerate(mixed):
             prompt = torch.randint(0, vocab, (10 + i,), generator=torch.Generator().manual_seed(i))
@@ -224,7 +239,7 @@ def test_torch_and_triton_passes_sample_the_same_tokens():
             seqs[-1].sampling_seed = 100 + i
         sampler, slots = make_sampler(seqs, vocab, passes)
         tokens[passes] = [sampler(logits, slots, True).tolist() for _ in range(3)]
-    assert tokens["torch"] == tokens["triton"]
+    assert tokens["torch"] == tokens["native"] == tokens["triton"]
     # min_tokens=3 with two outputs: one more step may not pick EOS, the next one does.
     assert tokens["torch"][0][5] != EOS and tokens["torch"][1][5] == EOS
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoqwen.runtime.sampling.passes import TorchPasses, TritonPasses
+from nanoqwen.runtime.sampling.passes import NativePasses, TorchPasses, TritonPasses
 from nanoqwen.runtime.sampling.state import SamplingState
 from nanoqwen.runtime.sequence import Sequence
 
@@ -30,12 +30,20 @@ from nanoqwen.runtime.sequence import Sequence
 CANDIDATES = 64
 
 
+def cpu_passes() -> NativePasses | TorchPasses:
+    from nanoqwen.native.sampling import MAX_CANDIDATES, sampling_kernels
+
+    if CANDIDATES <= MAX_CANDIDATES and sampling_kernels() is not None:
+        return NativePasses()
+    return TorchPasses()
+
+
 class Sampler:
     def __init__(
         self, eos_token_ids: frozenset[int], vocab: int, capacity: int, device: torch.device
     ) -> None:
         self.state = SamplingState(capacity, vocab, device, eos_token_ids)
-        self.passes = TritonPasses() if device.type == "cuda" else TorchPasses()
+        self.passes = TritonPasses() if device.type == "cuda" else cpu_passes()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
