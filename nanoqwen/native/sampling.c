@@ -7,9 +7,9 @@
 // and argmax and the 64 (`candidates`) largest values in one pass; the filter threshold tau
 // from those values as TorchPasses.thresholds reads it (the whole row where its boundary
 // lies past them); then the Gumbel-max draw over the tokens z >= tau, with the noise of
-// sampling/noise.py. The noise lies in [G_MIN, G_MAX], so a token with
-// z + G_MAX < max(z) + G_MIN cannot win the draw and its noise is never computed: the draw
-// is the same, over a few hundred tokens instead of the vocabulary.
+// sampling/noise.py. The noise is at most G_MAX (u's largest value), so a token with
+// z + G_MAX under a score already drawn cannot win and its noise is never computed: the
+// same draw, over a few hundred tokens instead of the vocabulary.
 //
 // The sampling tables' column layout comes from kernels/sampling_layout.py at each call
 // (`layout`), so it is written down once.
@@ -34,6 +34,9 @@ enum {
 #define OPT_RECORD 16    // the tokens count as outputs of their slots
 
 #define MAX_CANDIDATES 1024
+
+#define G1 0x9E3779B97F4A7C15ull  // sampling/noise.py's constants
+#define G2 0xD1B54A32D192ED03ull
 
 static inline uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
     x ^= x >> 30;
@@ -295,15 +298,17 @@ static int one_row(const float* x, int64_t V, int64_t slot, const float* fparams
     if ((iv[L[I_FLAGS]] & L[FLAG_GREEDY]) || !sampled) {
         *token = best.index;
     } else {
-        const uint64_t key = mix64((uint64_t)iv[L[I_SEED]] + (uint64_t)out_pos[slot] *
-                                   0x9E3779B97F4A7C15ull);
-        const float g_min = gumbel_of(0), g_max = gumbel_of(~0ull);
-        const float floor = m + g_min;  // what the argmax token scores at the least
+        const uint64_t key = mix64((uint64_t)iv[L[I_SEED]] + (uint64_t)out_pos[slot] * G1);
+        const float g_max = gumbel_of(~0ull);
+        // The winner scores at least what the argmax token (never filtered out: tau <= m)
+        // draws, and at least the best score so far: a token below that by more than any
+        // noise cannot win, nor tie.
+        const float first = m + gumbel_of(mix64(key + (uint64_t)(best.index + 1) * G2));
         Best draw = {-INFINITY, 0, 0};
         for (int64_t t = 0; t < V; t++) {
             float v = z[t] < tau ? -INFINITY : z[t];
-            if (v + g_max < floor) continue;  // cannot win, whatever its noise
-            consider(&draw, v + gumbel_of(mix64(key + (uint64_t)(t + 1) * 0xD1B54A32D192ED03ull)), t);
+            if (v + g_max < first || v + g_max < draw.value) continue;
+            consider(&draw, v + gumbel_of(mix64(key + (uint64_t)(t + 1) * G2)), t);
         }
         *token = draw.index;
     }
