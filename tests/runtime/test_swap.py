@@ -179,8 +179,8 @@ def test_swap_and_recompute_give_the_same_outputs(tiny_model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_pool_starts_zeroed_aligned_and_unshared(dtype):
-    """The CPU pool comes from calloc'd memory (no up-front memset): it must still read as
-    zeros, keep the layout torch.zeros gives, and its k and v must not alias."""
+    """The CPU pool comes from an anonymous memory map (no up-front memset): it must still
+    read as zeros, keep the layout torch.zeros gives, and its k and v must not alias."""
     kv = KVCache.allocate(CFG, 5, 4, dtype, "cpu")
     want = (CFG.num_hidden_layers, 6, 4, CFG.num_key_value_heads, CFG.head_dim)
     for pool in (kv.k_pool, kv.v_pool):
