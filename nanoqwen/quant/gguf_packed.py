@@ -1,4 +1,4 @@
-"""GGUF Q5_0 and Q8_0 tensors read straight from the file into the CPU kernels' layout.
+"""GGUF Q5_0, Q8_0 and Q6_K tensors read straight from the file into the CPU kernels' layout.
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
@@ -21,32 +21,38 @@ import numpy as np
 import torch
 
 from nanoqwen.quant.format import QuantizedWeight
-from nanoqwen.quant.gguf_blocks import BLOCK_SIZES
+from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
 from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import Scheme
 
-BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0")}
+BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K")}
+_KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k"}  # by the number of tensors
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
 
 
 @dataclass(frozen=True)
 class PackedBlocks:
     """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
-    [N, K/32], d float16 [N, K/32]) or Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d)."""
+    [N, K/32], d float16 [N, K/32]), Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d) or Q6_K
+    (the file's superblocks in four arrays: ql uint8 [N, K/256, 128], qh uint8 [N, K/256,
+    64], sc int8 [N, K/256, 16], d float16 [N, K/256]; gguf_gemv.c says how they read)."""
 
     tensors: tuple[torch.Tensor, ...]
     # The canonical weight's, which QuantizedLinear reports (describe(), extra_repr).
     bits: ClassVar[int] = 8
-    group_size: ClassVar[int] = 32
+
+    @property
+    def group_size(self) -> int:
+        return 16 if self.kind == "q6_k" else 32
 
     @property
     def kind(self) -> str:
-        return "q5_0" if len(self.tensors) == 3 else "q8_0"
+        return _KINDS[len(self.tensors)]
 
     @property
     def shape(self) -> tuple[int, int]:
         n, blocks = self.tensors[-1].shape
-        return n, blocks * 32
+        return n, blocks * (256 if self.kind == "q6_k" else 32)
 
     @property
     def device(self) -> torch.device:
@@ -75,6 +81,8 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name not in BLOCK_BYTES:
         return None
     b = np.asarray(data).reshape(data.shape[0], -1, BLOCK_BYTES[type_name])
+    if type_name == "Q6_K":
+        return _q6_k(b)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     if b.shape[1] == 1 or np.isnan(d).any():
         return None
@@ -83,6 +91,21 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
         return _packed(np.ascontiguousarray(b[..., 6:22]), qh, d)
     qs = b[..., 2:34] ^ np.uint8(0x80)  # int8 code -> code + 128, a new contiguous array
     return _q5_0_from_q8(qs, d) if _fits_q5_0(qs) else _packed(qs, d)
+
+
+def _q6_k(b: np.ndarray) -> PackedBlocks | None:
+    """Q6_K superblocks [N, K/256, 210] split into the kernel's four arrays (one strided copy
+    each); None for a NaN scale (the canonical route handles it)."""
+    d = np.ascontiguousarray(b[..., 208:210]).view(np.float16)[..., 0]
+    if np.isnan(d).any():
+        return None
+    ql, qh = np.ascontiguousarray(b[..., 0:128]), np.ascontiguousarray(b[..., 128:192])
+    return _packed(ql, qh, np.ascontiguousarray(b[..., 192:208]).view(np.int8), d)
+
+
+def can_cat(parts: list[PackedBlocks]) -> bool:
+    """Whether cat_packed takes these parts: Q6_K stacks with nothing."""
+    return len(parts) == 1 or all(p.kind != "q6_k" for p in parts)
 
 
 def cat_packed(parts: list[PackedBlocks]) -> PackedBlocks:
@@ -108,6 +131,10 @@ def as_q8_0(p: PackedBlocks) -> PackedBlocks:
 def to_canonical(p: PackedBlocks) -> QuantizedWeight:
     """The canonical weight p packs (what gguf_blocks.from_gguf_blocks reads from the file):
     for fusing with a part of another layout, which takes the canonical route."""
+    if p.kind == "q6_k":
+        ql, qh, sc, d = (t.numpy() for t in p.tensors)
+        raw = [ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(*d.shape, 2)]
+        return from_gguf_blocks("Q6_K", np.concatenate(raw, axis=-1).reshape(len(ql), -1))
     qs, d = (t.numpy() for t in as_q8_0(p).tensors)
     n, k = p.shape
     codes = (qs ^ np.uint8(0x80)).view(np.int8).reshape(n, k)

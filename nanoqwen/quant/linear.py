@@ -25,7 +25,7 @@ from torch import nn
 
 from nanoqwen.native.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
-from nanoqwen.quant.gguf_packed import PackedBlocks
+from nanoqwen.quant.gguf_packed import PackedBlocks, to_canonical
 from nanoqwen.quant.gguf_rows import GGUFRows
 from nanoqwen.quant.native import (
     gguf_kernel,
@@ -41,6 +41,7 @@ from nanoqwen.quant.native import (
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
 CPU_PACKED_MAX_ROWS = 4
+GGUF_KINDS = ("q5_0", "q8_0", "q6_k")  # the layouts native.gguf_matmul reads
 _INT4_GROUPS = (32, 64, 128, 256)
 
 
@@ -119,7 +120,10 @@ class QuantizedLinear(nn.Module):
                 f"(got {dtype} on {w.device})"
             )
         self._decode, self.kind = w.tensors, w.kind
-        per_channel = requantize_packed(w.tensors)
+        if w.kind == "q6_k":
+            per_channel = requantize_rows(to_canonical(w))
+        else:
+            per_channel = requantize_packed(w.tensors)
         self._int8 = (per_channel.q, per_channel.scale.view(-1))
         self.weight = None
 
@@ -155,9 +159,9 @@ class QuantizedLinear(nn.Module):
             if x.dtype == torch.bfloat16 and cpu_kernels() is not None:
                 return _int8_matmul_native(x2, *self._int8, self.bias).view(shape)
             y = _int8_matmul(x2, *self._int8)
-        elif self.kind in ("q5_0", "q8_0") and x.dtype == torch.bfloat16:
+        elif self.kind in GGUF_KINDS and x.dtype == torch.bfloat16:
             return gguf_matmul(x2.contiguous(), self._decode, self.bias).view(shape)
-        elif self.kind in ("q5_0", "q8_0"):
+        elif self.kind in GGUF_KINDS:
             y = gguf_matmul(x2.contiguous(), self._decode).to(x.dtype)
         elif self.kind == "int4pack":
             packed, scales_zeros = self._decode

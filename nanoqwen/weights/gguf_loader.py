@@ -15,6 +15,7 @@ from nanoqwen.quant.format import QuantizedWeight, cat_rows, quantize_int8
 from nanoqwen.quant.gguf_blocks import EXACT_TYPES, from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
     PackedBlocks,
+    can_cat,
     cat_packed,
     from_file,
     keeps_file_blocks,
@@ -76,7 +77,7 @@ def _module_and_shard(hf_name: str) -> tuple[str, int]:
 def _fuse(parts: list[QuantizedWeight | PackedBlocks]) -> QuantizedWeight | PackedBlocks:
     """The parts of a fused projection stacked; per-channel int8 for all of them when their
     layouts differ (a Q4_K part next to Q5_0 ones under quantization="auto")."""
-    if all(isinstance(p, PackedBlocks) for p in parts):
+    if all(isinstance(p, PackedBlocks) for p in parts) and can_cat(parts):
         return cat_packed(parts)
     parts = [to_canonical(p) if isinstance(p, PackedBlocks) else p for p in parts]
     try:

@@ -2,7 +2,8 @@
 give exactly what the canonical route gives (unpacked to int8 codes, then packed by
 native.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
 prefill, the same kernel choice per layer, fused projections included, and so the same
-greedy tokens."""
+greedy tokens. Q6_K loads as its file's superblocks, which the canonical route has no
+packing for."""
 
 from __future__ import annotations
 
@@ -118,7 +119,39 @@ def test_layouts_prepare_would_not_pack_take_the_canonical_route():
     nan = _random_blocks("Q8_0", 8, 64, seed=0)
     nan[3, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # not Q8_0's form
     assert from_file("Q8_0", nan) is None
-    assert from_file("Q6_K", np.zeros((8, 210), dtype=np.uint8)) is None
+    nan = np.zeros((8, 210), dtype=np.uint8)
+    nan[5, 208:210] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    assert from_file("Q6_K", nan) is None
+
+
+def test_q6_k_loads_as_the_files_superblocks():
+    """Q6_K goes to the kernel as the file's bytes (6.56 bits a weight, where Q8_0's form of
+    it took 8.5 and rounded it again): the canonical weight it holds is the file's, and the
+    layer's int8 prefill copy is that weight's per-channel requantization."""
+    rng = np.random.default_rng(4)
+    raw = rng.integers(0, 256, (16, 2, 210), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-3, (16, 2)).astype(np.float16)
+    raw[..., 208:210] = d.view(np.uint8).reshape(16, 2, 2)
+    raw = raw.reshape(16, -1)
+    packed = from_file("Q6_K", raw)
+    ql, qh, sc, d = packed.tensors
+    blocks = raw.reshape(16, 2, 210)
+    assert np.array_equal(ql.numpy(), blocks[..., :128])
+    assert np.array_equal(qh.numpy(), blocks[..., 128:192])
+    assert np.array_equal(sc.numpy().view(np.uint8), blocks[..., 192:208])
+    assert np.array_equal(d.numpy().view(np.uint8).reshape(16, 2, 2), blocks[..., 208:])
+    canonical = from_gguf_blocks("Q6_K", raw)
+    mine = to_canonical(packed)
+    assert torch.equal(mine.q, canonical.q) and torch.equal(mine.scale, canonical.scale)
+    assert (packed.shape, packed.group_size) == ((16, 512), 16)
+    layer = QuantizedLinear(packed, None)
+    layer.prepare(torch.bfloat16)
+    assert layer.kind == "q6_k"
+    per_channel = requantize_rows(canonical)
+    assert _same(layer._int8, (per_channel.q, per_channel.scale.view(-1)))
+    # In a fused projection it takes the canonical route (its parts' layouts then differ).
+    q5 = from_file("Q5_0", _random_blocks("Q5_0", 16, 512, seed=5, small=True))
+    assert gguf_loader._fuse([q5, packed]).__class__.__name__ == "QuantizedWeight"
 
 
 def test_only_the_cpu_kernels_schemes_load_directly():
