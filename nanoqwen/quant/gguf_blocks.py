@@ -82,23 +82,32 @@ def _q6_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     return q.reshape(rows, -1), scale.reshape(rows, -1), None, 16
 
 
-def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    b = _blocks(data, 144)
-    rows, nb = b.shape[:2]
-    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    s = b[..., 4:16]
-    # 8 six-bit scales and 8 six-bit mins in 12 bytes: sub-blocks 0..3 in the low 6 bits of
-    # bytes 0..3 (scales) and 4..7 (mins); 4..7 split over bytes 8..11 and the top 2 bits.
+def q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K superblock's 12 scale bytes [..., 12] as its 8 six-bit scales and 8 six-bit
+    mins (uint8 [..., 8] each): sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and
+    4..7 (mins); 4..7 split over bytes 8..11 and the top 2 bits."""
     lo_sc, lo_m, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate([lo_sc & 0x3F, (mix & 0x0F) | ((lo_sc >> 2) & 0x30)], axis=-1)
     m = np.concatenate([lo_m & 0x3F, (mix >> 4) | ((lo_m >> 2) & 0x30)], axis=-1)
-    qs = b[..., 16:144].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(
-        2, 1
-    )
-    q = (qs & 0x0F).astype(np.uint8)  # [rows, blocks, 4 chunks, 2 halves, 32] = 8 groups of 32
+    return sc, m
+
+
+def q4_k_weight(qs, sc, m, d, dmin) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [rows, K], scale and offset [rows, K/32]) of Q4_K superblocks given as codes qs
+    [rows, blocks, 128], scales and mins [rows, blocks, 8] and d, dmin float32 [rows, blocks]."""
+    rows, nb = d.shape
+    shifts = np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    q = (qs.reshape(rows, nb, 4, 1, 32) >> shifts) & 0x0F  # 8 groups of 32: chunk, half
     scale = d[..., None] * sc.astype(np.float32)
     offset = -(dmin[..., None] * m.astype(np.float32))
-    return q.reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1), 32
+    return q.astype(np.uint8).reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b = _blocks(data, 144)
+    sc, m = q4_k_scales(b[..., 4:16])
+    q, scale, offset = q4_k_weight(b[..., 16:144], sc, m, _f16(b[..., 0:2]), _f16(b[..., 2:4]))
+    return q, scale, offset, 32
 
 
 _DECODERS = {"Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4)}

@@ -343,6 +343,105 @@ int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql
     return 0;
 }
 
+// Q4_K (q4k_gemv): superblocks of 256 values in five arrays:
+//   qs[n][s][128]: 4-bit codes; byte 32c + l holds value 64c + l in its low nibble and value
+//                  64c + 32 + l in its high one (c < 4, l < 32)
+//   sc[n][s][8], m[n][s][8]: the six-bit scale and min of each 32 values (the file's 12
+//                  bytes unpacked at load); d[n][s], dmin[n][s]: float16
+// w = d * sc[j] * c - dmin * m[j] for the code c of value 32j + i. With x's int8 blocks of 32
+// (scale dx, code sum S), block j adds d * sc[j] * dx * (codes . x) - dmin * m[j] * dx * S.
+
+static inline __attribute__((always_inline)) void dot_row_q4(
+    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* qs, const uint8_t* sc,
+    const uint8_t* mn, const uint16_t* d, const uint16_t* dmin, const int8_t* xq,
+    const float* dx, const float* off, void* y, int out_bf16, const uint16_t* bias) {
+    const int64_t ns = K / 256;
+    qs += n * ns * 128, sc += n * ns * 8, mn += n * ns * 8, d += n * ns, dmin += n * ns;
+    const int64_t row_bytes = ns * 148;
+    const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
+    if (n + ahead < N) {
+        const char* parts[3] = {(const char*)(qs + ahead * ns * 128),
+                                (const char*)(sc + ahead * ns * 8), (const char*)(mn + ahead * ns * 8)};
+        const int64_t sizes[3] = {ns * 128, ns * 8, ns * 8};
+        for (int p = 0; p < 3; p++)
+            for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    // Lanes 0-7 sum sub-block a's values, lanes 8-15 sub-block b's: their scales' lanes.
+    __m512i pair[4];
+    for (int c = 0; c < 4; c += 2)
+        for (int half = 0; half < 2; half++) {
+            const int a = 2 * c + half, b = 2 * c + 2 + half;
+            pair[c + half] = _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+        }
+    __m512 acc[M];
+    __m256 corr8[M];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(), corr8[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < ns; s++) {
+        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * s))));
+        __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mn + 8 * s))));
+        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[s])), scf);
+        __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dmin[s])), mf);
+        __m512 w[M];
+        for (int m = 0; m < M; m++) {
+            const int64_t b = m * (K / 32) + 8 * s;
+            w[m] = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(dx + b)));
+            corr8[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(off + b), corr8[m]);
+        }
+        for (int c = 0; c < 4; c += 2) {
+            __m512i q = _mm512_loadu_si512((const void*)(qs + 128 * s + 32 * c));
+            __m512i codes[2] = {_mm512_and_si512(q, low4),
+                                _mm512_and_si512(_mm512_srli_epi16(q, 4), low4)};
+            for (int m = 0; m < M; m++) {
+                const int8_t* x = xq + m * K + 256 * s + 64 * c;
+                for (int half = 0; half < 2; half++) {
+                    // Values 64c + 32 half + l and 64(c + 1) + 32 half + l.
+                    __m512i xv = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(x + 32 * half))),
+                        _mm256_loadu_si256((const __m256i*)(x + 64 + 32 * half)), 1);
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[half], xv);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                             _mm512_permutexvar_ps(pair[c + half], w[m]), acc[m]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) - hsum(corr8[m]));
+}
+
+#define Q4_ROWS_CASE(R)                                                                 \
+    case R:                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
+        for (int64_t n = 0; n < N; n++)                                                 \
+            dot_row_q4(R, n, N, K, qs, sc, mn, d, dmin, xq, dx, off, y, out_bf16, bias); \
+        break;
+
+// q5_gemv's contract for Q4_K weights (K a multiple of 256).
+int q4k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
+             int64_t N, void* y, int out_bf16, const uint16_t* bias, int threads) {
+    if (M < 1 || M > MAX_ROWS || K % 256) return 1;
+    const int64_t nb = K / 32;
+    int8_t* xq = malloc((size_t)(M * K));
+    float* dx = malloc(sizeof(float) * M * nb);
+    float* off = malloc(sizeof(float) * M * nb);
+    if (!xq || !dx || !off) {
+        free(xq), free(dx), free(off);
+        return 2;
+    }
+    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
+    for (int64_t m = 0; m < M; m++)  // off: 1 * dx * the block's code sum
+        quantize_row((const char*)x + m * x_row, is_bf16, K, 1.0f, xq + m * K, dx + m * nb,
+                     off + m * nb);
+    switch (M) {
+        Q4_ROWS_CASE(1) Q4_ROWS_CASE(2) Q4_ROWS_CASE(3) Q4_ROWS_CASE(4)
+        Q4_ROWS_CASE(5) Q4_ROWS_CASE(6) Q4_ROWS_CASE(7) Q4_ROWS_CASE(8)
+    }
+    free(xq), free(dx), free(off);
+    return 0;
+}
+
 // Per-channel int8 of one row of a symmetric int8 weight in groups of g (codes q [K], float32
 // scales s [K/g]): row scale r = max |q * s| / 127 and codes round(q * s / r) (ties to even),
 // what the int8 x int8 prefill matmul takes.

@@ -1,4 +1,5 @@
-"""GGUF Q5_0, Q8_0 and Q6_K tensors read straight from the file into the CPU kernels' layout.
+"""GGUF Q5_0, Q8_0, Q6_K and Q4_K tensors read straight from the file into the CPU kernels'
+layout.
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
@@ -15,18 +16,18 @@ in -16..15.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 
 from nanoqwen.quant.format import QuantizedWeight
-from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
+from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks, q4_k_scales, q4_k_weight
 from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.quant.scheme import Scheme
 
-BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K")}
-_KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k"}  # by the number of tensors
+BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K")}
+_KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k", 5: "q4_k"}  # by the number of tensors
+_SUPERBLOCKS = ("q6_k", "q4_k")  # 256 values a block
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
 
 
@@ -35,11 +36,16 @@ class PackedBlocks:
     """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
     [N, K/32], d float16 [N, K/32]), Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d) or Q6_K
     (the file's superblocks in four arrays: ql uint8 [N, K/256, 128], qh uint8 [N, K/256,
-    64], sc int8 [N, K/256, 16], d float16 [N, K/256]; gguf_gemv.c says how they read)."""
+    64], sc int8 [N, K/256, 16], d float16 [N, K/256]) or Q4_K (five: qs uint8 [N, K/256,
+    128], its scales and mins unpacked, uint8 [N, K/256, 8] each, d and dmin float16 [N,
+    K/256]); gguf_gemv.c says how they read."""
 
     tensors: tuple[torch.Tensor, ...]
+
     # The canonical weight's, which QuantizedLinear reports (describe(), extra_repr).
-    bits: ClassVar[int] = 8
+    @property
+    def bits(self) -> int:
+        return 4 if self.kind == "q4_k" else 8
 
     @property
     def group_size(self) -> int:
@@ -52,7 +58,7 @@ class PackedBlocks:
     @property
     def shape(self) -> tuple[int, int]:
         n, blocks = self.tensors[-1].shape
-        return n, blocks * (256 if self.kind == "q6_k" else 32)
+        return n, blocks * (256 if self.kind in _SUPERBLOCKS else 32)
 
     @property
     def device(self) -> torch.device:
@@ -83,6 +89,8 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     b = np.asarray(data).reshape(data.shape[0], -1, BLOCK_BYTES[type_name])
     if type_name == "Q6_K":
         return _q6_k(b)
+    if type_name == "Q4_K":
+        return _q4_k(b)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     if b.shape[1] == 1 or np.isnan(d).any():
         return None
@@ -103,9 +111,21 @@ def _q6_k(b: np.ndarray) -> PackedBlocks | None:
     return _packed(ql, qh, np.ascontiguousarray(b[..., 192:208]).view(np.int8), d)
 
 
+def _q4_k(b: np.ndarray) -> PackedBlocks | None:
+    """Q4_K superblocks [N, K/256, 144] as the kernel's five arrays, the scales unpacked;
+    None for a NaN d or dmin."""
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
+    if np.isnan(d).any() or np.isnan(dmin).any():
+        return None
+    sc, m = q4_k_scales(b[..., 4:16])
+    qs = np.ascontiguousarray(b[..., 16:144])
+    return _packed(qs, np.ascontiguousarray(sc), np.ascontiguousarray(m), d, dmin)
+
+
 def can_cat(parts: list[PackedBlocks]) -> bool:
-    """Whether cat_packed takes these parts: Q6_K stacks with nothing."""
-    return len(parts) == 1 or all(p.kind != "q6_k" for p in parts)
+    """Whether cat_packed takes these parts: Q6_K and Q4_K stack with nothing."""
+    return len(parts) == 1 or all(p.kind not in _SUPERBLOCKS for p in parts)
 
 
 def cat_packed(parts: list[PackedBlocks]) -> PackedBlocks:
@@ -131,6 +151,10 @@ def as_q8_0(p: PackedBlocks) -> PackedBlocks:
 def to_canonical(p: PackedBlocks) -> QuantizedWeight:
     """The canonical weight p packs (what gguf_blocks.from_gguf_blocks reads from the file):
     for fusing with a part of another layout, which takes the canonical route."""
+    if p.kind == "q4_k":
+        qs, sc, m, d, dmin = (t.numpy() for t in p.tensors)
+        q, scale, offset = q4_k_weight(qs, sc, m, d.astype(np.float32), dmin.astype(np.float32))
+        return QuantizedWeight(*(torch.from_numpy(a) for a in (q, scale, offset)), 32, 4)
     if p.kind == "q6_k":
         ql, qh, sc, d = (t.numpy() for t in p.tensors)
         raw = [ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(*d.shape, 2)]

@@ -41,7 +41,7 @@ from nanoqwen.quant.native import (
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
 CPU_PACKED_MAX_ROWS = 4
-GGUF_KINDS = ("q5_0", "q8_0", "q6_k")  # the layouts native.gguf_matmul reads
+GGUF_KINDS = ("q5_0", "q8_0", "q6_k", "q4_k")  # the layouts native.gguf_matmul reads
 _INT4_GROUPS = (32, 64, 128, 256)
 
 
@@ -122,6 +122,8 @@ class QuantizedLinear(nn.Module):
         self._decode, self.kind = w.tensors, w.kind
         if w.kind == "q6_k":
             per_channel = requantize_rows(to_canonical(w))
+        elif w.kind == "q4_k":  # what prepare makes of the int4 weight
+            per_channel = requantize_per_channel(to_canonical(w))
         else:
             per_channel = requantize_packed(w.tensors)
         self._int8 = (per_channel.q, per_channel.scale.view(-1))

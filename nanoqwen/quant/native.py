@@ -1,7 +1,8 @@
-"""The C kernels of gguf_gemv.c: GGUF Q5_0, Q8_0 and Q6_K weights kept as they are in the
-file for the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight, against 8 for torch's
-per-channel int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8 requantizes, and
-faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5 and rounded it again).
+"""The C kernels of gguf_gemv.c: GGUF Q5_0, Q8_0, Q6_K and Q4_K weights kept as they are in
+the file for the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight, against 8 for
+torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8 requantizes,
+and faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5 and rounded it again; Q4_K:
+4.63 with its scales unpacked, where torch's int4 kernel read 5).
 
 They are compiled at first use (nanoqwen/native/build.py) and called through ctypes; where
 there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
@@ -40,7 +41,11 @@ def gguf_kernel() -> ctypes.CDLL | None:
     # x, is_bf16, M, K, ql, qh, sc, d, N, y, out_bf16, bias, threads
     lib.q6k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 4, _c_int64]
     lib.q6k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
-    lib.q5_gemv.restype = lib.q8_gemv.restype = lib.q6k_gemv.restype = ctypes.c_int
+    # x, is_bf16, M, K, qs, sc, m, d, dmin, N, y, out_bf16, bias, threads
+    lib.q4k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 5, _c_int64]
+    lib.q4k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
+    lib.q5_gemv.restype = lib.q8_gemv.restype = ctypes.c_int
+    lib.q6k_gemv.restype = lib.q4k_gemv.restype = ctypes.c_int
     # q, s, N, K, g, out, r, threads
     lib.requantize_rows.argtypes = [_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, ctypes.c_int]
     lib.requantize_rows.restype = None
@@ -94,9 +99,9 @@ def gguf_matmul(
     x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W packed by pack_q5_0 (three tensors),
-    pack_q8_0 (two) or as gguf_packed keeps Q6_K (four): float32 [M, N], or for bfloat16 x
-    bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then its bias add
-    would be, in the one kernel."""
+    pack_q8_0 (two) or as gguf_packed keeps Q6_K (four) and Q4_K (five): float32 [M, N], or
+    for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then
+    its bias add would be, in the one kernel."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()  # float16: the kernels read bf16 or float32
     out_bf16 = x.dtype == torch.bfloat16
@@ -105,7 +110,7 @@ def gguf_matmul(
     n = packed[0].shape[0]
     out = torch.empty(rows, n, dtype=x.dtype)
     lib = gguf_kernel()
-    fn = {2: lib.q8_gemv, 3: lib.q5_gemv, 4: lib.q6k_gemv}[len(packed)]
+    fn = {2: lib.q8_gemv, 3: lib.q5_gemv, 4: lib.q6k_gemv, 5: lib.q4k_gemv}[len(packed)]
     args = [t.data_ptr() for t in packed]
     status = fn(
         x.data_ptr(), int(out_bf16), rows, k, *args, n, out.data_ptr(), int(out_bf16),

@@ -1,5 +1,5 @@
-"""The CPU GGUF kernels (nanoqwen/quant/gguf_gemv.c): they read a Q5_0, Q8_0 or Q6_K tensor's
-own blocks and compute what llama.cpp's Q5_0/Q8_0 x Q8_0 dot products compute: activations
+"""The CPU GGUF kernels (nanoqwen/quant/gguf_gemv.c): they read a Q5_0, Q8_0, Q6_K or Q4_K
+tensor's own blocks and compute what llama.cpp's Q5_0/Q8_0 x Q8_0 dot products compute: activations
 rounded to int8 per block of 32 (scale max|x| / 127), exact integer block sums, float32
 scaling."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_without_a_compiler
+from tiny_gguf import random_blocks
 
 from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
@@ -86,27 +87,18 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
     assert torch.equal(gguf_matmul(x.bfloat16(), packed, bias), sums.bfloat16() + bias)
 
 
-def _q6_k_blocks(n: int, k: int, seed: int) -> np.ndarray:
-    """Raw Q6_K rows with random bytes (every code, scale and high-bit pattern) and small
-    positive float16 d (gguf's Python package cannot quantize to Q6_K)."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, (n, k // 256)).astype(np.float16)
-    raw[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
-    return raw.reshape(n, -1)
-
-
+@pytest.mark.parametrize(("type_name", "kind"), [("Q6_K", "q6_k"), ("Q4_K", "q4_k")])
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 4864])  # 4864: the default model's down_proj
-def test_q6_k_kernel_equals_int8_activation_reference(rows, k):
-    """Q6_K read from the file's superblocks: the same arithmetic as Q5_0/Q8_0's, with a scale
-    per 16 values."""
-    raw = _q6_k_blocks(80, k, seed=rows)
-    packed = from_file("Q6_K", raw)
-    assert packed.kind == "q6_k" and packed.shape == (80, k)
+def test_k_quant_kernels_equal_int8_activation_reference(type_name, kind, rows, k):
+    """Q6_K and Q4_K read from the file's superblocks: the same arithmetic as Q5_0/Q8_0's,
+    with Q6_K's scale a 16 values and Q4_K's scale and min a 32."""
+    raw = random_blocks(type_name, 80, k, seed=rows)  # any code, scale and high-bit pattern
+    packed = from_file(type_name, raw)
+    assert packed.kind == kind and packed.shape == (80, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0
-    ref = _expected(x.bfloat16(), dequantize(from_gguf_blocks("Q6_K", raw)))
+    ref = _expected(x.bfloat16(), dequantize(from_gguf_blocks(type_name, raw)))
     got = gguf_matmul(x.bfloat16().float(), packed.tensors)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     bias = torch.randn(80).bfloat16()

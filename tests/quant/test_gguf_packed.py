@@ -2,18 +2,18 @@
 give exactly what the canonical route gives (unpacked to int8 codes, then packed by
 native.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
 prefill, the same kernel choice per layer, fused projections included, and so the same
-greedy tokens. Q6_K loads as its file's superblocks, which the canonical route has no
-packing for."""
+greedy tokens. Q6_K and Q4_K load as their file's superblocks, which the canonical route has
+no packing for."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from tiny_gguf import write_gguf
+from tiny_gguf import random_blocks, write_gguf
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.quant.format import cat_rows, requantize_per_channel
+from nanoqwen.quant.format import QuantizedWeight, cat_rows, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
     PackedBlocks,
@@ -119,39 +119,36 @@ def test_layouts_prepare_would_not_pack_take_the_canonical_route():
     nan = _random_blocks("Q8_0", 8, 64, seed=0)
     nan[3, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # not Q8_0's form
     assert from_file("Q8_0", nan) is None
-    nan = np.zeros((8, 210), dtype=np.uint8)
-    nan[5, 208:210] = np.array([np.nan], dtype=np.float16).view(np.uint8)
-    assert from_file("Q6_K", nan) is None
+    for type_name, size, at in (("Q6_K", 210, 208), ("Q4_K", 144, 2)):
+        nan = np.zeros((8, size), dtype=np.uint8)
+        nan[5, at : at + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+        assert from_file(type_name, nan) is None
 
 
-def test_q6_k_loads_as_the_files_superblocks():
-    """Q6_K goes to the kernel as the file's bytes (6.56 bits a weight, where Q8_0's form of
-    it took 8.5 and rounded it again): the canonical weight it holds is the file's, and the
-    layer's int8 prefill copy is that weight's per-channel requantization."""
-    rng = np.random.default_rng(4)
-    raw = rng.integers(0, 256, (16, 2, 210), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, (16, 2)).astype(np.float16)
-    raw[..., 208:210] = d.view(np.uint8).reshape(16, 2, 2)
-    raw = raw.reshape(16, -1)
-    packed = from_file("Q6_K", raw)
-    ql, qh, sc, d = packed.tensors
-    blocks = raw.reshape(16, 2, 210)
-    assert np.array_equal(ql.numpy(), blocks[..., :128])
-    assert np.array_equal(qh.numpy(), blocks[..., 128:192])
-    assert np.array_equal(sc.numpy().view(np.uint8), blocks[..., 192:208])
-    assert np.array_equal(d.numpy().view(np.uint8).reshape(16, 2, 2), blocks[..., 208:])
-    canonical = from_gguf_blocks("Q6_K", raw)
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q4_K"])
+def test_k_quants_load_as_the_files_superblocks(type_name):
+    """Q6_K and Q4_K go to the kernels as the file's bytes (Q6_K: 6.56 bits a weight, where
+    Q8_0's form of it took 8.5 and rounded it again; Q4_K: 4.63, where torch's int4 kernel
+    read 5): the canonical weight they hold is the file's, and the layer's int8 prefill copy
+    is what prepare makes of that weight."""
+    raw = random_blocks(type_name, 16, 512, seed=4)
+    packed = from_file(type_name, raw)
+    canonical = from_gguf_blocks(type_name, raw)
     mine = to_canonical(packed)
-    assert torch.equal(mine.q, canonical.q) and torch.equal(mine.scale, canonical.scale)
-    assert (packed.shape, packed.group_size) == ((16, 512), 16)
+    for a, b in ((mine.q, canonical.q), (mine.scale, canonical.scale)):
+        assert torch.equal(a, b)
+    assert (mine.offset is None) == (canonical.offset is None)
+    assert mine.offset is None or torch.equal(mine.offset, canonical.offset)
+    assert packed.shape == (16, 512)
+    assert (packed.bits, packed.group_size) == (canonical.bits, canonical.group_size)
     layer = QuantizedLinear(packed, None)
     layer.prepare(torch.bfloat16)
-    assert layer.kind == "q6_k"
-    per_channel = requantize_rows(canonical)
-    assert _same(layer._int8, (per_channel.q, per_channel.scale.view(-1)))
-    # In a fused projection it takes the canonical route (its parts' layouts then differ).
+    assert layer.kind == type_name.lower()
+    want = requantize_rows(canonical) if type_name == "Q6_K" else requantize_per_channel(canonical)
+    assert _same(layer._int8, (want.q, want.scale.view(-1)))
+    # In a fused projection they take the canonical route (the parts' layouts differ).
     q5 = from_file("Q5_0", _random_blocks("Q5_0", 16, 512, seed=5, small=True))
-    assert gguf_loader._fuse([q5, packed]).__class__.__name__ == "QuantizedWeight"
+    assert isinstance(gguf_loader._fuse([q5, packed]), QuantizedWeight)
 
 
 def test_only_the_cpu_kernels_schemes_load_directly():
