@@ -66,6 +66,33 @@ static void quantize_row(const void* x, int is_bf16, int64_t K, float zero, int8
     }
 }
 
+// The M activation rows as int8 blocks of 32 (quantize_row with `zero`): xq [M][K], dx and
+// the offset terms [M][K/32]. Returns 0, or 2 (nothing allocated) when memory runs out.
+typedef struct {
+    int8_t* xq;
+    float* dx;
+    float* off;
+} Activations;
+
+static void free_activations(Activations* a) { free(a->xq), free(a->dx), free(a->off); }
+
+static int quantize_activations(const void* x, int is_bf16, int64_t M, int64_t K, float zero,
+                                Activations* a) {
+    const int64_t nb = K / 32;
+    a->xq = malloc((size_t)(M * K));
+    a->dx = malloc(sizeof(float) * M * nb);
+    a->off = malloc(sizeof(float) * M * nb);
+    if (!a->xq || !a->dx || !a->off) {
+        free_activations(a);
+        return 2;
+    }
+    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char*)x + m * x_row, is_bf16, K, zero, a->xq + m * K, a->dx + m * nb,
+                     a->off + m * nb);
+    return 0;
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -180,19 +207,10 @@ static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, cons
                 const uint32_t* qh, const uint16_t* d, int64_t N, void* y, int out_bf16,
                 const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 32) return 1;
-    const int64_t nb = K / 32;
-    int8_t* xq = malloc((size_t)(M * K));
-    float* dx = malloc(sizeof(float) * M * nb);
-    float* off = malloc(sizeof(float) * M * nb);
-    if (!xq || !dx || !off) {
-        free(xq), free(dx), free(off);
-        return 2;
-    }
-    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
-    const float zero = bits == 5 ? 16.0f : 128.0f;
-    for (int64_t m = 0; m < M; m++)
-        quantize_row((const char*)x + m * x_row, is_bf16, K, zero, xq + m * K, dx + m * nb,
-                     off + m * nb);
+    Activations a;
+    if (quantize_activations(x, is_bf16, M, K, bits == 5 ? 16.0f : 128.0f, &a)) return 2;
+    const int8_t* xq = a.xq;
+    const float *dx = a.dx, *off = a.off;
     if (bits == 5) {
         switch (M) {
             ROWS_CASE(1, 5) ROWS_CASE(2, 5) ROWS_CASE(3, 5) ROWS_CASE(4, 5)
@@ -204,7 +222,7 @@ static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, cons
             ROWS_CASE(5, 8) ROWS_CASE(6, 8) ROWS_CASE(7, 8) ROWS_CASE(8, 8)
         }
     }
-    free(xq), free(dx), free(off);
+    free_activations(&a);
     return 0;
 }
 
@@ -316,30 +334,29 @@ int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql
              int out_bf16, const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 256) return 1;
     const int64_t nb = K / 32, ng = K / 16;
-    int8_t* xq = malloc((size_t)(M * K));
-    float* dx = malloc(sizeof(float) * M * nb);
+    Activations a;
+    if (quantize_activations(x, is_bf16, M, K, 0.0f, &a)) return 2;
+    const int8_t* xq = a.xq;
+    // Per 16 values: the block's scale, and the offset term of the codes' 32.
     float* dxg = malloc(sizeof(float) * M * ng);
     float* off = malloc(sizeof(float) * M * ng);
-    if (!xq || !dx || !dxg || !off) {
-        free(xq), free(dx), free(dxg), free(off);
+    if (!dxg || !off) {
+        free(dxg), free(off), free_activations(&a);
         return 2;
     }
-    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
     for (int64_t m = 0; m < M; m++) {
-        quantize_row((const char*)x + m * x_row, is_bf16, K, 0.0f, xq + m * K, dx + m * nb,
-                     off + m * ng);  // its offset terms (all 0) are overwritten below
         for (int64_t g = 0; g < ng; g++) {
             int sum = 0;
             for (int j = 0; j < 16; j++) sum += xq[m * K + 16 * g + j];
-            dxg[m * ng + g] = dx[m * nb + g / 2];
-            off[m * ng + g] = 32.0f * dx[m * nb + g / 2] * (float)sum;
+            dxg[m * ng + g] = a.dx[m * nb + g / 2];
+            off[m * ng + g] = 32.0f * a.dx[m * nb + g / 2] * (float)sum;
         }
     }
     switch (M) {
         Q6_ROWS_CASE(1) Q6_ROWS_CASE(2) Q6_ROWS_CASE(3) Q6_ROWS_CASE(4)
         Q6_ROWS_CASE(5) Q6_ROWS_CASE(6) Q6_ROWS_CASE(7) Q6_ROWS_CASE(8)
     }
-    free(xq), free(dx), free(dxg), free(off);
+    free(dxg), free(off), free_activations(&a);
     return 0;
 }
 
@@ -422,23 +439,15 @@ int q4k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs
              const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
              int64_t N, void* y, int out_bf16, const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 256) return 1;
-    const int64_t nb = K / 32;
-    int8_t* xq = malloc((size_t)(M * K));
-    float* dx = malloc(sizeof(float) * M * nb);
-    float* off = malloc(sizeof(float) * M * nb);
-    if (!xq || !dx || !off) {
-        free(xq), free(dx), free(off);
-        return 2;
-    }
-    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
-    for (int64_t m = 0; m < M; m++)  // off: 1 * dx * the block's code sum
-        quantize_row((const char*)x + m * x_row, is_bf16, K, 1.0f, xq + m * K, dx + m * nb,
-                     off + m * nb);
+    Activations a;  // offset terms with zero 1: dx times the block's code sum
+    if (quantize_activations(x, is_bf16, M, K, 1.0f, &a)) return 2;
+    const int8_t* xq = a.xq;
+    const float *dx = a.dx, *off = a.off;
     switch (M) {
         Q4_ROWS_CASE(1) Q4_ROWS_CASE(2) Q4_ROWS_CASE(3) Q4_ROWS_CASE(4)
         Q4_ROWS_CASE(5) Q4_ROWS_CASE(6) Q4_ROWS_CASE(7) Q4_ROWS_CASE(8)
     }
-    free(xq), free(dx), free(off);
+    free_activations(&a);
     return 0;
 }
 
