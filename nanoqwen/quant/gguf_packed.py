@@ -22,7 +22,7 @@ import torch
 
 from nanoqwen.quant.format import QuantizedWeight
 from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks, q4_k_scales, q4_k_weight
-from nanoqwen.quant.native import gguf_kernel
+from nanoqwen.quant.native import gguf_kernel, kquant_kernel
 from nanoqwen.quant.scheme import Scheme
 
 BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K")}
@@ -87,10 +87,10 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name not in BLOCK_BYTES:
         return None
     b = np.asarray(data).reshape(data.shape[0], -1, BLOCK_BYTES[type_name])
-    if type_name == "Q6_K":
-        return _q6_k(b)
-    if type_name == "Q4_K":
-        return _q4_k(b)
+    if type_name in ("Q6_K", "Q4_K"):
+        if kquant_kernel() is None:
+            return None
+        return _q6_k(b) if type_name == "Q6_K" else _q4_k(b)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     if b.shape[1] == 1 or np.isnan(d).any():
         return None

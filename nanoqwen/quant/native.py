@@ -1,12 +1,12 @@
-"""The C kernels of gguf_gemv.c: GGUF Q5_0, Q8_0, Q6_K and Q4_K weights kept as they are in
-the file for the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight, against 8 for
-torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8 requantizes,
-and faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5 and rounded it again; Q4_K:
-4.63 with its scales unpacked, where torch's int4 kernel read 5).
+"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q8_0, Q6_K and Q4_K weights
+kept as they are in the file for the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight,
+against 8 for torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8
+requantizes, and faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5 and rounded it
+again; Q4_K: 4.63 with its scales unpacked, where torch's int4 kernel read 5).
 
 They are compiled at first use (nanoqwen/native/build.py) and called through ctypes; where
 there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
-returns None, and the layers keep torch's kernels.
+(`kquant_kernel()`) returns None, and the layers keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from nanoqwen.native.build import load_library
 from nanoqwen.quant.format import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("gguf_gemv.c")
+KQUANT_SOURCE = Path(__file__).with_name("gguf_kquants.c")
 MAX_ROWS = 8  # MAX_ROWS in gguf_gemv.c
 _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -38,14 +39,7 @@ def gguf_kernel() -> ctypes.CDLL | None:
     lib.q5_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
     lib.q8_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 2, _c_int64]
     lib.q8_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
-    # x, is_bf16, M, K, ql, qh, sc, d, N, y, out_bf16, bias, threads
-    lib.q6k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 4, _c_int64]
-    lib.q6k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
-    # x, is_bf16, M, K, qs, sc, m, d, dmin, N, y, out_bf16, bias, threads
-    lib.q4k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 5, _c_int64]
-    lib.q4k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
     lib.q5_gemv.restype = lib.q8_gemv.restype = ctypes.c_int
-    lib.q6k_gemv.restype = lib.q4k_gemv.restype = ctypes.c_int
     # q, s, N, K, g, out, r, threads
     lib.requantize_rows.argtypes = [_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, ctypes.c_int]
     lib.requantize_rows.restype = None
@@ -53,6 +47,22 @@ def gguf_kernel() -> ctypes.CDLL | None:
     lib.requantize_q5_rows.argtypes = [*[_ptr] * 3, _c_int64, _c_int64, _ptr, _ptr, ctypes.c_int]
     lib.requantize_q8_rows.argtypes = [*[_ptr] * 2, _c_int64, _c_int64, _ptr, _ptr, ctypes.c_int]
     lib.requantize_q5_rows.restype = lib.requantize_q8_rows.restype = None
+    return lib
+
+
+@cache
+def kquant_kernel() -> ctypes.CDLL | None:
+    """gguf_kquants.c's library (Q6_K and Q4_K), or None as gguf_kernel()."""
+    lib = load_library(KQUANT_SOURCE, "GGUF Q6_K/Q4_K CPU kernels unavailable")
+    if lib is None:
+        return None
+    # x, is_bf16, M, K, ql, qh, sc, d, N, y, out_bf16, bias, threads
+    lib.q6k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 4, _c_int64]
+    lib.q6k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
+    # x, is_bf16, M, K, qs, sc, m, d, dmin, N, y, out_bf16, bias, threads
+    lib.q4k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 5, _c_int64]
+    lib.q4k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
+    lib.q6k_gemv.restype = lib.q4k_gemv.restype = ctypes.c_int
     return lib
 
 
@@ -109,8 +119,12 @@ def gguf_matmul(
     rows, k = x.shape
     n = packed[0].shape[0]
     out = torch.empty(rows, n, dtype=x.dtype)
-    lib = gguf_kernel()
-    fn = {2: lib.q8_gemv, 3: lib.q5_gemv, 4: lib.q6k_gemv, 5: lib.q4k_gemv}[len(packed)]
+    if len(packed) <= 3:
+        lib = gguf_kernel()
+        fn = lib.q5_gemv if len(packed) == 3 else lib.q8_gemv
+    else:
+        lib = kquant_kernel()
+        fn = lib.q6k_gemv if len(packed) == 4 else lib.q4k_gemv
     args = [t.data_ptr() for t in packed]
     status = fn(
         x.data_ptr(), int(out_bf16), rows, k, *args, n, out.data_ptr(), int(out_bf16),

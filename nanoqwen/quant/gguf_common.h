@@ -1,0 +1,94 @@
+// What the GGUF few-row matmuls share (gguf_gemv.c: Q5_0, Q8_0; gguf_kquants.c: Q6_K, Q4_K):
+// the activations quantized to int8 per block of 32 (scale max|x| / 127), as llama.cpp does
+// for its dot products with Q8_0 activations, and the output's rounding and bias.
+#pragma once
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../native/bf16.h"
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
+    !defined(__AVX512VNNI__) || !defined(__F16C__)
+#error "the GGUF kernels need AVX512 F/BW/VL/VNNI and F16C"
+#endif
+
+#define MAX_ROWS 8
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+// Output n of row m: float32, or bfloat16 with the bias (bfloat16, or NULL) added after the
+// rounding, as torch's .to(bfloat16) and then + bias round twice.
+static inline void store(void* y, int out_bf16, const uint16_t* bias, int64_t m, int64_t n,
+                         int64_t N, float v) {
+    if (!out_bf16) {
+        ((float*)y)[m * N + n] = v;
+        return;
+    }
+    uint16_t r = float_to_bf16(v);
+    if (bias) r = float_to_bf16(bf16_to_float(r) + bf16_to_float(bias[n]));
+    ((uint16_t*)y)[m * N + n] = r;
+}
+
+// One activation row of K values (bfloat16 or float32) to int8 blocks: xq, per-block scale
+// dx and zero * dx * sum(xq) (the term that the codes' offset `zero` contributes).
+static void quantize_row(const void* x, int is_bf16, int64_t K, float zero, int8_t* xq,
+                         float* dx, float* offset_term) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float v[32];
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            v[j] = is_bf16 ? bf16_to_float(((const uint16_t*)x)[32 * b + j])
+                           : ((const float*)x)[32 * b + j];
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        float d = amax / 127.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int q = (int)nearbyintf(v[j] * id);
+            xq[32 * b + j] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d;
+        offset_term[b] = zero * d * (float)sum;
+    }
+}
+
+// The M activation rows as int8 blocks of 32 (quantize_row with `zero`): xq [M][K], dx and
+// the offset terms [M][K/32]. Returns 0, or 2 (nothing allocated) when memory runs out.
+typedef struct {
+    int8_t* xq;
+    float* dx;
+    float* off;
+} Activations;
+
+static void free_activations(Activations* a) { free(a->xq), free(a->dx), free(a->off); }
+
+static int quantize_activations(const void* x, int is_bf16, int64_t M, int64_t K, float zero,
+                                Activations* a) {
+    const int64_t nb = K / 32;
+    a->xq = malloc((size_t)(M * K));
+    a->dx = malloc(sizeof(float) * M * nb);
+    a->off = malloc(sizeof(float) * M * nb);
+    if (!a->xq || !a->dx || !a->off) {
+        free_activations(a);
+        return 2;
+    }
+    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char*)x + m * x_row, is_bf16, K, zero, a->xq + m * K, a->dx + m * nb,
+                     a->off + m * nb);
+    return 0;
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}

@@ -1,0 +1,217 @@
+// Few-row matmuls over GGUF Q6_K and Q4_K superblocks (AVX512-VNNI), as gguf_gemv.c's over
+// Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per block of 32.
+
+#include "gguf_common.h"
+
+// Q6_K (q6k_gemv): superblocks of 256 values as the file stores them, in four arrays:
+//   ql[n][s][128]: low 4 bits. In half h (values 128h..128h+127), byte 64h + l holds value
+//                  128h + l in its low nibble and value 128h + 64 + l in its high one (l < 64).
+//   qh[n][s][64]:  high 2 bits. Byte 32h + l holds values 128h + l, +32, +64, +96 in bits
+//                  0-1, 2-3, 4-5, 6-7 (l < 32).
+//   sc[n][s][16]:  an int8 scale a 16 values; d[n][s]: float16.
+// w = d * sc[j / 16] * (c - 32) for the 6-bit code c. The activations are int8 blocks of 32
+// as for Q5_0 (scale dx); the offset 32 contributes d * sc * dx * 32 * (the 16 codes' sum),
+// so each 16 values' sum of x's codes is kept too.
+
+// Row n of the output for M activation rows: per superblock, the 16 group scales d * sc (exact
+// in float32: an 11-bit by 7-bit product), then 4 x 64 codes (values 64c..64c+63 are groups
+// 4c..4c+3: lane i of a 64-byte dot product sums values 4i..4i+3, group 4c + i / 4).
+static inline __attribute__((always_inline)) void dot_row_q6(
+    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* ql, const uint8_t* qh,
+    const int8_t* sc, const uint16_t* d, const int8_t* xq, const float* dxg, const float* off,
+    void* y, int out_bf16, const uint16_t* bias) {
+    const int64_t ns = K / 256;
+    ql += n * ns * 128, qh += n * ns * 64, sc += n * ns * 16, d += n * ns;
+    // The next rows' bytes PREFETCH_BYTES ahead, as dot_row does.
+    const int64_t row_bytes = ns * 210;
+    const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
+    if (n + ahead < N) {
+        const char* parts[4] = {(const char*)(ql + ahead * ns * 128),
+                                (const char*)(qh + ahead * ns * 64),
+                                (const char*)(sc + ahead * ns * 16), (const char*)(d + ahead * ns)};
+        const int64_t sizes[4] = {ns * 128, ns * 64, ns * 16, ns * 2};
+        for (int p = 0; p < 4; p++)
+            for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m256i two = _mm256_set1_epi8(0x03);
+    __m512i lane_group[4];
+    for (int c = 0; c < 4; c++)
+        lane_group[c] = _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2,
+                                         4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 1, 4 * c + 1,
+                                         4 * c + 1, 4 * c + 1, 4 * c, 4 * c, 4 * c, 4 * c);
+    __m512 acc[M], corr16[M];
+    for (int m = 0; m < M; m++) acc[m] = corr16[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < ns; s++) {
+        __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[s])),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128((const __m128i*)(sc + 16 * s)))));
+        __m512 w[M];
+        for (int m = 0; m < M; m++) {
+            const int64_t g = m * (K / 16) + 16 * s;
+            w[m] = _mm512_mul_ps(dsc, _mm512_loadu_ps(dxg + g));
+            corr16[m] = _mm512_fmadd_ps(dsc, _mm512_loadu_ps(off + g), corr16[m]);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m512i q = _mm512_loadu_si512((const void*)(ql + 128 * s + 64 * h));
+            __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 64 * s + 32 * h));
+            __m512i lo = _mm512_and_si512(q, low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+            __m256i b0 = _mm256_and_si256(hb, two);
+            __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), two);
+            __m256i b2 = _mm256_and_si256(_mm256_srli_epi16(hb, 4), two);
+            __m256i b3 = _mm256_and_si256(_mm256_srli_epi16(hb, 6), two);
+            __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+            __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(b2), b3, 1);
+            // Bits 4-5 from the high parts: values up to 3, so a 16-bit shift moves no bit
+            // across a byte.
+            __m512i c0 = _mm512_or_si512(lo, _mm512_slli_epi16(h01, 4));
+            __m512i c1 = _mm512_or_si512(hi, _mm512_slli_epi16(h23, 4));
+            for (int m = 0; m < M; m++) {
+                const int8_t* x = xq + m * K + 256 * s + 128 * h;
+                __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0,
+                                                 _mm512_loadu_si512((const void*)x));
+                __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1,
+                                                 _mm512_loadu_si512((const void*)(x + 64)));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
+                                         _mm512_permutexvar_ps(lane_group[2 * h], w[m]), acc[m]);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1),
+                                         _mm512_permutexvar_ps(lane_group[2 * h + 1], w[m]),
+                                         acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        store(y, out_bf16, bias, m, n, N,
+              _mm512_reduce_add_ps(acc[m]) - _mm512_reduce_add_ps(corr16[m]));
+}
+
+#define Q6_ROWS_CASE(R)                                                                 \
+    case R:                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
+        for (int64_t n = 0; n < N; n++)                                                 \
+            dot_row_q6(R, n, N, K, ql, qh, sc, d, xq, dxg, off, y, out_bf16, bias);     \
+        break;
+
+// q5_gemv's contract for Q6_K weights (K a multiple of 256).
+int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql,
+             const uint8_t* qh, const int8_t* sc, const uint16_t* d, int64_t N, void* y,
+             int out_bf16, const uint16_t* bias, int threads) {
+    if (M < 1 || M > MAX_ROWS || K % 256) return 1;
+    const int64_t nb = K / 32, ng = K / 16;
+    Activations a;
+    if (quantize_activations(x, is_bf16, M, K, 0.0f, &a)) return 2;
+    const int8_t* xq = a.xq;
+    // Per 16 values: the block's scale, and the offset term of the codes' 32.
+    float* dxg = malloc(sizeof(float) * M * ng);
+    float* off = malloc(sizeof(float) * M * ng);
+    if (!dxg || !off) {
+        free(dxg), free(off), free_activations(&a);
+        return 2;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < ng; g++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) sum += xq[m * K + 16 * g + j];
+            dxg[m * ng + g] = a.dx[m * nb + g / 2];
+            off[m * ng + g] = 32.0f * a.dx[m * nb + g / 2] * (float)sum;
+        }
+    }
+    switch (M) {
+        Q6_ROWS_CASE(1) Q6_ROWS_CASE(2) Q6_ROWS_CASE(3) Q6_ROWS_CASE(4)
+        Q6_ROWS_CASE(5) Q6_ROWS_CASE(6) Q6_ROWS_CASE(7) Q6_ROWS_CASE(8)
+    }
+    free(dxg), free(off), free_activations(&a);
+    return 0;
+}
+
+// Q4_K (q4k_gemv): superblocks of 256 values in five arrays:
+//   qs[n][s][128]: 4-bit codes; byte 32c + l holds value 64c + l in its low nibble and value
+//                  64c + 32 + l in its high one (c < 4, l < 32)
+//   sc[n][s][8], m[n][s][8]: the six-bit scale and min of each 32 values (the file's 12
+//                  bytes unpacked at load); d[n][s], dmin[n][s]: float16
+// w = d * sc[j] * c - dmin * m[j] for the code c of value 32j + i. With x's int8 blocks of 32
+// (scale dx, code sum S), block j adds d * sc[j] * dx * (codes . x) - dmin * m[j] * dx * S.
+
+static inline __attribute__((always_inline)) void dot_row_q4(
+    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* qs, const uint8_t* sc,
+    const uint8_t* mn, const uint16_t* d, const uint16_t* dmin, const int8_t* xq,
+    const float* dx, const float* off, void* y, int out_bf16, const uint16_t* bias) {
+    const int64_t ns = K / 256;
+    qs += n * ns * 128, sc += n * ns * 8, mn += n * ns * 8, d += n * ns, dmin += n * ns;
+    const int64_t row_bytes = ns * 148;
+    const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
+    if (n + ahead < N) {
+        const char* parts[3] = {(const char*)(qs + ahead * ns * 128),
+                                (const char*)(sc + ahead * ns * 8), (const char*)(mn + ahead * ns * 8)};
+        const int64_t sizes[3] = {ns * 128, ns * 8, ns * 8};
+        for (int p = 0; p < 3; p++)
+            for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    // Lanes 0-7 sum sub-block a's values, lanes 8-15 sub-block b's: their scales' lanes.
+    __m512i pair[4];
+    for (int c = 0; c < 4; c += 2)
+        for (int half = 0; half < 2; half++) {
+            const int a = 2 * c + half, b = 2 * c + 2 + half;
+            pair[c + half] = _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+        }
+    __m512 acc[M];
+    __m256 corr8[M];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(), corr8[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < ns; s++) {
+        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * s))));
+        __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mn + 8 * s))));
+        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[s])), scf);
+        __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dmin[s])), mf);
+        __m512 w[M];
+        for (int m = 0; m < M; m++) {
+            const int64_t b = m * (K / 32) + 8 * s;
+            w[m] = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(dx + b)));
+            corr8[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(off + b), corr8[m]);
+        }
+        for (int c = 0; c < 4; c += 2) {
+            __m512i q = _mm512_loadu_si512((const void*)(qs + 128 * s + 32 * c));
+            __m512i codes[2] = {_mm512_and_si512(q, low4),
+                                _mm512_and_si512(_mm512_srli_epi16(q, 4), low4)};
+            for (int m = 0; m < M; m++) {
+                const int8_t* x = xq + m * K + 256 * s + 64 * c;
+                for (int half = 0; half < 2; half++) {
+                    // Values 64c + 32 half + l and 64(c + 1) + 32 half + l.
+                    __m512i xv = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(x + 32 * half))),
+                        _mm256_loadu_si256((const __m256i*)(x + 64 + 32 * half)), 1);
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[half], xv);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                             _mm512_permutexvar_ps(pair[c + half], w[m]), acc[m]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) - hsum(corr8[m]));
+}
+
+#define Q4_ROWS_CASE(R)                                                                 \
+    case R:                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
+        for (int64_t n = 0; n < N; n++)                                                 \
+            dot_row_q4(R, n, N, K, qs, sc, mn, d, dmin, xq, dx, off, y, out_bf16, bias); \
+        break;
+
+// q5_gemv's contract for Q4_K weights (K a multiple of 256).
+int q4k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
+             int64_t N, void* y, int out_bf16, const uint16_t* bias, int threads) {
+    if (M < 1 || M > MAX_ROWS || K % 256) return 1;
+    Activations a;  // offset terms with zero 1: dx times the block's code sum
+    if (quantize_activations(x, is_bf16, M, K, 1.0f, &a)) return 2;
+    const int8_t* xq = a.xq;
+    const float *dx = a.dx, *off = a.off;
+    switch (M) {
+        Q4_ROWS_CASE(1) Q4_ROWS_CASE(2) Q4_ROWS_CASE(3) Q4_ROWS_CASE(4)
+        Q4_ROWS_CASE(5) Q4_ROWS_CASE(6) Q4_ROWS_CASE(7) Q4_ROWS_CASE(8)
+    }
+    free_activations(&a);
+    return 0;
+}
