@@ -27,43 +27,48 @@ MAX_ROWS = 8  # MAX_ROWS in gguf_gemv.c
 _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-@cache
-def gguf_kernel() -> ctypes.CDLL | None:
-    """The loaded library, or None (with one note on stderr) when it cannot be built here.
-    NANOQWEN_NATIVE=0 turns it off."""
-    lib = load_library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel")
+_int = ctypes.c_int
+
+
+def _gemv(weight_arrays: int) -> tuple[list, type]:
+    """A few-row matmul's signature: x, is_bf16, M, K, the weight's arrays, N, y, out_bf16,
+    bias, threads."""
+    return [_ptr, _int, _c_int64, _c_int64, *[_ptr] * weight_arrays, _c_int64, _ptr, _int, _ptr,
+            _int], ctypes.c_int  # fmt: skip
+
+
+def _library(source: Path, note: str, signatures: dict) -> ctypes.CDLL | None:
+    """source's library with the functions' ctypes signatures set, or None (with one note on
+    stderr) when it cannot be built here. NANOQWEN_NATIVE=0 turns it off."""
+    lib = load_library(source, note)
     if lib is None:
         return None
-    # x, is_bf16, M, K, qs, [qh,] d, N, y, out_bf16, bias, threads
-    lib.q5_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 3, _c_int64]
-    lib.q5_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
-    lib.q8_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 2, _c_int64]
-    lib.q8_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
-    lib.q5_gemv.restype = lib.q8_gemv.restype = ctypes.c_int
-    # q, s, N, K, g, out, r, threads
-    lib.requantize_rows.argtypes = [_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, ctypes.c_int]
-    lib.requantize_rows.restype = None
-    # qs, [qh,] d, N, K, out, r, threads
-    lib.requantize_q5_rows.argtypes = [*[_ptr] * 3, _c_int64, _c_int64, _ptr, _ptr, ctypes.c_int]
-    lib.requantize_q8_rows.argtypes = [*[_ptr] * 2, _c_int64, _c_int64, _ptr, _ptr, ctypes.c_int]
-    lib.requantize_q5_rows.restype = lib.requantize_q8_rows.restype = None
+    for name, (argtypes, restype) in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
     return lib
+
+
+@cache
+def gguf_kernel() -> ctypes.CDLL | None:
+    """gguf_gemv.c's library (Q5_0, Q8_0 and the int8 prefill copies)."""
+    requantize = [_c_int64, _c_int64, _ptr, _ptr, _int]  # N, K, out, r, threads
+    return _library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel", {
+        "q5_gemv": _gemv(3),  # qs, qh, d
+        "q8_gemv": _gemv(2),  # qs, d
+        "requantize_rows": ([_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, _int], None),
+        "requantize_q5_rows": ([*[_ptr] * 3, *requantize], None),
+        "requantize_q8_rows": ([*[_ptr] * 2, *requantize], None),
+    })  # fmt: skip
 
 
 @cache
 def kquant_kernel() -> ctypes.CDLL | None:
-    """gguf_kquants.c's library (Q6_K and Q4_K), or None as gguf_kernel()."""
-    lib = load_library(KQUANT_SOURCE, "GGUF Q6_K/Q4_K CPU kernels unavailable")
-    if lib is None:
-        return None
-    # x, is_bf16, M, K, ql, qh, sc, d, N, y, out_bf16, bias, threads
-    lib.q6k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 4, _c_int64]
-    lib.q6k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
-    # x, is_bf16, M, K, qs, sc, m, d, dmin, N, y, out_bf16, bias, threads
-    lib.q4k_gemv.argtypes = [_ptr, ctypes.c_int, _c_int64, _c_int64, *[_ptr] * 5, _c_int64]
-    lib.q4k_gemv.argtypes += [_ptr, ctypes.c_int, _ptr, ctypes.c_int]
-    lib.q6k_gemv.restype = lib.q4k_gemv.restype = ctypes.c_int
-    return lib
+    """gguf_kquants.c's library (Q6_K and Q4_K)."""
+    return _library(KQUANT_SOURCE, "GGUF Q6_K/Q4_K CPU kernels unavailable", {
+        "q6k_gemv": _gemv(4),  # ql, qh, sc, d
+        "q4k_gemv": _gemv(5),  # qs, sc, m, d, dmin
+    })  # fmt: skip
 
 
 def _blocks_of_32(w: QuantizedWeight) -> bool:
