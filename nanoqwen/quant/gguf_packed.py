@@ -34,11 +34,11 @@ _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 
 @dataclass(frozen=True)
 class PackedBlocks:
     """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
-    [N, K/32], d float16 [N, K/32]), Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d) or Q6_K
+    [N, K/32], d float16 [N, K/32]), Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d), Q6_K
     (the file's superblocks in four arrays: ql uint8 [N, K/256, 128], qh uint8 [N, K/256,
     64], sc int8 [N, K/256, 16], d float16 [N, K/256]) or Q4_K (five: qs uint8 [N, K/256,
     128], its scales and mins unpacked, uint8 [N, K/256, 8] each, d and dmin float16 [N,
-    K/256]); gguf_gemv.c says how they read."""
+    K/256]); gguf_gemv.c and gguf_kquants.c say how they are read."""
 
     tensors: tuple[torch.Tensor, ...]
 
