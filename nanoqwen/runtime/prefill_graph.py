@@ -82,11 +82,17 @@ class PrefillGraphRunner:
             self.mirrors = [m.pin_memory() for m in self.mirrors]
         self.host = [self._split(m.numpy(), m) for m in self.mirrors]
         self.turn = 0
-        # The capture warm-ups run on this: one token, its key in the scratch block too.
-        scratch = np.full(width, self.kv.scratch_block, np.int32)
-        self._fill(self.host[0], [0], scratch, 0, 1, self.sampler_scratch, rows)
         self.dev = self.mirrors[0].to(device)
         self.fields = self._split(self.dev, self.dev)
+
+    def _warm_up_inputs(self, bucket: int) -> None:
+        """What the capture warm-ups of bucket run on: one token whose key goes to the
+        scratch block, and the padding sequence up to the bucket's last row. Each bucket
+        needs its own: over the largest bucket's layout, a smaller bucket's kernels read and
+        wrote the rows that layout names past the end of their tensors."""
+        scratch = np.full(self.width, self.kv.scratch_block, np.int32)
+        self._fill(self.host[0], [0], scratch, 0, 1, self.sampler_scratch, bucket)
+        self.dev.copy_(self.mirrors[0])
 
     def _split(self, whole, t: torch.Tensor) -> SimpleNamespace:
         rows = self.rows
@@ -139,7 +145,10 @@ class PrefillGraphRunner:
         keys = [(b, f) for b in sorted(self.sizes, reverse=True) for f in (False, True)]
         for key in tqdm(keys, desc="Capturing prefill graphs", disable=not progress, leave=False):
             bucket, filtering = key
-            meta = self.meta.setdefault(bucket, self._static_meta(bucket))
+            if bucket not in self.meta:
+                self.meta[bucket] = self._static_meta(bucket)
+            meta = self.meta[bucket]
+            self._warm_up_inputs(bucket)
             slot = self.fields.sampler_slot
             runner.sampler(self._forward(runner.model, bucket, meta), slot, filtering)
             torch.cuda.synchronize()

@@ -31,15 +31,20 @@ def _graphs(llm, max_tokens=512, max_model_len=1024) -> PrefillGraphRunner:
     return graphs
 
 
-def test_the_capture_warm_up_reads_and_writes_only_scratch(llm):
+@pytest.mark.parametrize("bucket", [16, 32, 256, 512])
+def test_each_bucket_warms_up_on_its_own_rows_and_the_scratch_block(llm, bucket):
+    """A warm-up layout naming rows past the bucket's would have its kernels read and write
+    past the end of their tensors."""
     graphs = _graphs(llm)
+    graphs._warm_up_inputs(bucket)
     scratch = llm.runner.kv.scratch_block
     f = graphs.fields
     assert graphs.rows == 512
-    assert f.cu_q.tolist() == [0, 1, 512] and f.cu_k.tolist() == [0, 1, 512]
-    assert f.ctx.tolist() == [1, 511]
+    assert f.cu_q.tolist() == [0, 1, bucket] and f.cu_k.tolist() == [0, 1, bucket]
+    assert f.ctx.tolist() == [1, bucket - 1]
+    assert f.pos[:bucket].tolist() == [0] + list(range(bucket - 1))
     assert set(f.tables.flatten().tolist()) == {scratch}
-    assert set((f.slots // 16).tolist()) == {scratch}
+    assert set((f.slots[:bucket] // 16).tolist()) == {scratch}
     assert f.logit_row.tolist() == [0] and f.sampler_slot.tolist() == [7]
 
 
