@@ -37,10 +37,11 @@ class FlashAttention:
 
     cascade_from = CASCADE_FROM
     # Its varlen forward, captured over the prefill graphs' padded layout, wrote NaN into
-    # the KV cache and the model's buffers on the H200 (BENCHMARKS.md, session 15). Likely
-    # cause, found later on the CPU: every bucket's capture warm-up ran over the largest
-    # bucket's layout, so a small bucket's forward wrote up to a tile of rows past its output.
-    # Each bucket now warms up on its own rows; off here until that runs on a GPU.
+    # the KV cache and the model's buffers on the H200 (BENCHMARKS.md, session 15). The
+    # likely cause, read from the code in session 16: every bucket's capture warm-up ran
+    # over the largest bucket's layout, so a small bucket's forward wrote up to a tile of
+    # rows past its output. Each bucket now warms up on its own rows; this stays off until
+    # that has run on a GPU.
     captures_prefill = False
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
