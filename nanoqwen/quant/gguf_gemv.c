@@ -150,43 +150,6 @@ int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
     return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, out_bf16, bias, threads);
 }
 
-// Per-channel int8 of one row of a symmetric int8 weight in groups of g (codes q [K], float32
-// scales s [K/g]): row scale r = max |q * s| / 127 and codes round(q * s / r) (ties to even),
-// what the int8 x int8 prefill matmul takes.
-static inline void requantize_row(const int8_t* qn, const float* sn, int64_t K, int64_t g,
-                                  int8_t* out, float* r) {
-    const int64_t ng = K / g;
-    float amax = 0.0f;
-    for (int64_t b = 0; b < ng; b++) {
-        int m = 0;
-        for (int64_t j = 0; j < g; j++) m = abs(qn[b * g + j]) > m ? abs(qn[b * g + j]) : m;
-        amax = fmaxf(amax, (float)m * fabsf(sn[b]));  // GGUF scales may be negative
-    }
-    float row = amax / 127.0f;
-    *r = row;
-    // 16 codes at a time, the scalar loop's arithmetic: the same float32 product, rounded to
-    // nearest even (nearbyintf's default mode), max then min as fmaxf/fminf order them (a
-    // NaN product gives -127 in both).
-    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    for (int64_t b = 0; b < ng; b++) {
-        float f = row > 0.0f ? sn[b] / row : 0.0f;
-        const __m512 fv = _mm512_set1_ps(f);
-        int64_t j = 0;
-        for (; j + 16 <= g; j += 16) {
-            __m128i c = _mm_loadu_si128((const __m128i*)(qn + b * g + j));
-            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), fv);
-            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-            __m128i q8 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));  // exact: integral, in range
-            _mm_storeu_si128((__m128i*)(out + b * g + j), q8);
-        }
-        for (; j < g; j++) {
-            float v = nearbyintf((float)qn[b * g + j] * f);
-            out[b * g + j] = (int8_t)fminf(fmaxf(v, -127.0f), 127.0f);
-        }
-    }
-}
-
 // requantize_row over N rows of codes q [N][K] and scales s [N][K/g].
 void requantize_rows(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t g,
                      int8_t* out, float* r, int threads) {

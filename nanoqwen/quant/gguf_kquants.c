@@ -215,3 +215,71 @@ int q4k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs
     free_activations(&a);
     return 0;
 }
+
+// The per-channel int8 copies for the int8 x int8 prefill matmul, computed from the
+// superblocks: bit for bit what linear.py made of the canonical weights before (gguf_blocks.py's
+// decoding, then format.py's arithmetic), in one pass where those took seconds at load.
+
+// Q6_K: the canonical weight is symmetric int8 in groups of 16 (code c - 32, scale d * sc,
+// exact in float32), so requantize_row's result.
+void requantize_q6k_rows(const uint8_t* ql, const uint8_t* qh, const int8_t* sc,
+                         const uint16_t* d, int64_t N, int64_t K, int8_t* out, float* r,
+                         int threads) {
+    const int64_t ns = K / 256;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        int8_t q[K];
+        float s[K / 16];
+        for (int64_t b = 0; b < ns; b++) {
+            const int64_t i = n * ns + b;
+            const uint8_t *lo = ql + 128 * i, *hi = qh + 64 * i;
+            int8_t* c = q + 256 * b;
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 64; l++) {
+                    const int byte = lo[64 * h + l], l2 = l & 31, t = l >> 5;
+                    // values 128h + l and 128h + 64 + l: qh byte 32h + (l % 32), 2-bit field
+                    // 32-value group (l / 32) and (l / 32) + 2
+                    const int b0 = (hi[32 * h + l2] >> (2 * t)) & 3;
+                    const int b1 = (hi[32 * h + l2] >> (2 * (t + 2))) & 3;
+                    c[128 * h + l] = (int8_t)(((byte & 15) | b0 << 4) - 32);
+                    c[128 * h + 64 + l] = (int8_t)(((byte >> 4) | b1 << 4) - 32);
+                }
+            const float dd = _cvtsh_ss(d[i]);
+            for (int j = 0; j < 16; j++) s[16 * b + j] = dd * (float)sc[16 * i + j];
+        }
+        requantize_row(q, s, K, 16, out + n * K, r + n);
+    }
+}
+
+// Q4_K: the canonical weight is asymmetric int4 in groups of 32, w = c * d * sc - dmin * m.
+// format.quantize_int8(format.dequantize(w)): the values in float32 (c * scale is exact, so
+// only the offset's add rounds, FMA or not), r = max |w| / 127, codes round(w / r).
+void requantize_q4k_rows(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
+                         const uint16_t* d, const uint16_t* dmin, int64_t N, int64_t K,
+                         int8_t* out, float* r, int threads) {
+    const int64_t ns = K / 256;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        float w[K];
+        float amax = 0.0f;
+        for (int64_t b = 0; b < ns; b++) {
+            const int64_t i = n * ns + b;
+            const float dd = _cvtsh_ss(d[i]), dm = _cvtsh_ss(dmin[i]);
+            for (int g = 0; g < 8; g++) {
+                // group g: chunk g / 2 of 32 bytes, low nibbles for even g, high for odd
+                const uint8_t* p = qs + 128 * i + 32 * (g >> 1);
+                const float scale = dd * (float)sc[8 * i + g], offset = -(dm * (float)mn[8 * i + g]);
+                float* v = w + 256 * b + 32 * g;
+                for (int j = 0; j < 32; j++) {
+                    v[j] = (float)((p[j] >> (4 * (g & 1))) & 15) * scale + offset;
+                    amax = fmaxf(amax, fabsf(v[j]));
+                }
+            }
+        }
+        const float row = amax / 127.0f, safe = row > 0.0f ? row : 1.0f;
+        r[n] = row;
+        int8_t* o = out + n * K;
+        for (int64_t j = 0; j < K; j++)
+            o[j] = (int8_t)fminf(fmaxf(nearbyintf(w[j] / safe), -127.0f), 127.0f);
+    }
+}

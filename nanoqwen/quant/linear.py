@@ -25,7 +25,7 @@ from torch import nn
 
 from nanoqwen.native.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
-from nanoqwen.quant.gguf_packed import PackedBlocks, to_canonical
+from nanoqwen.quant.gguf_packed import PackedBlocks
 from nanoqwen.quant.gguf_rows import GGUFRows
 from nanoqwen.quant.native import (
     gguf_kernel,
@@ -120,12 +120,7 @@ class QuantizedLinear(nn.Module):
                 f"(got {dtype} on {w.device})"
             )
         self._decode, self.kind = w.tensors, w.kind
-        if w.kind == "q6_k":
-            per_channel = requantize_rows(to_canonical(w))
-        elif w.kind == "q4_k":  # what prepare makes of the int4 weight
-            per_channel = requantize_per_channel(to_canonical(w))
-        else:
-            per_channel = requantize_packed(w.tensors)
+        per_channel = requantize_packed(w.tensors)
         self._int8 = (per_channel.q, per_channel.scale.view(-1))
         self.weight = None
 

@@ -28,6 +28,7 @@ _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 _int = ctypes.c_int
+_REQUANTIZE = [_c_int64, _c_int64, _ptr, _ptr, _int]  # N, K, out, r, threads
 
 
 def _gemv(weight_arrays: int) -> tuple[list, type]:
@@ -52,13 +53,12 @@ def _library(source: Path, note: str, signatures: dict) -> ctypes.CDLL | None:
 @cache
 def gguf_kernel() -> ctypes.CDLL | None:
     """gguf_gemv.c's library (Q5_0, Q8_0 and the int8 prefill copies)."""
-    requantize = [_c_int64, _c_int64, _ptr, _ptr, _int]  # N, K, out, r, threads
     return _library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel", {
         "q5_gemv": _gemv(3),  # qs, qh, d
         "q8_gemv": _gemv(2),  # qs, d
         "requantize_rows": ([_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, _int], None),
-        "requantize_q5_rows": ([*[_ptr] * 3, *requantize], None),
-        "requantize_q8_rows": ([*[_ptr] * 2, *requantize], None),
+        "requantize_q5_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
+        "requantize_q8_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
     })  # fmt: skip
 
 
@@ -68,6 +68,8 @@ def kquant_kernel() -> ctypes.CDLL | None:
     return _library(KQUANT_SOURCE, "GGUF Q6_K/Q4_K CPU kernels unavailable", {
         "q6k_gemv": _gemv(4),  # ql, qh, sc, d
         "q4k_gemv": _gemv(5),  # qs, sc, m, d, dmin
+        "requantize_q6k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q4k_rows": ([*[_ptr] * 5, *_REQUANTIZE], None),
     })  # fmt: skip
 
 
@@ -153,14 +155,24 @@ def requantize_rows(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(out, row, None, k, 8)
 
 
+_REQUANTIZE_PACKED = {  # by the number of packed tensors
+    2: "requantize_q8_rows",
+    3: "requantize_q5_rows",
+    4: "requantize_q6k_rows",
+    5: "requantize_q4k_rows",
+}
+
+
 def requantize_packed(packed: tuple[torch.Tensor, ...]) -> QuantizedWeight:
-    """requantize_rows of the canonical weight that pack_q5_0 (three tensors) or pack_q8_0
-    (two) packed, computed from the packed blocks: GGUF tensors loaded straight into that
-    layout (nanoqwen.quant.gguf_packed) never have the canonical codes."""
-    n, k = packed[-1].shape[0], packed[-1].shape[1] * 32
+    """The per-channel int8 copy that linear.py makes of the canonical weight packed holds,
+    computed from the packed blocks (GGUF tensors loaded straight into the kernels' layouts,
+    nanoqwen.quant.gguf_packed, never have the canonical codes). By the number of tensors:
+    Q8_0 (2) and Q5_0 (3) as requantize_rows, Q6_K (4) and Q4_K (5) as gguf_kquants.c says."""
+    superblocks = len(packed) >= 4
+    n, k = packed[-1].shape[0], packed[-1].shape[1] * (256 if superblocks else 32)
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
-    lib = gguf_kernel()
-    fn = lib.requantize_q5_rows if len(packed) == 3 else lib.requantize_q8_rows
+    lib = kquant_kernel() if superblocks else gguf_kernel()
+    fn = getattr(lib, _REQUANTIZE_PACKED[len(packed)])
     tensors = [t.contiguous() for t in packed]  # held until the call returns
     fn(
         *[t.data_ptr() for t in tensors], n, k, out.data_ptr(), row.data_ptr(),

@@ -151,6 +151,23 @@ def test_k_quants_load_as_the_files_superblocks(type_name):
     assert isinstance(gguf_loader._fuse([q5, packed]), QuantizedWeight)
 
 
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q4_K"])
+@pytest.mark.parametrize(("n", "k"), [(3, 256), (33, 4864)])
+def test_k_quant_prefill_copies_from_the_superblocks_equal_the_canonical_routes(type_name, n, k):
+    """requantize_packed reads the superblocks in C; linear.py used to decode them in numpy
+    and requantize in torch (Q4_K) or C (Q6_K). Bit for bit the same, a row whose scales are
+    all zero included (row scale 0, codes 0)."""
+    raw = random_blocks(type_name, n, k, seed=n)
+    zero = raw.reshape(n, k // 256, -1)
+    for at in (208,) if type_name == "Q6_K" else (0, 2):  # d (and Q4_K's dmin) of row 1
+        zero[1, :, at : at + 2] = 0
+    canonical = from_gguf_blocks(type_name, raw)
+    want = requantize_rows(canonical) if type_name == "Q6_K" else requantize_per_channel(canonical)
+    got = requantize_packed(from_file(type_name, raw).tensors)
+    assert _same((got.q, got.scale), (want.q, want.scale))
+    assert float(got.scale[1]) == 0.0 and not got.q[1].any()
+
+
 def test_only_the_cpu_kernels_schemes_load_directly():
     blocks = SCHEMES["gguf-blocks"]
     assert keeps_file_blocks(blocks, CPU, torch.bfloat16)

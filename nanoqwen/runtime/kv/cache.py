@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 
+from nanoqwen.runtime.lazy_zeros import lazy_zeros
 from nanoqwen.weights.config import ModelConfig
 
 
@@ -44,25 +43,8 @@ class KVCache:
             cfg.head_dim,
         )
         # One allocation for all layers keeps the pool contiguous and the count exact.
-        k_pool = _zeros(shape, dtype, device)
-        v_pool = _zeros(shape, dtype, device)
+        k_pool = lazy_zeros(shape, dtype, device)
+        v_pool = lazy_zeros(shape, dtype, device)
         return cls(
             list(k_pool.unbind(0)), list(v_pool.unbind(0)), num_blocks, block_size, k_pool, v_pool
         )
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.zeros, but on the CPU from a private anonymous memory map: the OS zero-fills
-    its pages on first touch, so a pool of gigabytes costs nothing until sequences use it,
-    where torch.zeros writes every byte first (~1.3 s of a CPU `nanoqwen generate`'s start
-    for the default 1 GiB pool). Not numpy's zeros (calloc), which did the same but whose
-    pages took ~20x longer to touch first on the 2-core CI machine (24 x 64 KB: 7 against
-    0.4 ms): ~250 of the ~320 ms of the default model's first request."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    size = math.prod(shape) * dtype.itemsize
-    if size == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # Page-aligned; the tensor keeps the map alive (torch.frombuffer holds a reference).
-    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
