@@ -9,7 +9,7 @@ from torch import nn
 from nanoqwen.model.layers import MLP, Linear
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.quant.format import QuantizedWeight
-from nanoqwen.quant.gguf_packed import PackedBlocks
+from nanoqwen.quant.gguf_packed import PackedBlocks, PackedParts
 from nanoqwen.quant.linear import QuantizedLinear
 from nanoqwen.quant.scheme import Scheme
 
@@ -29,7 +29,7 @@ def set_module(net: nn.Module, name: str, module: nn.Module) -> None:
 
 def install(
     net: Qwen2ForCausalLM,
-    weights: dict[str, QuantizedWeight | PackedBlocks],
+    weights: dict[str, QuantizedWeight | PackedBlocks | PackedParts],
     dtype: torch.dtype,
 ) -> None:
     """Replaces the modules named in `weights` ("lm_head" for the output projection) by
@@ -60,7 +60,7 @@ def describe(net: nn.Module) -> str:
     counts: dict[str, int] = {}
     for m in net.modules():
         if isinstance(m, QuantizedLinear):
-            key = f"int{m.bits} group {m.group_size} ({m.kind})"
+            key = m.layout
             counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{n} x {k}" for k, n in counts.items())
 

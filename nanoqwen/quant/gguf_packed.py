@@ -124,8 +124,56 @@ def _q4_k(b: np.ndarray) -> PackedBlocks | None:
 
 
 def can_cat(parts: list[PackedBlocks]) -> bool:
-    """Whether cat_packed takes these parts: Q6_K and Q4_K stack with nothing."""
-    return len(parts) == 1 or all(p.kind not in _SUPERBLOCKS for p in parts)
+    """Whether cat_packed takes these parts: Q5_0 and Q8_0 ones, or Q6_K or Q4_K ones of one
+    kind (a superblock layout stacks with nothing else)."""
+    kinds = {p.kind for p in parts}
+    return len(kinds) == 1 or not kinds & set(_SUPERBLOCKS)
+
+
+@dataclass(frozen=True)
+class PackedParts:
+    """A fused projection whose parts do not all stack (a Q6_K or Q4_K part beside parts of
+    other layouts, as llama.cpp's Q4_K_M files give attn_v Q6_K in some layers): each run of
+    parts that stacks keeps its own blocks and kernel, and the projection's output rows are
+    theirs in order. Their canonical weights differ in layout, so QuantizedLinear reports
+    the parts' kinds."""
+
+    parts: tuple[PackedBlocks, ...]
+
+    @property
+    def kind(self) -> str:
+        return "+".join(p.kind for p in self.parts)
+
+    @property
+    def bits(self) -> int:
+        return max(p.bits for p in self.parts)
+
+    @property
+    def group_size(self) -> int:
+        return min(p.group_size for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def to(self, device: torch.device | str) -> PackedParts:
+        return PackedParts(tuple(p.to(device) for p in self.parts))
+
+
+def stack_packed(parts: list[PackedBlocks]) -> PackedBlocks | PackedParts:
+    """A fused projection's parts, in order, stacked as far as they stack (cat_packed)."""
+    runs = [[parts[0]]]
+    for p in parts[1:]:
+        if can_cat([*runs[-1], p]):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    stacked = tuple(cat_packed(run) for run in runs)
+    return stacked[0] if len(stacked) == 1 else PackedParts(stacked)
 
 
 def cat_packed(parts: list[PackedBlocks]) -> PackedBlocks:

@@ -25,7 +25,7 @@ from torch import nn
 
 from nanoqwen.native.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
-from nanoqwen.quant.gguf_packed import PackedBlocks
+from nanoqwen.quant.gguf_packed import PackedBlocks, PackedParts
 from nanoqwen.quant.gguf_rows import GGUFRows
 from nanoqwen.quant.native import (
     gguf_kernel,
@@ -47,31 +47,39 @@ _INT4_GROUPS = (32, 64, 128, 256)
 
 class QuantizedLinear(nn.Module):
     """y = x @ W.T + bias for a QuantizedWeight W, or for GGUF blocks already in the CPU
-    kernels' layout (PackedBlocks, which only bf16/fp16 activations take)."""
+    kernels' layouts (PackedBlocks, or a fused projection's PackedParts, which only bf16/fp16
+    activations take)."""
 
-    def __init__(self, weight: QuantizedWeight | PackedBlocks, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: QuantizedWeight | PackedBlocks | PackedParts, bias: torch.Tensor | None
+    ) -> None:
         super().__init__()
-        self.weight: QuantizedWeight | PackedBlocks | None = weight
+        self.weight: QuantizedWeight | PackedBlocks | PackedParts | None = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.group_size, self.bits = weight.group_size, weight.bits
         self.kind = "unprepared"
-        self._decode: tuple = ()
+        self._decode: tuple = ()  # for PackedParts, each part's tensors
+        self._parts = isinstance(weight, PackedParts)
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
-        if isinstance(self.weight, PackedBlocks):
+        if isinstance(self.weight, (PackedBlocks, PackedParts)):
             return self.weight.device
         if self.weight is not None:
             return self.weight.q.device
-        return self._decode[0].device
+        return (self._decode[0][0] if self._parts else self._decode[0]).device
+
+    @property
+    def layout(self) -> str:
+        """'int4 group 32 (q4_k)'; a PackedParts projection's kinds, which differ."""
+        if self._parts:
+            return f"parts ({self.kind})"
+        return f"int{self.bits} group {self.group_size} ({self.kind})"
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.in_features}->{self.out_features}, int{self.bits}, "
-            f"group {self.group_size}, {self.kind}"
-        )
+        return f"{self.in_features}->{self.out_features}, {self.layout}"
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Packs the weight for `dtype` activations on its device. float32 keeps the
@@ -80,7 +88,7 @@ class QuantizedLinear(nn.Module):
         w = self.weight
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
-        if isinstance(w, PackedBlocks):
+        if isinstance(w, (PackedBlocks, PackedParts)):
             self._prepare_packed(w, dtype)
             return
         if self.device.type == "cuda":
@@ -111,22 +119,27 @@ class QuantizedLinear(nn.Module):
                 self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"
             self.weight = None
 
-    def _prepare_packed(self, w: PackedBlocks, dtype: torch.dtype) -> None:
+    def _prepare_packed(self, w: PackedBlocks | PackedParts, dtype: torch.dtype) -> None:
         """What prepare() makes of the canonical weight that w packs: the same kernels and
-        the same per-channel int8 copy, without unpacking the codes."""
+        the same per-channel int8 copy, without unpacking the codes (per-channel: a
+        PackedParts projection's copy is its parts' copies stacked)."""
         if dtype == torch.float32 or w.device.type != "cpu" or gguf_kernel() is None:
             raise ValueError(
                 f"PackedBlocks need the CPU's GGUF kernels and bf16/fp16 activations "
                 f"(got {dtype} on {w.device})"
             )
-        self._decode, self.kind = w.tensors, w.kind
-        per_channel = requantize_packed(w.tensors)
-        self._int8 = (per_channel.q, per_channel.scale.view(-1))
+        parts = w.parts if isinstance(w, PackedParts) else (w,)
+        self._decode = tuple(p.tensors for p in parts) if self._parts else w.tensors
+        self.kind = w.kind
+        copies = [requantize_packed(p.tensors) for p in parts]
+        q = copies[0].q if len(copies) == 1 else torch.cat([c.q for c in copies])
+        scale = copies[0].scale if len(copies) == 1 else torch.cat([c.scale for c in copies])
+        self._int8 = (q, scale.view(-1))
         self.weight = None
 
     def decode_bytes(self) -> int:
         """Bytes the few-rows kernel reads per call."""
-        tensors = self._decode
+        tensors = [t for part in self._decode for t in part] if self._parts else self._decode
         if self.kind == "triton":  # whatever tensors the packed object holds
             packed = self._decode[0]
             found = packed if isinstance(packed, (tuple, list)) else vars(packed).values()
@@ -156,10 +169,10 @@ class QuantizedLinear(nn.Module):
             if x.dtype == torch.bfloat16 and cpu_kernels() is not None:
                 return _int8_matmul_native(x2, *self._int8, self.bias).view(shape)
             y = _int8_matmul(x2, *self._int8)
-        elif self.kind in GGUF_KINDS and x.dtype == torch.bfloat16:
-            return gguf_matmul(x2.contiguous(), self._decode, self.bias).view(shape)
-        elif self.kind in GGUF_KINDS:
-            y = gguf_matmul(x2.contiguous(), self._decode).to(x.dtype)
+        elif (self.kind in GGUF_KINDS or self._parts) and x.dtype == torch.bfloat16:
+            return self._gguf_matmul(x2.contiguous(), self.bias).view(shape)
+        elif self.kind in GGUF_KINDS or self._parts:
+            y = self._gguf_matmul(x2.contiguous(), None).to(x.dtype)
         elif self.kind == "int4pack":
             packed, scales_zeros = self._decode
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -169,6 +182,18 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, *self._decode)
         y = y.view(shape)
         return y if self.bias is None else y + self.bias
+
+    def _gguf_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """native.gguf_matmul, of each part for PackedParts (with its slice of the bias),
+        their outputs side by side."""
+        if not self._parts:
+            return gguf_matmul(x, self._decode, bias)
+        outs, start = [], 0
+        for packed in self._decode:
+            end = start + packed[0].shape[0]
+            outs.append(gguf_matmul(x, packed, None if bias is None else bias[start:end]))
+            start = end
+        return torch.cat(outs, dim=-1)
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

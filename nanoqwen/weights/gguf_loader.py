@@ -15,10 +15,10 @@ from nanoqwen.quant.format import QuantizedWeight, cat_rows, quantize_int8
 from nanoqwen.quant.gguf_blocks import EXACT_TYPES, from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
     PackedBlocks,
-    can_cat,
-    cat_packed,
+    PackedParts,
     from_file,
     keeps_file_blocks,
+    stack_packed,
     to_canonical,
 )
 from nanoqwen.quant.gguf_rows import GGUFRows
@@ -74,11 +74,14 @@ def _module_and_shard(hf_name: str) -> tuple[str, int]:
     return name, 0
 
 
-def _fuse(parts: list[QuantizedWeight | PackedBlocks]) -> QuantizedWeight | PackedBlocks:
-    """The parts of a fused projection stacked; per-channel int8 for all of them when their
-    layouts differ (a Q4_K part next to Q5_0 ones under quantization="auto")."""
-    if all(isinstance(p, PackedBlocks) for p in parts) and can_cat(parts):
-        return cat_packed(parts)
+def _fuse(
+    parts: list[QuantizedWeight | PackedBlocks],
+) -> QuantizedWeight | PackedBlocks | PackedParts:
+    """The parts of a fused projection stacked: in the kernels' layouts where every part
+    loaded into one (side by side where those differ); else their canonical weights, and
+    per-channel int8 for all of them when those differ in layout."""
+    if all(isinstance(p, PackedBlocks) for p in parts):
+        return stack_packed(parts)
     parts = [to_canonical(p) if isinstance(p, PackedBlocks) else p for p in parts]
     try:
         return cat_rows(parts)

@@ -13,10 +13,11 @@ import torch
 from tiny_gguf import random_blocks, write_gguf
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.quant.format import QuantizedWeight, cat_rows, requantize_per_channel
+from nanoqwen.quant.format import cat_rows, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
     PackedBlocks,
+    PackedParts,
     cat_packed,
     from_file,
     keeps_file_blocks,
@@ -146,9 +147,41 @@ def test_k_quants_load_as_the_files_superblocks(type_name):
     assert layer.kind == type_name.lower()
     want = requantize_rows(canonical) if type_name == "Q6_K" else requantize_per_channel(canonical)
     assert _same(layer._int8, (want.q, want.scale.view(-1)))
-    # In a fused projection they take the canonical route (the parts' layouts differ).
+    # In a fused projection beside another layout each keeps its own blocks (PackedParts).
     q5 = from_file("Q5_0", _random_blocks("Q5_0", 16, 512, seed=5, small=True))
-    assert isinstance(gguf_loader._fuse([q5, packed]), QuantizedWeight)
+    fused = gguf_loader._fuse([q5, packed])
+    assert isinstance(fused, PackedParts) and fused.kind == f"q5_0+{packed.kind}"
+
+
+def test_a_fused_projection_keeps_each_parts_kernel_where_layouts_differ():
+    """qkv of Q4_K q and k and a Q6_K v, as llama.cpp's Q4_K_M files have it in some
+    layers: q and k stack into one Q4_K part, v keeps Q6_K. Decode runs each part's kernel
+    (with its slice of the bias); prefill multiplies the parts' per-channel int8 copies,
+    stacked, which is the copy the canonical route made (a copy per row)."""
+    types = ["Q4_K", "Q4_K", "Q6_K"]
+    raws = [random_blocks(t, n, 512, seed=20 + n) for t, n in zip(types, (32, 16, 16))]
+    parts = [from_file(t, raw) for t, raw in zip(types, raws)]
+    fused = gguf_loader._fuse(parts)
+    assert isinstance(fused, PackedParts) and fused.shape == (64, 512)
+    assert [p.kind for p in fused.parts] == ["q4_k", "q6_k"]
+    gate_up = gguf_loader._fuse(parts[:2])  # two Q4_K parts stack into one
+    assert isinstance(gate_up, PackedBlocks) and gate_up.kind == "q4_k"
+    bias = (torch.randn(64) * 0.1).to(torch.bfloat16)
+    layer = QuantizedLinear(fused, bias)
+    layer.prepare(torch.bfloat16)
+    assert layer.layout == "parts (q4_k+q6_k)"
+    assert layer.decode_bytes() == sum(t.nbytes for p in fused.parts for t in p.tensors) + 128
+    alone = [QuantizedLinear(p, b) for p, b in zip(fused.parts, bias.split([48, 16]))]
+    for a in alone:
+        a.prepare(torch.bfloat16)
+    canonical = [from_gguf_blocks(t, raw) for t, raw in zip(types, raws)]
+    old = cat_rows([SCHEMES["int8"].apply(c) for c in canonical])
+    assert _same(layer._int8, (old.q, old.scale.view(-1)))
+    for rows in (1, 3, 9):  # decode's kernels, then the prefill's int8 matmul
+        x = torch.randn(rows, 512).to(torch.bfloat16)
+        assert torch.equal(layer(x), torch.cat([a(x) for a in alone], dim=-1)), rows
+        half = x.half()
+        assert torch.equal(layer(half), torch.cat([a(half) for a in alone], dim=-1)), rows
 
 
 @pytest.mark.parametrize("type_name", ["Q6_K", "Q4_K"])
@@ -232,3 +265,44 @@ def test_model_loads_the_same_layers_and_tokens_either_way(tmp_path, monkeypatch
     params = SamplingParams(temperature=0, max_tokens=12)
     got = [o.token_ids for o in new.generate(prompts, params)]
     assert got == [o.token_ids for o in old.generate(prompts, params)]
+
+
+# A Q4_K_M-like file (rows of 256-value superblocks): Q4_K q, k, gate, up; layer 0's v and
+# down Q6_K, as llama.cpp's mix gives some layers.
+K_TYPES = {
+    "model.embed_tokens.weight": "Q8_0",
+    "lm_head.weight": "Q6_K",
+    **{f"model.layers.{i}.self_attn.{p}_proj.weight": "Q4_K" for i in (0, 1) for p in "qkvo"},
+    **{f"model.layers.{i}.mlp.{p}_proj.weight": "Q4_K" for i in (0, 1) for p in ("gate", "up")},
+    "model.layers.0.self_attn.v_proj.weight": "Q6_K",
+    "model.layers.0.mlp.down_proj.weight": "Q6_K",
+    "model.layers.1.mlp.down_proj.weight": "Q4_K",
+}
+
+
+def test_a_k_quant_model_runs_every_layer_on_the_files_blocks(tmp_path):
+    """Every projection keeps its file's blocks, a fused one with two layouts as parts
+    (before, any fused projection with a K-quant part took the canonical route: torch's
+    int4 kernel, or per-channel int8 of the float weight). Its logits against the exact
+    float32 dequantized model, through the decode kernels (3 rows) and the prefill's int8
+    matmul (12): measured mean |gap| 0.049 and 0.096 (random weights, logits ~1.3 on
+    average), argmax equal wherever float32's top two are 0.5 apart; parts out of order
+    would be far off."""
+    path = write_gguf(tmp_path, False, K_TYPES, hidden_size=256, intermediate_size=512,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    llm = _engine(path)
+    layouts = {n: m.layout for n, m in llm.runner.model.named_modules()
+               if isinstance(m, QuantizedLinear)}  # fmt: skip
+    assert layouts["layers.0.self_attn.qkv_proj"] == "parts (q4_k+q6_k)"
+    assert layouts["layers.1.self_attn.qkv_proj"] == "int4 group 32 (q4_k)"
+    assert layouts["layers.0.mlp.gate_up_proj"] == "int4 group 32 (q4_k)"
+    assert layouts["layers.0.mlp.down_proj"] == "int8 group 16 (q6_k)"
+    exact = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=16,
+                swap_space=0, progress=False)  # fmt: skip
+    prompt = [5, 17, 99, 3, 250, 41, 8, 8, 120, 7, 300, 12]
+    for tokens in (prompt[:3], prompt):
+        got, want = llm.runner.prompt_logits(tokens), exact.runner.prompt_logits(tokens)
+        assert float((got - want).abs().mean()) < 0.15, len(tokens)
+        top2 = want.topk(2).values
+        clear = top2[:, 0] - top2[:, 1] > 0.5  # 2 of 3 and 9 of 12 positions here
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
