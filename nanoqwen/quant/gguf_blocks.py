@@ -7,6 +7,7 @@ per-group offset), which is exactly QuantizedWeight's form:
     Q5_0  32 5-bit codes, f16 d      -> int8, group 32, codes q - 16, scale d
     Q6_K  256 = 16 x 16 6-bit codes  -> int8, group 16, codes q - 32, scale d * sc (int8 sc)
     Q4_K  256 = 8 x 32 4-bit codes   -> int4, group 32, scale d * sc, offset -dmin * m
+    Q5_K  Q4_K's, a fifth bit a code -> int8 (codes 0..31), group 32, as Q4_K
 
 The products d * sc and dmin * m are computed in float32 as ggml does, so dequantize() of the
 result equals gguf.quants.dequantize bit for bit (tests/quant check this on the real file).
@@ -110,10 +111,32 @@ def _q4_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     return q, scale, offset, 32
 
 
-_DECODERS = {"Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4)}
+def q5_k_high_bits(qh: np.ndarray) -> np.ndarray:
+    """A Q5_K superblock's 32 qh bytes [..., 32] as each value's fifth bit, uint8 [..., 256]:
+    bit j of byte l belongs to value 32j + l."""
+    bits = np.unpackbits(qh[..., None], axis=-1, bitorder="little")  # [..., l, j]
+    return np.ascontiguousarray(np.swapaxes(bits, -1, -2)).reshape(*qh.shape[:-1], 256)
+
+
+def _q5_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    # d, dmin, the 12 scale bytes as Q4_K's, qh [32], then the low nibbles as Q4_K's qs
+    b = _blocks(data, 176)
+    sc, m = q4_k_scales(b[..., 4:16])
+    q, scale, offset = q4_k_weight(b[..., 48:176], sc, m, _f16(b[..., 0:2]), _f16(b[..., 2:4]))
+    q |= q5_k_high_bits(b[..., 16:48]).reshape(q.shape) << 4
+    return q.view(np.int8), scale, offset, 32
+
+
+_DECODERS = {
+    "Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4),
+    "Q5_K": (_q5_k, 8),
+}  # fmt: skip
 EXACT_TYPES = tuple(_DECODERS)
 # (values, bytes) of one block
-BLOCK_SIZES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (QK_K, 210), "Q4_K": (QK_K, 144)}
+BLOCK_SIZES = {
+    "Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (QK_K, 210), "Q4_K": (QK_K, 144),
+    "Q5_K": (QK_K, 176),
+}  # fmt: skip
 
 
 def from_gguf_blocks(type_name: str, data: np.ndarray) -> QuantizedWeight:

@@ -1,4 +1,4 @@
-// What the GGUF few-row matmuls share (gguf_gemv.c: Q5_0, Q8_0; gguf_kquants.c: Q6_K, Q4_K):
+// What the GGUF few-row matmuls share (gguf_gemv.c: Q5_0, Q8_0; gguf_kquants.c: the K-quants):
 // the activations quantized to int8 per block of 32 (scale max|x| / 127), as llama.cpp does
 // for its dot products with Q8_0 activations, the output's rounding and bias, and the
 // per-channel int8 copy of a weight row for the prefill matmul.

@@ -1,5 +1,5 @@
 // Few-row matmuls over GGUF Q5_0 and Q8_0 blocks (AVX512-VNNI), built at first use by
-// nanoqwen/quant/native.py and called through ctypes; gguf_kquants.c has Q6_K and Q4_K's.
+// nanoqwen/quant/native.py and called through ctypes; gguf_kquants.c has Q6_K, Q4_K and Q5_K's.
 //
 // A weight row is K/32 blocks of 32 unsigned codes c and a float16 scale d[n][b]:
 //   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16), stored as the file has them:

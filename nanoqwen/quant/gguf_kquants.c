@@ -1,5 +1,5 @@
-// Few-row matmuls over GGUF Q6_K and Q4_K superblocks (AVX512-VNNI), as gguf_gemv.c's over
-// Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per block of 32.
+// Few-row matmuls over GGUF Q6_K, Q4_K and Q5_K superblocks (AVX512-VNNI), as gguf_gemv.c's
+// over Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per block of 32.
 
 #include "gguf_common.h"
 
@@ -132,23 +132,29 @@ int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql
 //                  bytes unpacked at load); d[n][s], dmin[n][s]: float16
 // w = d * sc[j] * c - dmin * m[j] for the code c of value 32j + i. With x's int8 blocks of 32
 // (scale dx, code sum S), block j adds d * sc[j] * dx * (codes . x) - dmin * m[j] * dx * S.
+// Q5_K (q5k_gemv) is Q4_K with a fifth bit a code (c in 0..31): one more array,
+//   hb[n][s][8]: bit l of word j is value 32j + l's fifth bit (the file's qh rearranged at
+//                load), which the kernel turns into a byte mask adding 16 to those codes.
 
-static inline __attribute__((always_inline)) void dot_row_q4(
-    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* qs, const uint8_t* sc,
-    const uint8_t* mn, const uint16_t* d, const uint16_t* dmin, const int8_t* xq,
-    const float* dx, const float* off, void* y, int out_bf16, const uint16_t* bias) {
+static inline __attribute__((always_inline)) void dot_row_k4(
+    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* qs, const uint32_t* hb,
+    const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
+    const int8_t* xq, const float* dx, const float* off, void* y, int out_bf16,
+    const uint16_t* bias) {
     const int64_t ns = K / 256;
     qs += n * ns * 128, sc += n * ns * 8, mn += n * ns * 8, d += n * ns, dmin += n * ns;
-    const int64_t row_bytes = ns * 148;
+    if (hb) hb += n * ns * 8;
+    const int64_t row_bytes = ns * (hb ? 180 : 148);
     const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
     if (n + ahead < N) {
-        const char* parts[3] = {(const char*)(qs + ahead * ns * 128),
-                                (const char*)(sc + ahead * ns * 8), (const char*)(mn + ahead * ns * 8)};
-        const int64_t sizes[3] = {ns * 128, ns * 8, ns * 8};
-        for (int p = 0; p < 3; p++)
+        const char* parts[4] = {(const char*)(qs + ahead * ns * 128),
+                                (const char*)(sc + ahead * ns * 8), (const char*)(mn + ahead * ns * 8),
+                                (const char*)(hb ? hb + ahead * ns * 8 : NULL)};
+        const int64_t sizes[4] = {ns * 128, ns * 8, ns * 8, hb ? ns * 32 : 0};
+        for (int p = 0; p < 4; p++)
             for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
     // Lanes 0-7 sum sub-block a's values, lanes 8-15 sub-block b's: their scales' lanes.
     __m512i pair[4];
     for (int c = 0; c < 4; c += 2)
@@ -174,6 +180,13 @@ static inline __attribute__((always_inline)) void dot_row_q4(
             __m512i q = _mm512_loadu_si512((const void*)(qs + 128 * s + 32 * c));
             __m512i codes[2] = {_mm512_and_si512(q, low4),
                                 _mm512_and_si512(_mm512_srli_epi16(q, 4), low4)};
+            // Lanes 0-31 of codes[half] are values 64c + 32 half + l, lanes 32-63 the same
+            // of chunk c + 1: fifth-bit words 2c + half and 2c + 2 + half.
+            for (int half = 0; hb && half < 2; half++) {
+                const uint32_t* h = hb + 8 * s;
+                const __mmask64 k = (__mmask64)h[2 * c + half] | (__mmask64)h[2 * c + 2 + half] << 32;
+                codes[half] = _mm512_mask_add_epi8(codes[half], k, codes[half], sixteen);
+            }
             for (int m = 0; m < M; m++) {
                 const int8_t* x = xq + m * K + 256 * s + 64 * c;
                 for (int half = 0; half < 2; half++) {
@@ -192,28 +205,43 @@ static inline __attribute__((always_inline)) void dot_row_q4(
         store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) - hsum(corr8[m]));
 }
 
-#define Q4_ROWS_CASE(R)                                                                 \
-    case R:                                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
-        for (int64_t n = 0; n < N; n++)                                                 \
-            dot_row_q4(R, n, N, K, qs, sc, mn, d, dmin, xq, dx, off, y, out_bf16, bias); \
+#define K4_ROWS_CASE(R)                                                                     \
+    case R:                                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
+        for (int64_t n = 0; n < N; n++)                                                     \
+            dot_row_k4(R, n, N, K, qs, hb, sc, mn, d, dmin, xq, dx, off, y, out_bf16, bias); \
         break;
 
-// q5_gemv's contract for Q4_K weights (K a multiple of 256).
-int q4k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-             const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-             int64_t N, void* y, int out_bf16, const uint16_t* bias, int threads) {
+// q5_gemv's contract for Q4_K (hb NULL) and Q5_K weights (K a multiple of 256). Inlined
+// into each, so Q4_K's copy has no fifth-bit code at all.
+static inline __attribute__((always_inline)) int k4_gemv(
+    const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs, const uint32_t* hb,
+    const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin, int64_t N,
+    void* y, int out_bf16, const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 256) return 1;
     Activations a;  // offset terms with zero 1: dx times the block's code sum
     if (quantize_activations(x, is_bf16, M, K, 1.0f, &a)) return 2;
     const int8_t* xq = a.xq;
     const float *dx = a.dx, *off = a.off;
     switch (M) {
-        Q4_ROWS_CASE(1) Q4_ROWS_CASE(2) Q4_ROWS_CASE(3) Q4_ROWS_CASE(4)
-        Q4_ROWS_CASE(5) Q4_ROWS_CASE(6) Q4_ROWS_CASE(7) Q4_ROWS_CASE(8)
+        K4_ROWS_CASE(1) K4_ROWS_CASE(2) K4_ROWS_CASE(3) K4_ROWS_CASE(4)
+        K4_ROWS_CASE(5) K4_ROWS_CASE(6) K4_ROWS_CASE(7) K4_ROWS_CASE(8)
     }
     free_activations(&a);
     return 0;
+}
+
+int q4k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
+             int64_t N, void* y, int out_bf16, const uint16_t* bias, int threads) {
+    return k4_gemv(x, is_bf16, M, K, qs, NULL, sc, mn, d, dmin, N, y, out_bf16, bias, threads);
+}
+
+int q5k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint32_t* hb, const uint8_t* sc, const uint8_t* mn, const uint16_t* d,
+             const uint16_t* dmin, int64_t N, void* y, int out_bf16, const uint16_t* bias,
+             int threads) {
+    return k4_gemv(x, is_bf16, M, K, qs, hb, sc, mn, d, dmin, N, y, out_bf16, bias, threads);
 }
 
 // The per-channel int8 copies for the int8 x int8 prefill matmul, computed from the
@@ -251,12 +279,13 @@ void requantize_q6k_rows(const uint8_t* ql, const uint8_t* qh, const int8_t* sc,
     }
 }
 
-// Q4_K: the canonical weight is asymmetric int4 in groups of 32, w = c * d * sc - dmin * m.
-// format.quantize_int8(format.dequantize(w)): the values in float32 (c * scale is exact, so
-// only the offset's add rounds, FMA or not), r = max |w| / 127, codes round(w / r).
-void requantize_q4k_rows(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
-                         const uint16_t* d, const uint16_t* dmin, int64_t N, int64_t K,
-                         int8_t* out, float* r, int threads) {
+// Q4_K: the canonical weight is asymmetric int4 in groups of 32, w = c * d * sc - dmin * m
+// (Q5_K: int8 codes 0..31, the same w). format.quantize_int8(format.dequantize(w)): the
+// values in float32 (c * scale is exact, so only the offset's add rounds, FMA or not),
+// r = max |w| / 127, codes round(w / r).
+static void requantize_k4(const uint8_t* qs, const uint32_t* hb, const uint8_t* sc,
+                          const uint8_t* mn, const uint16_t* d, const uint16_t* dmin, int64_t N,
+                          int64_t K, int8_t* out, float* r, int threads) {
     const int64_t ns = K / 256;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
@@ -268,10 +297,12 @@ void requantize_q4k_rows(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn
             for (int g = 0; g < 8; g++) {
                 // group g: chunk g / 2 of 32 bytes, low nibbles for even g, high for odd
                 const uint8_t* p = qs + 128 * i + 32 * (g >> 1);
+                const uint32_t high = hb ? hb[8 * i + g] : 0;
                 const float scale = dd * (float)sc[8 * i + g], offset = -(dm * (float)mn[8 * i + g]);
                 float* v = w + 256 * b + 32 * g;
                 for (int j = 0; j < 32; j++) {
-                    v[j] = (float)((p[j] >> (4 * (g & 1))) & 15) * scale + offset;
+                    const int c = ((p[j] >> (4 * (g & 1))) & 15) | ((high >> j) & 1) << 4;
+                    v[j] = (float)c * scale + offset;
                     amax = fmaxf(amax, fabsf(v[j]));
                 }
             }
@@ -282,4 +313,16 @@ void requantize_q4k_rows(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn
         for (int64_t j = 0; j < K; j++)
             o[j] = (int8_t)fminf(fmaxf(nearbyintf(w[j] / safe), -127.0f), 127.0f);
     }
+}
+
+void requantize_q4k_rows(const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
+                         const uint16_t* d, const uint16_t* dmin, int64_t N, int64_t K,
+                         int8_t* out, float* r, int threads) {
+    requantize_k4(qs, NULL, sc, mn, d, dmin, N, K, out, r, threads);
+}
+
+void requantize_q5k_rows(const uint8_t* qs, const uint32_t* hb, const uint8_t* sc,
+                         const uint8_t* mn, const uint16_t* d, const uint16_t* dmin, int64_t N,
+                         int64_t K, int8_t* out, float* r, int threads) {
+    requantize_k4(qs, hb, sc, mn, d, dmin, N, K, out, r, threads);
 }

@@ -1,5 +1,5 @@
-"""GGUF Q5_0, Q8_0, Q6_K and Q4_K tensors read straight from the file into the CPU kernels'
-layout.
+"""GGUF Q5_0, Q8_0, Q6_K, Q4_K and Q5_K tensors read straight from the file into the CPU
+kernels' layouts.
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
@@ -21,13 +21,19 @@ import numpy as np
 import torch
 
 from nanoqwen.quant.format import QuantizedWeight
-from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks, q4_k_scales, q4_k_weight
+from nanoqwen.quant.gguf_blocks import (
+    BLOCK_SIZES,
+    from_gguf_blocks,
+    q4_k_scales,
+    q4_k_weight,
+    q5_k_high_bits,
+)
 from nanoqwen.quant.native import gguf_kernel, kquant_kernel
 from nanoqwen.quant.scheme import Scheme
 
-BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K")}
-_KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k", 5: "q4_k"}  # by the number of tensors
-_SUPERBLOCKS = ("q6_k", "q4_k")  # 256 values a block
+BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K")}
+_KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k", 5: "q4_k", 6: "q5_k"}  # by the number of tensors
+_SUPERBLOCKS = ("q6_k", "q4_k", "q5_k")  # 256 values a block
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
 
 
@@ -36,16 +42,17 @@ class PackedBlocks:
     """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
     [N, K/32], d float16 [N, K/32]), Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d), Q6_K
     (the file's superblocks in four arrays: ql uint8 [N, K/256, 128], qh uint8 [N, K/256,
-    64], sc int8 [N, K/256, 16], d float16 [N, K/256]) or Q4_K (five: qs uint8 [N, K/256,
+    64], sc int8 [N, K/256, 16], d float16 [N, K/256]), Q4_K (five: qs uint8 [N, K/256,
     128], its scales and mins unpacked, uint8 [N, K/256, 8] each, d and dmin float16 [N,
-    K/256]); gguf_gemv.c and gguf_kquants.c say how they are read."""
+    K/256]) or Q5_K (six: Q4_K's with the fifth bits second, int32 [N, K/256, 8], word j
+    bit l for value 32j + l); gguf_gemv.c and gguf_kquants.c say how they are read."""
 
     tensors: tuple[torch.Tensor, ...]
 
     # The canonical weight's, which QuantizedLinear reports (describe(), extra_repr).
     @property
     def bits(self) -> int:
-        return 4 if self.kind == "q4_k" else 8
+        return 4 if self.kind == "q4_k" else 8  # Q5_K's codes 0..31: int8's
 
     @property
     def group_size(self) -> int:
@@ -87,10 +94,10 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name not in BLOCK_BYTES:
         return None
     b = np.asarray(data).reshape(data.shape[0], -1, BLOCK_BYTES[type_name])
-    if type_name in ("Q6_K", "Q4_K"):
+    if type_name in ("Q6_K", "Q4_K", "Q5_K"):
         if kquant_kernel() is None:
             return None
-        return _q6_k(b) if type_name == "Q6_K" else _q4_k(b)
+        return {"Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k}[type_name](b)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     if b.shape[1] == 1 or np.isnan(d).any():
         return None
@@ -123,16 +130,28 @@ def _q4_k(b: np.ndarray) -> PackedBlocks | None:
     return _packed(qs, np.ascontiguousarray(sc), np.ascontiguousarray(m), d, dmin)
 
 
+def _q5_k(b: np.ndarray) -> PackedBlocks | None:
+    """Q5_K superblocks [N, K/256, 176] as Q4_K's five arrays with the fifth bits second, as
+    a mask a 32 values (the kernel adds 16 to the codes a mask selects)."""
+    four = _q4_k(np.concatenate([b[..., 0:16], b[..., 48:176]], axis=-1))
+    if four is None:
+        return None
+    high = np.packbits(q5_k_high_bits(b[..., 16:48]).reshape(*b.shape[:2], 8, 32), axis=-1,
+                       bitorder="little")  # fmt: skip
+    qs, *rest = four.tensors
+    return PackedBlocks((qs, torch.from_numpy(high.view(np.int32)[..., 0]), *rest))
+
+
 def can_cat(parts: list[PackedBlocks]) -> bool:
-    """Whether cat_packed takes these parts: Q5_0 and Q8_0 ones, or Q6_K or Q4_K ones of one
-    kind (a superblock layout stacks with nothing else)."""
+    """Whether cat_packed takes these parts: Q5_0 and Q8_0 ones, or K-quant ones of one kind
+    (a superblock layout stacks with nothing else)."""
     kinds = {p.kind for p in parts}
     return len(kinds) == 1 or not kinds & set(_SUPERBLOCKS)
 
 
 @dataclass(frozen=True)
 class PackedParts:
-    """A fused projection whose parts do not all stack (a Q6_K or Q4_K part beside parts of
+    """A fused projection whose parts do not all stack (a K-quant part beside parts of
     other layouts, as llama.cpp's Q4_K_M files give attn_v Q6_K in some layers): each run of
     parts that stacks keeps its own blocks and kernel, and the projection's output rows are
     theirs in order. Their canonical weights differ in layout, so QuantizedLinear reports
@@ -199,10 +218,14 @@ def as_q8_0(p: PackedBlocks) -> PackedBlocks:
 def to_canonical(p: PackedBlocks) -> QuantizedWeight:
     """The canonical weight p packs (what gguf_blocks.from_gguf_blocks reads from the file):
     for fusing with a part of another layout, which takes the canonical route."""
-    if p.kind == "q4_k":
-        qs, sc, m, d, dmin = (t.numpy() for t in p.tensors)
+    if p.kind in ("q4_k", "q5_k"):
+        qs, *high, sc, m, d, dmin = (t.numpy() for t in p.tensors)
         q, scale, offset = q4_k_weight(qs, sc, m, d.astype(np.float32), dmin.astype(np.float32))
-        return QuantizedWeight(*(torch.from_numpy(a) for a in (q, scale, offset)), 32, 4)
+        if high:  # word j's bit l: value 32j + l's fifth bit
+            bits = np.unpackbits(high[0].view(np.uint8), axis=-1, bitorder="little")
+            q = (q | bits.reshape(q.shape) << 4).view(np.int8)
+        tensors = (torch.from_numpy(a) for a in (q, scale, offset))
+        return QuantizedWeight(*tensors, 32, 8 if high else 4)
     if p.kind == "q6_k":
         ql, qh, sc, d = (t.numpy() for t in p.tensors)
         raw = [ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(*d.shape, 2)]

@@ -1,8 +1,9 @@
-"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q8_0, Q6_K and Q4_K weights
-kept as they are in the file for the few-row CPU matmuls of decode (Q5_0: 5.5 bits a weight,
-against 8 for torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where per-channel int8
-requantizes, and faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5 and rounded it
-again; Q4_K: 4.63 with its scales unpacked, where torch's int4 kernel read 5).
+"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q8_0, Q6_K, Q4_K and Q5_K
+weights kept as they are in the file for the few-row CPU matmuls of decode (Q5_0: 5.5 bits a
+weight, against 8 for torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where
+per-channel int8 requantizes, and faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5
+and rounded it again; Q4_K: 4.63 with its scales unpacked, where torch's int4 kernel read 5;
+Q5_K: 5.63, where it was requantized to Q8_0's form, 8.5).
 
 They are compiled at first use (nanoqwen/native/build.py) and called through ctypes; where
 there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
@@ -64,12 +65,14 @@ def gguf_kernel() -> ctypes.CDLL | None:
 
 @cache
 def kquant_kernel() -> ctypes.CDLL | None:
-    """gguf_kquants.c's library (Q6_K and Q4_K)."""
-    return _library(KQUANT_SOURCE, "GGUF Q6_K/Q4_K CPU kernels unavailable", {
+    """gguf_kquants.c's library (Q6_K, Q4_K and Q5_K)."""
+    return _library(KQUANT_SOURCE, "GGUF Q6_K/Q4_K/Q5_K CPU kernels unavailable", {
         "q6k_gemv": _gemv(4),  # ql, qh, sc, d
         "q4k_gemv": _gemv(5),  # qs, sc, m, d, dmin
+        "q5k_gemv": _gemv(6),  # qs, hb, sc, m, d, dmin
         "requantize_q6k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
         "requantize_q4k_rows": ([*[_ptr] * 5, *_REQUANTIZE], None),
+        "requantize_q5k_rows": ([*[_ptr] * 6, *_REQUANTIZE], None),
     })  # fmt: skip
 
 
@@ -116,9 +119,9 @@ def gguf_matmul(
     x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W packed by pack_q5_0 (three tensors),
-    pack_q8_0 (two) or as gguf_packed keeps Q6_K (four) and Q4_K (five): float32 [M, N], or
-    for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then
-    its bias add would be, in the one kernel."""
+    pack_q8_0 (two) or as gguf_packed keeps Q6_K (four), Q4_K (five) and Q5_K (six): float32
+    [M, N], or for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's
+    output and then its bias add would be, in the one kernel."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()  # float16: the kernels read bf16 or float32
     out_bf16 = x.dtype == torch.bfloat16
@@ -131,7 +134,7 @@ def gguf_matmul(
         fn = lib.q5_gemv if len(packed) == 3 else lib.q8_gemv
     else:
         lib = kquant_kernel()
-        fn = lib.q6k_gemv if len(packed) == 4 else lib.q4k_gemv
+        fn = {4: lib.q6k_gemv, 5: lib.q4k_gemv, 6: lib.q5k_gemv}[len(packed)]
     args = [t.data_ptr() for t in packed]
     status = fn(
         x.data_ptr(), int(out_bf16), rows, k, *args, n, out.data_ptr(), int(out_bf16),
@@ -160,6 +163,7 @@ _REQUANTIZE_PACKED = {  # by the number of packed tensors
     3: "requantize_q5_rows",
     4: "requantize_q6k_rows",
     5: "requantize_q4k_rows",
+    6: "requantize_q5k_rows",
 }
 
 
@@ -167,7 +171,8 @@ def requantize_packed(packed: tuple[torch.Tensor, ...]) -> QuantizedWeight:
     """The per-channel int8 copy that linear.py makes of the canonical weight packed holds,
     computed from the packed blocks (GGUF tensors loaded straight into the kernels' layouts,
     nanoqwen.quant.gguf_packed, never have the canonical codes). By the number of tensors:
-    Q8_0 (2) and Q5_0 (3) as requantize_rows, Q6_K (4) and Q4_K (5) as gguf_kquants.c says."""
+    Q8_0 (2) and Q5_0 (3) as requantize_rows, Q6_K (4), Q4_K (5) and Q5_K (6) as
+    gguf_kquants.c says."""
     superblocks = len(packed) >= 4
     n, k = packed[-1].shape[0], packed[-1].shape[1] * (256 if superblocks else 32)
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)

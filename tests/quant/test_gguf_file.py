@@ -32,7 +32,8 @@ def test_every_quantized_block_type_decodes_exactly(gguf_path):
             ours = dequantize(from_gguf_blocks(t.type_name, rows))
             ref = gguf_dequantize(np.asarray(rows), GGMLQuantizationType[t.type_name])
             seen[t.type_name] = torch.equal(ours, torch.from_numpy(ref.reshape(ours.shape)))
-    assert seen == dict.fromkeys(EXACT_TYPES, True)
+    # Q5_K, not in this file, is checked on random blocks (tests/quant/test_gguf_packed.py).
+    assert seen == dict.fromkeys(("Q8_0", "Q5_0", "Q6_K", "Q4_K"), True)
 
 
 def test_metadata_matches_the_converted_checkpoint(gguf_path, real_model_dir):

@@ -87,7 +87,9 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
     assert torch.equal(gguf_matmul(x.bfloat16(), packed, bias), sums.bfloat16() + bias)
 
 
-@pytest.mark.parametrize(("type_name", "kind"), [("Q6_K", "q6_k"), ("Q4_K", "q4_k")])
+@pytest.mark.parametrize(
+    ("type_name", "kind"), [("Q6_K", "q6_k"), ("Q4_K", "q4_k"), ("Q5_K", "q5_k")]
+)
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 4864])  # 4864: the default model's down_proj
 def test_k_quant_kernels_equal_int8_activation_reference(type_name, kind, rows, k):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_gguf import random_blocks
+from tiny_gguf import K_QUANTS, random_blocks
 
 from nanoqwen.quant.format import QuantizedWeight
 from nanoqwen.quant.gguf_blocks import EXACT_TYPES, from_gguf_blocks
@@ -21,7 +21,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _quantized(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
     """A quantizer's blocks (gguf.quants has none for the K-quants: random blocks there)."""
-    if type_name in ("Q6_K", "Q4_K"):
+    if type_name in K_QUANTS:
         return random_blocks(type_name, n, k, seed)
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
     return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
@@ -32,7 +32,7 @@ def _cases() -> list[tuple[str, np.ndarray]]:
     row where the type allows (an embedding 896 wide is 28 Q5_0 blocks, 3.5 K-quant ones)."""
     cases = []
     for i, t in enumerate(EXACT_TYPES):
-        k = 256 * 3 if t in ("Q6_K", "Q4_K") else 32 * 7
+        k = 256 * 3 if t in K_QUANTS else 32 * 7
         cases += [(t, _quantized(t, 48, k, seed=i)), (t, random_blocks(t, 40, k, seed=10 + i))]
     return cases
 
