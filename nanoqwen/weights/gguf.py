@@ -114,7 +114,7 @@ class GGUFCheckpoint:
             k.removeprefix("qwen2."): v for k, v in self.metadata.items() if k.startswith("qwen2.")
         }
         layers, context = int(hp["block_count"]), int(hp["context_length"])
-        bos = int(self._field("tokenizer.ggml.bos_token_id"))
+        bos = self._bos()
         return {
             "architectures": ["Qwen2ForCausalLM"],
             "model_type": "qwen2",
@@ -149,22 +149,21 @@ class GGUFCheckpoint:
         meta = self.metadata
         tokens = meta["tokenizer.ggml.tokens"]
         eos = int(meta["tokenizer.ggml.eos_token_id"])
-        bos = int(meta["tokenizer.ggml.bos_token_id"])
+        bos = self._bos()
         ids = [eos] + [i for i in (_index(tokens, "<|endoftext|>"),) if i not in (None, eos)]
-        pad = int(meta.get("tokenizer.ggml.padding_token_id", bos))
-        return {"bos_token_id": bos, "eos_token_id": ids, "pad_token_id": pad}
+        return {"bos_token_id": bos, "eos_token_id": ids, "pad_token_id": self._pad()}
 
     def tokenizer_config(self) -> dict[str, Any]:
         meta = self.metadata
         tokens = meta["tokenizer.ggml.tokens"]
         eos = int(meta["tokenizer.ggml.eos_token_id"])
-        pad = int(meta.get("tokenizer.ggml.padding_token_id", meta["tokenizer.ggml.bos_token_id"]))
+        pad = self._pad()
         return {
             "tokenizer_class": "Qwen2Tokenizer",
             "chat_template": meta.get("tokenizer.chat_template"),
             "bos_token": None,
             "eos_token": tokens[eos],
-            "pad_token": tokens[pad],
+            "pad_token": None if pad is None else tokens[pad],
             "unk_token": None,
             "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             "add_prefix_space": False,
@@ -173,6 +172,18 @@ class GGUFCheckpoint:
             "split_special_tokens": False,
             "model_max_length": int(self._field("qwen2.context_length")),
         }
+
+    def _bos(self) -> int | None:
+        """The file's BOS id. llama.cpp's converter writes none for Qwen2.5's tokenizer, which
+        has no BOS token; config.json then says <|endoftext|>, as Qwen2.5's own does."""
+        bos = self._field("tokenizer.ggml.bos_token_id")
+        if bos is not None:
+            return int(bos)
+        return _index(self.metadata.get("tokenizer.ggml.tokens", []), "<|endoftext|>")
+
+    def _pad(self) -> int | None:
+        pad = self._field("tokenizer.ggml.padding_token_id")
+        return self._bos() if pad is None else int(pad)
 
     def tokenizer(self):
         """The tokenizers.Tokenizer built from the metadata."""

@@ -312,3 +312,12 @@ def test_a_k_quant_model_runs_every_layer_on_the_files_blocks(tmp_path, main, la
     assert torch.equal(got.argmax(-1), want.argmax(-1))  # top two 0.5 apart or more here
     out = llm.generate([tokens * 4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].token_ids) == 8
+
+
+def test_a_file_without_a_bos_id_loads(tmp_path):
+    """llama.cpp's converter writes no tokenizer.ggml.bos_token_id for Qwen2.5's tokenizer
+    (it has no BOS token); such a file loaded with a TypeError before."""
+    path = write_gguf(tmp_path, True, {}, bos=False)
+    llm = _engine(path)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 17, 99]], params)[0].token_ids) == 4

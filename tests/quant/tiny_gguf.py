@@ -42,10 +42,13 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[part]}.{kind}"
 
 
-def write_gguf(directory: Path, tied: bool, types: dict[str, str], **shape: int) -> Path:
+def write_gguf(
+    directory: Path, tied: bool, types: dict[str, str], bos: bool = True, **shape: int
+) -> Path:
     """A tiny Qwen2 (write_tiny_model's, with `shape`'s sizes) as GGUF, its tokenizer files
     beside it (open_gguf reads those). 2-D tensors take types[hf name] (Q5_0 if absent):
-    those gguf.quants cannot quantize (the K-quants) get random blocks; 1-D ones are F32."""
+    those gguf.quants cannot quantize (the K-quants) get random blocks; 1-D ones are F32.
+    bos=False: no tokenizer.ggml.bos_token_id, as llama.cpp's converter writes Qwen2.5."""
     import gguf
 
     model = write_tiny_model(directory, tie_word_embeddings=tied, **shape)
@@ -63,7 +66,8 @@ def write_gguf(directory: Path, tied: bool, types: dict[str, str], **shape: int)
         writer.add_uint32(f"qwen2.{key}", value)
     writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_float32("qwen2.rope.freq_base", cfg.rope_theta)
-    writer.add_uint32("tokenizer.ggml.bos_token_id", model.config.bos_token_id)
+    if bos:
+        writer.add_uint32("tokenizer.ggml.bos_token_id", model.config.bos_token_id)
     writer.add_uint32("tokenizer.ggml.eos_token_id", model.config.eos_token_id)
     for i, (name, value) in enumerate(model.state_dict().items()):
         if tied and name == "lm_head.weight":
