@@ -5,6 +5,7 @@ per-group offset), which is exactly QuantizedWeight's form:
 
     Q8_0  32 codes, f16 d            -> int8, group 32, scale d
     Q5_0  32 5-bit codes, f16 d      -> int8, group 32, codes q - 16, scale d
+    Q4_0  32 4-bit codes, f16 d      -> int8, group 32, codes q - 8, scale d (Q5_0's form)
     Q6_K  256 = 16 x 16 6-bit codes  -> int8, group 16, codes q - 32, scale d * sc (int8 sc)
     Q4_K  256 = 8 x 32 4-bit codes   -> int4, group 32, scale d * sc, offset -dmin * m
     Q5_K  Q4_K's, a fifth bit a code -> int8 (codes 0..31), group 32, as Q4_K
@@ -38,6 +39,14 @@ def _q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     d = _f16(b[..., 0:2])
     q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
     return q.reshape(b.shape[0], -1), d, None, 32
+
+
+def _q4_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
+    # qs's low nibbles are values 0..15, its high ones 16..31
+    b = _blocks(data, 18)
+    qs = b[..., 2:18]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
+    return q.reshape(b.shape[0], -1), _f16(b[..., 0:2]), None, 32
 
 
 def _q5_high_table() -> np.ndarray:
@@ -129,13 +138,13 @@ def _q5_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 
 _DECODERS = {
     "Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4),
-    "Q5_K": (_q5_k, 8),
+    "Q5_K": (_q5_k, 8), "Q4_0": (_q4_0, 8),
 }  # fmt: skip
 EXACT_TYPES = tuple(_DECODERS)
 # (values, bytes) of one block
 BLOCK_SIZES = {
     "Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (QK_K, 210), "Q4_K": (QK_K, 144),
-    "Q5_K": (QK_K, 176),
+    "Q5_K": (QK_K, 176), "Q4_0": (32, 18),
 }  # fmt: skip
 
 

@@ -31,7 +31,9 @@ from nanoqwen.quant.gguf_blocks import (
 from nanoqwen.quant.native import gguf_kernel, kquant_kernel
 from nanoqwen.quant.scheme import Scheme
 
-BLOCK_BYTES = {name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K")}
+BLOCK_BYTES = {
+    name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0")
+}
 _KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k", 5: "q4_k", 6: "q5_k"}  # by the number of tensors
 _SUPERBLOCKS = ("q6_k", "q4_k", "q5_k")  # 256 values a block
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
@@ -104,6 +106,11 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name == "Q5_0":
         qh = np.ascontiguousarray(b[..., 2:6]).view(np.int32)[..., 0]
         return _packed(np.ascontiguousarray(b[..., 6:22]), qh, d)
+    if type_name == "Q4_0":  # code c - 8 is Q5_0's (c + 8) - 16: nibble c ^ 8, fifth bit c >= 8
+        qs = b[..., 2:18]
+        high = np.concatenate([(qs >> 3) & 1, qs >> 7], axis=-1)
+        qh = np.packbits(high, axis=-1, bitorder="little").view(np.int32)[..., 0]
+        return _packed(qs ^ np.uint8(0x88), qh, d)
     qs = b[..., 2:34] ^ np.uint8(0x80)  # int8 code -> code + 128, a new contiguous array
     return _q5_0_from_q8(qs, d) if _fits_q5_0(qs) else _packed(qs, d)
 

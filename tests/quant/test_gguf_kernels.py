@@ -121,17 +121,21 @@ def test_layouts_are_told_apart():
 @pytest.mark.parametrize(("type_name", "kind"), [("Q5_0", "q5_0"), ("Q8_0", "q8_0")])
 def test_layer_uses_the_kernel_for_decode_rows_in_bf16_only(type_name, kind):
     w = from_gguf_blocks(type_name, _blocks(type_name, 48, 128, seed=3))
-    bias = torch.randn(48)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(3))
     ref_w = dequantize(w)
     bf16 = QuantizedLinear(w, bias.clone())
     bf16.prepare(torch.bfloat16)
     assert bf16.kind == kind
     x = torch.randn(CPU_PACKED_MAX_ROWS, 128, generator=torch.Generator().manual_seed(4))
     got = bf16(x.bfloat16())
-    want = _expected(x.bfloat16(), ref_w) + bias.bfloat16().double()
+    product = _expected(x.bfloat16(), ref_w)
+    want = product + bias.bfloat16().double()
     assert got.dtype == torch.bfloat16
-    # Two bf16 roundings (the product, then the bias add) of values up to max|want|.
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2**-8 * want.abs().max().item())
+    # Two bf16 roundings, each within 2^-8 of its value: the product, then its sum with the
+    # bias (plus float32's summation order). The bound used before, 2^-8 of max|want|,
+    # failed for 8 of 300 seeded biases: the unseeded bias made this test flaky.
+    bound = 2**-8 * (product.abs() + want.abs()) + 1e-6 * product.abs().max()
+    assert ((got.double() - want).abs() <= bound).all()
     f32 = QuantizedLinear(w, bias.clone())
     f32.prepare(torch.float32)
     assert f32.kind == "dequant"  # float32 is the exact mode: no activation rounding

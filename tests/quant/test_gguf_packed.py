@@ -1,4 +1,5 @@
-"""GGUF Q5_0/Q8_0 tensors loaded straight into the CPU kernels' layout (quant/gguf_packed.py)
+"""GGUF Q5_0/Q8_0 (and Q4_0, as Q5_0) tensors loaded straight into the CPU kernels' layout
+(quant/gguf_packed.py)
 give exactly what the canonical route gives (unpacked to int8 codes, then packed by
 native.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
 prefill, the same kernel choice per layer, fused projections included, and so the same
@@ -46,7 +47,7 @@ def _random_blocks(type_name: str, n: int, k: int, seed: int, small: bool = Fals
     """Raw rows of blocks with random codes (all 256 byte values; -16..15 only if `small`)
     and finite float16 scales of both signs: layouts beyond what a quantizer writes."""
     rng = np.random.default_rng(seed)
-    size = 22 if type_name == "Q5_0" else 34
+    size = {"Q5_0": 22, "Q8_0": 34, "Q4_0": 18}[type_name]
     b = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
     if small:
         b[..., 2:] = rng.integers(-16, 16, b[..., 2:].shape).astype(np.int8).view(np.uint8)
@@ -82,6 +83,8 @@ def _cases() -> list[tuple[str, np.ndarray]]:
         ("Q5_0", _random_blocks("Q5_0", 24, 96, seed=2)),  # an odd number of blocks
         ("Q8_0", _random_blocks("Q8_0", 24, 96, seed=3)),  # code -128 included
         ("Q8_0", _random_blocks("Q8_0", 24, 64, seed=4, small=True)),  # Q5_0's codes only
+        ("Q4_0", _quantized("Q4_0", 40, 256, seed=5)),  # packed as Q5_0
+        ("Q4_0", _random_blocks("Q4_0", 24, 96, seed=6)),
     ]
 
 
