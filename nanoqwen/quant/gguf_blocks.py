@@ -7,6 +7,7 @@ per-group offset), which is exactly QuantizedWeight's form:
     Q5_0  32 5-bit codes, f16 d      -> int8, group 32, codes q - 16, scale d
     Q4_0  32 4-bit codes, f16 d      -> int8, group 32, codes q - 8, scale d (Q5_0's form)
     Q6_K  256 = 16 x 16 6-bit codes  -> int8, group 16, codes q - 32, scale d * sc (int8 sc)
+    Q3_K  256 = 16 x 16 3-bit codes  -> int8, group 16, codes -4..3, scale d * (sc - 32)
     Q4_K  256 = 8 x 32 4-bit codes   -> int4, group 32, scale d * sc, offset -dmin * m
     Q5_K  Q4_K's, a fifth bit a code -> int8 (codes 0..31), group 32, as Q4_K
 
@@ -92,6 +93,36 @@ def _q6_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     return q.reshape(rows, -1), scale.reshape(rows, -1), None, 16
 
 
+def q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """A Q3_K superblock's 12 scale bytes [..., 12] as its 16 six-bit scales minus 32
+    (int8 [..., 16]): the low 4 bits of scales 0..7 and 8..15 in bytes 0..7's low and high
+    nibbles, the top 2 bits in bytes 8..11, four to a byte."""
+    low = np.concatenate([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], axis=-1)
+    top = (s[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3  # [..., 4, 4]
+    high = np.swapaxes(top, -1, -2).reshape(*s.shape[:-1], 16)  # scale 4i + j: byte j, pair i
+    return ((low | high << 4).astype(np.int16) - 32).astype(np.int8)
+
+
+def q3_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q3_K superblocks [rows, blocks, 110] (hmask [32], qs [64], scales [12], d) as int8
+    codes -4..3 [rows, blocks, 256]. In half h, value 128h + 32j + l has its low two bits at
+    (qs[32h + l] >> 2j) & 3 and its third at hmask[l] bit 4h + j; code = low - 4 where that
+    bit is clear."""
+    rows, nb = b.shape[:2]
+    hm, qs = b[..., 0:32], b[..., 32:96].reshape(rows, nb, 2, 1, 32)
+    low = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., h, j, l]
+    bits = np.unpackbits(hm[..., None], axis=-1, bitorder="little")  # [.., l, 4h + j]
+    high = np.swapaxes(bits, -1, -2).reshape(rows, nb, 2, 4, 32)
+    q = low.astype(np.int8) - np.int8(4) * (1 - high.astype(np.int8))
+    return q.reshape(rows, nb, 256)
+
+
+def _q3_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
+    b = _blocks(data, 110)
+    scale = _f16(b[..., 108:110])[..., None] * q3_k_scales(b[..., 96:108]).astype(np.float32)
+    return q3_k_codes(b).reshape(b.shape[0], -1), scale.reshape(b.shape[0], -1), None, 16
+
+
 def q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A Q4_K superblock's 12 scale bytes [..., 12] as its 8 six-bit scales and 8 six-bit
     mins (uint8 [..., 8] each): sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and
@@ -138,13 +169,13 @@ def _q5_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 
 _DECODERS = {
     "Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4),
-    "Q5_K": (_q5_k, 8), "Q4_0": (_q4_0, 8),
+    "Q5_K": (_q5_k, 8), "Q4_0": (_q4_0, 8), "Q3_K": (_q3_k, 8),
 }  # fmt: skip
 EXACT_TYPES = tuple(_DECODERS)
 # (values, bytes) of one block
 BLOCK_SIZES = {
     "Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (QK_K, 210), "Q4_K": (QK_K, 144),
-    "Q5_K": (QK_K, 176), "Q4_0": (32, 18),
+    "Q5_K": (QK_K, 176), "Q4_0": (32, 18), "Q3_K": (QK_K, 110),
 }  # fmt: skip
 
 

@@ -24,6 +24,8 @@ from nanoqwen.quant.format import QuantizedWeight
 from nanoqwen.quant.gguf_blocks import (
     BLOCK_SIZES,
     from_gguf_blocks,
+    q3_k_codes,
+    q3_k_scales,
     q4_k_scales,
     q4_k_weight,
     q5_k_high_bits,
@@ -32,7 +34,7 @@ from nanoqwen.quant.native import gguf_kernel, kquant_kernel
 from nanoqwen.quant.scheme import Scheme
 
 BLOCK_BYTES = {
-    name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0")
+    name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0", "Q3_K")
 }
 _KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k", 5: "q4_k", 6: "q5_k"}  # by the number of tensors
 _SUPERBLOCKS = ("q6_k", "q4_k", "q5_k")  # 256 values a block
@@ -96,10 +98,10 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name not in BLOCK_BYTES:
         return None
     b = np.asarray(data).reshape(data.shape[0], -1, BLOCK_BYTES[type_name])
-    if type_name in ("Q6_K", "Q4_K", "Q5_K"):
+    if type_name in ("Q6_K", "Q4_K", "Q5_K", "Q3_K"):
         if kquant_kernel() is None:
             return None
-        return {"Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k}[type_name](b)
+        return {"Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q3_K": _q3_k}[type_name](b)
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     if b.shape[1] == 1 or np.isnan(d).any():
         return None
@@ -123,6 +125,24 @@ def _q6_k(b: np.ndarray) -> PackedBlocks | None:
         return None
     ql, qh = np.ascontiguousarray(b[..., 0:128]), np.ascontiguousarray(b[..., 128:192])
     return _packed(ql, qh, np.ascontiguousarray(b[..., 192:208]).view(np.int8), d)
+
+
+def _q3_k(b: np.ndarray) -> PackedBlocks | None:
+    """Q3_K superblocks [N, K/256, 110] in Q6_K's four arrays, exactly: a code c (-4..3) is
+    the Q6_K code c + 32, its scale d * (sc - 32) Q6_K's d * sc (6.56 bits a weight, against
+    the file's 3.44; no kernel of its own)."""
+    d = np.ascontiguousarray(b[..., 108:110]).view(np.float16)[..., 0]
+    if np.isnan(d).any():
+        return None
+    n, nb = b.shape[:2]
+    # Per half h of 128 values: ql byte 64h + l holds values 128h + l (low nibble) and
+    # 128h + 64 + l (high); qh byte 32h + l the top two bits of values 128h + 32t + l at 2t.
+    codes = (q3_k_codes(b) + np.int8(32)).view(np.uint8).reshape(n, nb, 2, 128)
+    ql = (codes[..., :64] & 0x0F) | (codes[..., 64:] << 4)
+    top = (codes >> 4).reshape(n, nb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    qh = np.bitwise_or.reduce(top, axis=-2)
+    sc = q3_k_scales(b[..., 96:108])
+    return _packed(ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), sc, d)
 
 
 def _q4_k(b: np.ndarray) -> PackedBlocks | None:

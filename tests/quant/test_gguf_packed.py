@@ -123,7 +123,8 @@ def test_layouts_prepare_would_not_pack_take_the_canonical_route():
     nan = _random_blocks("Q8_0", 8, 64, seed=0)
     nan[3, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # not Q8_0's form
     assert from_file("Q8_0", nan) is None
-    for type_name, size, at in (("Q6_K", 210, 208), ("Q4_K", 144, 2), ("Q5_K", 176, 2)):
+    for type_name, size, at in (("Q6_K", 210, 208), ("Q4_K", 144, 2), ("Q5_K", 176, 2),
+                                ("Q3_K", 110, 108)):  # fmt: skip
         nan = np.zeros((8, size), dtype=np.uint8)
         nan[5, at : at + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
         assert from_file(type_name, nan) is None
@@ -133,9 +134,10 @@ def test_layouts_prepare_would_not_pack_take_the_canonical_route():
 def test_k_quants_load_as_the_files_superblocks(type_name):
     """Q6_K, Q4_K and Q5_K go to the kernels as the file's bytes (Q6_K: 6.56 bits a weight,
     where Q8_0's form of it took 8.5 and rounded it again; Q4_K: 4.63, where torch's int4
-    kernel read 5; Q5_K: 5.63, where Q8_0's form of it read 8.5): the canonical weight they
-    hold is the file's (which dequantizes as gguf-py's reference does), and the layer's int8
-    prefill copy is what prepare makes of that weight."""
+    kernel read 5; Q5_K: 5.63, where Q8_0's form of it read 8.5; Q3_K in Q6_K's layout,
+    exactly, 6.56 where Q8_0's form read 8.5): the canonical weight they hold is the file's
+    (which dequantizes as gguf-py's reference does), and the layer's int8 prefill copy is
+    what prepare makes of that weight."""
     raw = random_blocks(type_name, 16, 512, seed=4)
     packed = from_file(type_name, raw)
     canonical = from_gguf_blocks(type_name, raw)
@@ -150,8 +152,9 @@ def test_k_quants_load_as_the_files_superblocks(type_name):
     assert (packed.bits, packed.group_size) == (canonical.bits, canonical.group_size)
     layer = QuantizedLinear(packed, None)
     layer.prepare(torch.bfloat16)
-    assert layer.kind == type_name.lower()
-    want = requantize_rows(canonical) if type_name == "Q6_K" else requantize_per_channel(canonical)
+    assert layer.kind == ("q6_k" if type_name == "Q3_K" else type_name.lower())
+    symmetric = type_name in ("Q6_K", "Q3_K")  # groups of 16, no offset
+    want = requantize_rows(canonical) if symmetric else requantize_per_channel(canonical)
     assert _same(layer._int8, (want.q, want.scale.view(-1)))
     # In a fused projection beside another layout each keeps its own blocks (PackedParts).
     q5 = from_file("Q5_0", _random_blocks("Q5_0", 16, 512, seed=5, small=True))
@@ -198,10 +201,11 @@ def test_k_quant_prefill_copies_from_the_superblocks_equal_the_canonical_routes(
     for bit the same, a row whose scales are all zero included (row scale 0, codes 0)."""
     raw = random_blocks(type_name, n, k, seed=n)
     zero = raw.reshape(n, k // 256, -1)
-    for at in (208,) if type_name == "Q6_K" else (0, 2):  # d (and dmin) of row 1
+    for at in {"Q6_K": (208,), "Q3_K": (108,)}.get(type_name, (0, 2)):  # d (and dmin) of row 1
         zero[1, :, at : at + 2] = 0
     canonical = from_gguf_blocks(type_name, raw)
-    want = requantize_rows(canonical) if type_name == "Q6_K" else requantize_per_channel(canonical)
+    symmetric = type_name in ("Q6_K", "Q3_K")
+    want = requantize_rows(canonical) if symmetric else requantize_per_channel(canonical)
     got = requantize_packed(from_file(type_name, raw).tensors)
     assert _same((got.q, got.scale), (want.q, want.scale))
     assert float(got.scale[1]) == 0.0 and not got.q[1].any()
