@@ -12,7 +12,8 @@ per-group offset), which is exactly QuantizedWeight's form:
     Q5_K  Q4_K's, a fifth bit a code -> int8 (codes 0..31), group 32, as Q4_K
 
 The products d * sc and dmin * m are computed in float32 as ggml does, so dequantize() of the
-result equals gguf.quants.dequantize bit for bit (tests/quant check this on the real file).
+result equals gguf.quants.dequantize bit for bit (tests/quant check this on the real file, and
+on random blocks for the types it lacks).
 """
 
 from __future__ import annotations
