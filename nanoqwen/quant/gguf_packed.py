@@ -145,22 +145,22 @@ def _q3_k(b: np.ndarray) -> PackedBlocks | None:
     return _packed(ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), sc, d)
 
 
-def _q4_k(b: np.ndarray) -> PackedBlocks | None:
+def _q4_k(b: np.ndarray, qs_at: int = 16) -> PackedBlocks | None:
     """Q4_K superblocks [N, K/256, 144] as the kernel's five arrays, the scales unpacked;
-    None for a NaN d or dmin."""
+    None for a NaN d or dmin. qs_at: where the 128 code bytes start (Q5_K's: 48)."""
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
     if np.isnan(d).any() or np.isnan(dmin).any():
         return None
     sc, m = q4_k_scales(b[..., 4:16])
-    qs = np.ascontiguousarray(b[..., 16:144])
+    qs = np.ascontiguousarray(b[..., qs_at : qs_at + 128])
     return _packed(qs, np.ascontiguousarray(sc), np.ascontiguousarray(m), d, dmin)
 
 
 def _q5_k(b: np.ndarray) -> PackedBlocks | None:
     """Q5_K superblocks [N, K/256, 176] as Q4_K's five arrays with the fifth bits second, as
     a mask a 32 values (the kernel adds 16 to the codes a mask selects)."""
-    four = _q4_k(np.concatenate([b[..., 0:16], b[..., 48:176]], axis=-1))
+    four = _q4_k(b, qs_at=48)  # d, dmin and the scales where Q4_K has them, qh before qs
     if four is None:
         return None
     high = np.packbits(q5_k_high_bits(b[..., 16:48]).reshape(*b.shape[:2], 8, 32), axis=-1,
