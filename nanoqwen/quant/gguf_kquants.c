@@ -290,7 +290,8 @@ static void requantize_k4(const uint8_t* qs, const uint32_t* hb, const uint8_t* 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         float w[K];
-        float amax = 0.0f;
+        __m512 amax = _mm512_setzero_ps();
+        const __m512i low4 = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
         for (int64_t b = 0; b < ns; b++) {
             const int64_t i = n * ns + b;
             const float dd = _cvtsh_ss(d[i]), dm = _cvtsh_ss(dmin[i]);
@@ -298,20 +299,32 @@ static void requantize_k4(const uint8_t* qs, const uint32_t* hb, const uint8_t* 
                 // group g: chunk g / 2 of 32 bytes, low nibbles for even g, high for odd
                 const uint8_t* p = qs + 128 * i + 32 * (g >> 1);
                 const uint32_t high = hb ? hb[8 * i + g] : 0;
-                const float scale = dd * (float)sc[8 * i + g], offset = -(dm * (float)mn[8 * i + g]);
-                float* v = w + 256 * b + 32 * g;
-                for (int j = 0; j < 32; j++) {
-                    const int c = ((p[j] >> (4 * (g & 1))) & 15) | ((high >> j) & 1) << 4;
-                    v[j] = (float)c * scale + offset;
-                    amax = fmaxf(amax, fabsf(v[j]));
+                const __m512 scale = _mm512_set1_ps(dd * (float)sc[8 * i + g]);
+                const __m512 offset = _mm512_set1_ps(-(dm * (float)mn[8 * i + g]));
+                for (int j = 0; j < 32; j += 16) {
+                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + j)));
+                    c = _mm512_and_si512(_mm512_srli_epi32(c, 4 * (g & 1)), low4);
+                    c = _mm512_mask_add_epi32(c, (__mmask16)(high >> j), c, sixteen);
+                    // c * scale is exact (a 5-bit code times an 11-bit by 6-bit product), so
+                    // the fused add rounds once, as the separate add does
+                    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, offset);
+                    _mm512_storeu_ps(w + 256 * b + 32 * g + j, v);
+                    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
                 }
             }
         }
-        const float row = amax / 127.0f, safe = row > 0.0f ? row : 1.0f;
+        const float row = _mm512_reduce_max_ps(amax) / 127.0f, safe = row > 0.0f ? row : 1.0f;
         r[n] = row;
+        // round(w / r) to nearest even, clamped: the scalar loop's arithmetic, 16 at a time
+        const __m512 sv = _mm512_set1_ps(safe), lo = _mm512_set1_ps(-127.0f),
+                     hi = _mm512_set1_ps(127.0f);
         int8_t* o = out + n * K;
-        for (int64_t j = 0; j < K; j++)
-            o[j] = (int8_t)fminf(fmaxf(nearbyintf(w[j] / safe), -127.0f), 127.0f);
+        for (int64_t j = 0; j < K; j += 16) {
+            __m512 v = _mm512_div_ps(_mm512_loadu_ps(w + j), sv);
+            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            _mm_storeu_si128((__m128i*)(o + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+        }
     }
 }
 
