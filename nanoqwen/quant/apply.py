@@ -40,7 +40,9 @@ def install(
         else:
             old = net.get_submodule(name)
             layer = QuantizedLinear(w, None if old.bias is None else old.bias.detach())
-        layer.prepare(dtype)
+        # Logits are computed for a few rows a step (but for prompt logprobs): the lm_head's
+        # int8 copy for many-row matmuls waits until one comes.
+        layer.prepare(dtype, prefill_copy=name != "lm_head")
         set_module(net, name, layer)
     for m in net.modules():
         if isinstance(m, MLP) and isinstance(m.gate_up_proj, QuantizedLinear):

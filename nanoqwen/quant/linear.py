@@ -81,15 +81,17 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, {self.layout}"
 
-    def prepare(self, dtype: torch.dtype) -> None:
+    def prepare(self, dtype: torch.dtype, prefill_copy: bool = True) -> None:
         """Packs the weight for `dtype` activations on its device. float32 keeps the
         canonical weight (many-row matmuls dequantize it exactly); bf16/fp16 replace it
-        with per-channel int8 codes for the int8 x int8 prefill matmul."""
+        with per-channel int8 codes for the int8 x int8 prefill matmul. prefill_copy=False:
+        GGUF blocks make that copy when a call first has many rows (the lm_head, which
+        computes logits for a few rows but for prompt logprobs)."""
         w = self.weight
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
         if isinstance(w, (PackedBlocks, PackedParts)):
-            self._prepare_packed(w, dtype)
+            self._prepare_packed(w, dtype, prefill_copy)
             return
         if self.device.type == "cuda":
             self._decode, self.kind = (cuda_pack(w),), "triton"
@@ -119,7 +121,9 @@ class QuantizedLinear(nn.Module):
                 self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"
             self.weight = None
 
-    def _prepare_packed(self, w: PackedBlocks | PackedParts, dtype: torch.dtype) -> None:
+    def _prepare_packed(
+        self, w: PackedBlocks | PackedParts, dtype: torch.dtype, prefill_copy: bool
+    ) -> None:
         """What prepare() makes of the canonical weight that w packs: the same kernels and
         the same per-channel int8 copy, without unpacking the codes (per-channel: a
         PackedParts projection's copy is its parts' copies stacked)."""
@@ -128,14 +132,19 @@ class QuantizedLinear(nn.Module):
                 f"PackedBlocks need the CPU's GGUF kernels and bf16/fp16 activations "
                 f"(got {dtype} on {w.device})"
             )
-        parts = w.parts if isinstance(w, PackedParts) else (w,)
-        self._decode = tuple(p.tensors for p in parts) if self._parts else w.tensors
+        self._decode = tuple(p.tensors for p in w.parts) if self._parts else w.tensors
         self.kind = w.kind
-        copies = [requantize_packed(p.tensors) for p in parts]
+        if prefill_copy:
+            self._int8 = self._packed_int8()
+        self.weight = None
+
+    def _packed_int8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GGUF blocks' per-channel int8 copy (a PackedParts projection's: its parts'
+        copies stacked, since the copy is per row)."""
+        copies = [requantize_packed(t) for t in (self._decode if self._parts else [self._decode])]
         q = copies[0].q if len(copies) == 1 else torch.cat([c.q for c in copies])
         scale = copies[0].scale if len(copies) == 1 else torch.cat([c.scale for c in copies])
-        self._int8 = (q, scale.view(-1))
-        self.weight = None
+        return q, scale.view(-1)
 
     def decode_bytes(self) -> int:
         """Bytes the few-rows kernel reads per call."""
@@ -164,6 +173,8 @@ class QuantizedLinear(nn.Module):
         shape = (*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] > CPU_PACKED_MAX_ROWS or self.kind in ("dequant", "unprepared"):
+            if self._int8 is None and (self.kind in GGUF_KINDS or self._parts):
+                self._int8 = self._packed_int8()  # prepare()'s prefill_copy=False
             if self._int8 is None or x.dtype == torch.float32:
                 return F.linear(x, dequantize(self.weight, x.dtype), self.bias)
             if x.dtype == torch.bfloat16 and cpu_kernels() is not None:

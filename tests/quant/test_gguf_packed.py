@@ -258,6 +258,12 @@ def test_model_loads_the_same_layers_and_tokens_either_way(tmp_path, monkeypatch
     assert sorted(set(packed)) == ["Q5_0", "Q8_0"]  # the direct path ran for both types
     monkeypatch.setattr(gguf_loader, "keeps_file_blocks", lambda *args: False)
     old = _engine(path)
+    # Teacher-forced logits of every position: the lm_head's first many-row call, which
+    # makes its int8 copy (prepare left it out) and must equal the canonical route's.
+    assert new.runner.model.lm_head._int8 is None
+    prompt = [5, 17, 99, 3, 250, 41, 8, 8, 120, 7]
+    assert torch.equal(new.runner.prompt_logits(prompt), old.runner.prompt_logits(prompt))
+    assert new.runner.model.lm_head._int8 is not None
 
     layers = {n: m for n, m in old.runner.model.named_modules() if isinstance(m, QuantizedLinear)}
     ours = {n: m for n, m in new.runner.model.named_modules() if isinstance(m, QuantizedLinear)}
