@@ -98,10 +98,8 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name not in BLOCK_BYTES:
         return None
     b = np.asarray(data).reshape(data.shape[0], -1, BLOCK_BYTES[type_name])
-    if type_name in ("Q6_K", "Q4_K", "Q5_K", "Q3_K"):
-        if kquant_kernel() is None:
-            return None
-        return {"Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q3_K": _q3_k}[type_name](b)
+    if type_name in _SUPERBLOCK_READERS:
+        return _SUPERBLOCK_READERS[type_name](b) if kquant_kernel() is not None else None
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
     if b.shape[1] == 1 or np.isnan(d).any():
         return None
@@ -167,6 +165,9 @@ def _q5_k(b: np.ndarray) -> PackedBlocks | None:
                        bitorder="little")  # fmt: skip
     qs, *rest = four.tensors
     return PackedBlocks((qs, torch.from_numpy(high.view(np.int32)[..., 0]), *rest))
+
+
+_SUPERBLOCK_READERS = {"Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q3_K": _q3_k}
 
 
 def can_cat(parts: list[PackedBlocks]) -> bool:

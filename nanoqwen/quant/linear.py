@@ -78,6 +78,11 @@ class QuantizedLinear(nn.Module):
             return f"parts ({self.kind})"
         return f"int{self.bits} group {self.group_size} ({self.kind})"
 
+    @property
+    def _file_blocks(self) -> bool:
+        """Whether the layer runs GGUF blocks through native.gguf_matmul."""
+        return self._parts or self.kind in GGUF_KINDS
+
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, {self.layout}"
 
@@ -173,16 +178,16 @@ class QuantizedLinear(nn.Module):
         shape = (*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] > CPU_PACKED_MAX_ROWS or self.kind in ("dequant", "unprepared"):
-            if self._int8 is None and (self.kind in GGUF_KINDS or self._parts):
+            if self._int8 is None and self._file_blocks:
                 self._int8 = self._packed_int8()  # prepare()'s prefill_copy=False
             if self._int8 is None or x.dtype == torch.float32:
                 return F.linear(x, dequantize(self.weight, x.dtype), self.bias)
             if x.dtype == torch.bfloat16 and cpu_kernels() is not None:
                 return _int8_matmul_native(x2, *self._int8, self.bias).view(shape)
             y = _int8_matmul(x2, *self._int8)
-        elif (self.kind in GGUF_KINDS or self._parts) and x.dtype == torch.bfloat16:
+        elif self._file_blocks and x.dtype == torch.bfloat16:
             return self._gguf_matmul(x2.contiguous(), self.bias).view(shape)
-        elif self.kind in GGUF_KINDS or self._parts:
+        elif self._file_blocks:
             y = self._gguf_matmul(x2.contiguous(), None).to(x.dtype)
         elif self.kind == "int4pack":
             packed, scales_zeros = self._decode
