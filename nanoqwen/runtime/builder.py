@@ -235,42 +235,45 @@ def _assemble(
         from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
 
         graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch if sampler else 0)
+    # The longest chunk there can be; every rank computes the same, so all capture alike.
+    longest = min(kw["max_num_batched_tokens"], max_len)
+    prefill_graphs = _prefill_graphs(graphs, backend, kv, longest)
     if worker:
         from nanoqwen.runtime.parallel.worker import WorkerRunner
 
-        runner = WorkerRunner(net, kv, host, graphs, parallel)
-        if graphs is not None:
-            graphs.capture(
-                runner, max_len, variants, progress=False, cascade_from=backend.cascade_from
-            )
+        runner = WorkerRunner(net, kv, host, graphs, prefill_graphs, parallel)
+        _capture(runner, max_len, variants, backend.cascade_from, progress=False)
         return runner
     blocks = BlockManager(num_kv_blocks, block_size, kw["enable_prefix_caching"], host)
     scheduler = Scheduler(sched_config, blocks, sampler.release)
     if parallel is None:
-        longest = min(kw["max_num_batched_tokens"], max_len)  # the longest chunk there can be
-        prefill_graphs = _prefill_graphs(graphs, backend, kv, longest)
         runner = ModelRunner(net, kv, blocks, sampler, graphs, prefill_graphs)
     else:
         from nanoqwen.runtime.parallel.message import StepChannel
         from nanoqwen.runtime.parallel.runner import ParallelModelRunner
 
         channel = StepChannel(parallel)
-        runner = ParallelModelRunner(net, kv, blocks, sampler, graphs, channel, workers)
-    if graphs is not None:
-        graphs.capture(
-            runner, max_len, variants, progress=progress, cascade_from=backend.cascade_from
+        runner = ParallelModelRunner(
+            net, kv, blocks, sampler, graphs, prefill_graphs, channel, workers
         )
-    if runner.prefill_graphs is not None:
-        runner.prefill_graphs.capture(runner, max_len, graphs.pool, progress=progress)
+    _capture(runner, max_len, variants, backend.cascade_from, progress)
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
 
 
 def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int):
     """Graphs for short single-sequence prefills wherever decode has graphs and the backend
-    can capture a prefill (not yet under tensor parallelism: its ranks replay what rank 0
-    announces, decode graphs only)."""
+    can capture a prefill."""
     if graphs is None or not backend.captures_prefill:
         return None
     from nanoqwen.runtime.prefill_graph import PrefillGraphRunner
 
     return PrefillGraphRunner(max_tokens, kv, graphs.sampler_scratch)
+
+
+def _capture(runner, max_len: int, variants, cascade_from: int | None, progress: bool) -> None:
+    """Decode graphs, then prefill graphs in their memory pool; every tensor-parallel rank
+    in the same order, so the capture warm-ups' collectives pair."""
+    if runner.graphs is not None:
+        runner.graphs.capture(runner, max_len, variants, progress, cascade_from)
+    if runner.prefill_graphs is not None:
+        runner.prefill_graphs.capture(runner, max_len, runner.graphs.pool, progress)

@@ -109,6 +109,9 @@ class ModelRunner:
         """With tensor parallelism: tells the other ranks which graph to replay (the graph
         itself broadcasts its inputs, cuda_graph.py)."""
 
+    def _announce_prefill_graph(self, key) -> None:
+        """The same for a prefill graph (prefill_graph.py)."""
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool):
         slots = self._tensor(self.sampler.slots(seqs), torch.int64)
         return self.sampler(logits, slots, filtering)
@@ -127,7 +130,9 @@ class ModelRunner:
             and self.prefill_graphs is not None
             and self.prefill_graphs.can_run(batch)
         ):
-            logits, tokens = self.prefill_graphs.run(self, batch, filtering)
+            key = self.prefill_graphs.prepare(self, batch, filtering)
+            self._announce_prefill_graph(key)
+            logits, tokens = self.prefill_graphs.replay(key)
         elif batch.is_prefill:
             ids, meta, rows = self.prepare_prefill(batch)
             x, residual = self.model(ids, meta)

@@ -9,6 +9,10 @@ A chunk of L new tokens runs in the smallest bucket of T > L rows. Rows [0, L) a
 sequence's; rows [L, T) are a second sequence of T - L padding tokens whose keys go to the
 KV cache's scratch block, so every row the graph computes is an ordinary token of some
 sequence (no row reads uninitialised memory) and nothing it writes reaches a real block.
+
+Under tensor parallelism every rank captures the same graphs. Rank 0 fills its buffer and
+announces the key (runtime/parallel/runner.py); each graph's first kernel broadcasts rank 0's
+buffer into the others', as the decode graphs do.
 """
 
 from __future__ import annotations
@@ -140,8 +144,13 @@ class PrefillGraphRunner:
 
     @torch.inference_mode()
     def capture(self, runner, max_model_len: int, pool=None, progress: bool = True) -> None:
-        """pool: the decode graphs' memory pool, shared (no two graphs ever run at once)."""
+        """pool: the decode graphs' memory pool, shared (no two graphs ever run at once).
+        Tensor-parallel ranks other than 0 have no sampler: their graphs end at the logits.
+        Every rank captures every key in the same order, so the warm-ups' collectives pair."""
         self._allocate(runner.device, max_model_len)
+        model, sampler = runner.model, runner.sampler
+        # thread_local: the NCCL watchdog thread may query events while this captures.
+        mode = "global" if model.tp is None else "thread_local"
         keys = [(b, f) for b in sorted(self.sizes, reverse=True) for f in (False, True)]
         for key in tqdm(keys, desc="Capturing prefill graphs", disable=not progress, leave=False):
             bucket, filtering = key
@@ -150,20 +159,30 @@ class PrefillGraphRunner:
             meta = self.meta[bucket]
             self._warm_up_inputs(bucket)
             slot = self.fields.sampler_slot
-            runner.sampler(self._forward(runner.model, bucket, meta), slot, filtering)
+            logits = self._forward(model, bucket, meta)
+            if sampler is not None:
+                sampler(logits, slot, filtering)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(runner.model, bucket, meta)
-                tokens = runner.sampler(logits, slot, filtering)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                logits = self._forward(model, bucket, meta)
+                tokens = sampler(logits, slot, filtering) if sampler is not None else None
             pool = graph.pool()
             self.graphs[key] = (graph, logits, tokens)
         torch.cuda.synchronize()
 
     def _forward(self, model, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
+        if model.tp is not None:  # rank 0's inputs into every rank's buffer
+            model.tp.broadcast(self.dev)
         x, residual = model(self.fields.ids[:bucket], meta)
         rows = self.fields.logit_row
         return model.compute_logits((x[rows], residual[rows]))
+
+    def release(self) -> None:
+        """Frees the graphs (CUDAGraphRunner.release says why tensor parallelism needs it)."""
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
     def can_run(self, batch: Batch) -> bool:
         if not self.graphs or len(batch.seqs) != 1 or not batch.completes(0):
@@ -172,9 +191,9 @@ class PrefillGraphRunner:
         return batch.num_new_tokens[0] < self.rows and seq.params.prompt_logprobs is None
 
     @torch.inference_mode()
-    def run(self, runner, batch: Batch, filtering: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replays the step of batch (can_run's kind); returns [1, vocab] logits and [1]
-        tokens, the graph's own output buffers. Nothing here waits for the GPU."""
+    def prepare(self, runner, batch: Batch, filtering: bool) -> tuple[int, bool]:
+        """Writes the step of batch (can_run's kind) into the graphs' buffer; returns the key
+        of the graph to replay. Nothing here waits for the GPU."""
         seq, n = batch.seqs[0], batch.num_new_tokens[0]
         start = seq.num_computed_tokens
         bucket = next(b for b in self.sizes if b > n)
@@ -184,6 +203,11 @@ class PrefillGraphRunner:
         ids = seq.token_ids[start : start + n]
         self._fill(h, ids, table, start, start + n, runner.sampler.slots([seq])[0], bucket)
         self.dev.copy_(mirror, non_blocking=True)
-        graph, logits, tokens = self.graphs[(bucket, filtering)]
+        return bucket, filtering
+
+    def replay(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replays the graph of key; returns its [1, vocab] logits and [1] tokens (None on
+        tensor-parallel ranks other than 0), the graph's own output buffers."""
+        graph, logits, tokens = self.graphs[key]
         graph.replay()
         return logits, tokens

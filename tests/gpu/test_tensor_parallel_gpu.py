@@ -95,6 +95,29 @@ def test_tp2_graph_replay_matches_eager(model_dir):
         assert a.token_ids == b.token_ids == c.token_ids
 
 
+def test_tp2_prefill_graphs_give_the_eager_logits(model_dir):
+    """A single prompt's prefill replays a graph on both ranks. Its logits are the eager
+    step's up to the kernels' rounding (the graph runs the Triton prefill, the eager step
+    flash-attn's where installed, and the bucket's GEMM shapes); a wrong row, key or
+    broadcast would move them by far more."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with engine(model_dir, tp=2, attention_backend="triton") as split:
+        runner, graphs = split.runner, split.runner.prefill_graphs
+        assert graphs is not None and graphs.sizes == [16, 32, 64, 128, 256, 512]
+        for length in (1, 20, 300, 511):
+            split._add([(11 * j + length) % 997 for j in range(length)], params, False)
+            b = split.scheduler.schedule()
+            assert b.is_prefill and graphs.can_run(b)
+            with_graph = runner.compute_logits(b).clone()
+            runner.prefill_graphs = None
+            eager = runner.compute_logits(b)
+            runner.prefill_graphs = graphs
+            split.abort(b.seqs)
+            torch.testing.assert_close(with_graph, eager, rtol=0.02, atol=0.1)
+        out = split.generate([PROMPTS[1]], params)  # the other rank still follows
+        assert len(out[0].token_ids) == 8
+
+
 def test_tp2_steps_have_no_host_sync(model_dir, monkeypatch):
     """Prefill and decode (a token in flight), with graphs and eager: rank 0 here, the other
     rank in its own process (a sync there kills it, and the engine raises)."""
@@ -102,13 +125,14 @@ def test_tp2_steps_have_no_host_sync(model_dir, monkeypatch):
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=8, logprobs=2)
     with engine(model_dir, tp=2) as llm:
         for graphs in (True, False):
-            for i, n in enumerate([9, 300, 41]):
-                llm._add([(7 * i + j) % 997 for j in range(n)], params, False)
-            prefill = llm.scheduler.schedule()
-            if not graphs:
-                llm.runner.graphs = None
-            launch_two_steps_without_host_sync(llm, prefill)
-            llm.abort(prefill.seqs)
+            for lengths in ([9, 300, 41], [40]):  # [40]: a prefill graph's case
+                for i, n in enumerate(lengths):
+                    llm._add([(7 * i + j) % 997 for j in range(n)], params, False)
+                prefill = llm.scheduler.schedule()
+                if not graphs:
+                    llm.runner.graphs = llm.runner.prefill_graphs = None
+                launch_two_steps_without_host_sync(llm, prefill)
+                llm.abort(prefill.seqs)
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # the other rank lives
         assert len(out[0].token_ids) == 4
 

@@ -99,3 +99,53 @@ def test_a_tp2_engine_with_custom_collectives_in_its_graphs_on_one_gpu(model_dir
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(rank_main, args=(port, str(model_dir)), nprocs=2)
+
+
+def prefill_rank_main(rank: int, port: int, path: str) -> None:
+    """A single prompt's prefill replays a graph on both ranks (rank 0 announces it, the
+    graph broadcasts rank 0's inputs): its logits are the eager prefill's, and generate
+    gives the eager engine's tokens. Both prefill with the Triton kernel on both ranks
+    (the graphs' own; flash-attn's differs by a bf16 step here and there)."""
+    from nanoqwen import SamplingParams
+    from nanoqwen.runtime.attention import triton_backend
+
+    on_one_gpu(rank, port)
+    triton_backend.PREFILL_WITH_FLASH_ATTN = False
+    llm = engine(path, tp=2, attention_backend="triton")
+    runner, graphs = llm.runner, llm.runner.prefill_graphs
+    assert graphs is not None and graphs.sizes == [16, 32, 64, 128, 256, 512]
+    replayed = []
+    replay = graphs.replay
+    graphs.replay = lambda key: replayed.append(key) or replay(key)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for length, bucket in ((1, 16), (20, 32), (300, 512), (511, 512)):
+        llm._add([(11 * j + length) % 997 for j in range(length)], greedy, detokenize=False)
+        b = llm.scheduler.schedule()
+        assert b.is_prefill and len(b.seqs) == 1 and graphs.can_run(b)
+        with_graph = runner.compute_logits(b).clone()
+        assert replayed[-1] == (bucket, False)
+        runner.prefill_graphs = None
+        eager = runner.compute_logits(b)
+        runner.prefill_graphs = graphs
+        llm.abort(b.seqs)
+        # Other GEMM shapes (the bucket's rows), so not bit for bit; a wrong row, key or
+        # broadcast would move these logits by far more.
+        torch.testing.assert_close(with_graph, eager, rtol=0.02, atol=0.1)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    for params in (greedy, sampled):
+        for p in PROMPTS:
+            a = llm.generate([p], params)[0].token_ids
+            runner.prefill_graphs = None
+            b = llm.generate([p], params)[0].token_ids
+            runner.prefill_graphs = graphs
+            assert a == b, (len(p), params)
+    assert (32, True) in replayed and (256, False) in replayed
+    llm.close()
+    assert not dist.is_initialized()
+
+
+def test_a_tp2_engine_replays_prefill_graphs_on_one_gpu(model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(prefill_rank_main, args=(port, str(model_dir)), nprocs=2)

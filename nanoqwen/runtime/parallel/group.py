@@ -113,6 +113,14 @@ def join_group(
     return ParallelContext(TensorParallel(rank, size, None, custom), control, device)
 
 
+def release_graphs(runner) -> None:
+    """Frees a runner's decode and prefill graphs, which a rank must do before it leaves
+    the group (CUDAGraphRunner.release says why)."""
+    for graphs in (runner.graphs, runner.prefill_graphs):
+        if graphs is not None:
+            graphs.release()
+
+
 def leave_group(control: dist.ProcessGroup | None = None) -> None:
     """Frees this rank's process groups.
 

@@ -4,9 +4,9 @@ A step is a small fixed header over the gloo control group (what kind of step, t
 its parts, which CUDA graph) and then one broadcast of the step's inputs packed into a single
 int64 tensor, on the step's device (NCCL between GPUs), so rank 0 never waits for the GPU to
 send it. A CUDA graph's replay broadcasts its own inputs, as its first kernel
-(runtime/cuda_graph.py). Host work the others must repeat (KV block copies to and from the
-host pool, the row ranges of prompt logprobs) rides in an extra control message on the steps
-that have any.
+(runtime/cuda_graph.py, runtime/prefill_graph.py). Host work the others must repeat (KV
+block copies to and from the host pool, the row ranges of prompt logprobs) rides in an extra
+control message on the steps that have any.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class Op(IntEnum):
     STEP = 1  # a prefill or eager decode step: inputs in the packed payload
     GRAPH = 2  # a CUDA graph replay: inputs are the graph runner's static buffer
     SHUTDOWN = 3
+    PREFILL_GRAPH = 4  # a prefill graph's replay: GRAPH_BS is its bucket
 
 
 class Field(IntEnum):

@@ -10,7 +10,7 @@ import torch
 from nanoqwen.runtime.kv.host_pool import HostKVCache
 from nanoqwen.runtime.launched_step import LaunchedStep
 from nanoqwen.runtime.model_runner import ModelRunner
-from nanoqwen.runtime.parallel.group import TensorParallelError, leave_group
+from nanoqwen.runtime.parallel.group import TensorParallelError, leave_group, release_graphs
 from nanoqwen.runtime.parallel.message import (
     Field,
     Op,
@@ -53,10 +53,11 @@ class ParallelModelRunner(ModelRunner):
         block_manager,
         sampler,
         graphs,
+        prefill_graphs,
         channel: StepChannel,
         workers: WorkerProcesses | None,
     ) -> None:
-        super().__init__(model, kv_cache, block_manager, sampler, graphs)
+        super().__init__(model, kv_cache, block_manager, sampler, graphs, prefill_graphs)
         self.channel = channel
         self.workers = workers  # None under torchrun, whose agent watches the ranks
         self.host = block_manager.host
@@ -87,6 +88,11 @@ class ParallelModelRunner(ModelRunner):
             Op.GRAPH, graph_bs=bs, graph_variant=variant, graph_filtering=filtering,
             graph_cascade=cascade,
         )  # fmt: skip
+        self.channel.send(h, self._copies())
+
+    def _announce_prefill_graph(self, key) -> None:
+        bucket, filtering = key
+        h = header(Op.PREFILL_GRAPH, graph_bs=bucket, graph_filtering=filtering)
         self.channel.send(h, self._copies())
 
     # ---- failure and shutdown ---------------------------------------------------------------
@@ -143,8 +149,7 @@ class ParallelModelRunner(ModelRunner):
         leave_group()
 
     def _release_graphs(self) -> None:
-        if self.graphs is not None:
-            self.graphs.release()  # before the group: see CUDAGraphRunner.release
+        release_graphs(self)
 
     def close(self) -> None:
         """Stops the other ranks and leaves the group with them (idempotent)."""

@@ -17,6 +17,7 @@ from nanoqwen.runtime.parallel.group import (
     TensorParallelError,
     join_group,
     leave_group,
+    release_graphs,
     spawn_store,
 )
 from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, unpack
@@ -30,11 +31,20 @@ class WorkerRunner:
 
     sampler = None  # the graph capture leaves the sampler out
 
-    def __init__(self, model, kv: KVCache, host: HostKVCache | None, graphs, ctx: ParallelContext):
+    def __init__(
+        self,
+        model,
+        kv: KVCache,
+        host: HostKVCache | None,
+        graphs,
+        prefill_graphs,
+        ctx: ParallelContext,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.host = host
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs
         self.device = ctx.device
         self.channel = StepChannel(ctx)
         self.custom_all_reduce = ctx.tp.custom_all_reduce
@@ -61,6 +71,8 @@ class WorkerRunner:
                     bool(h[Field.GRAPH_CASCADE]),
                 )  # fmt: skip
                 self.graphs.replay(key)  # its first kernel receives rank 0's inputs
+            elif h[Field.OP] == Op.PREFILL_GRAPH:
+                self.prefill_graphs.replay((h[Field.GRAPH_BS], bool(h[Field.GRAPH_FILTERING])))
             else:
                 self._step(h, prompt_rows)
 
@@ -99,8 +111,8 @@ def run_worker(ctx: ParallelContext, engine_kwargs: dict) -> None:
             torch.cuda.synchronize(ctx.device)
         shut_down = True
     finally:
-        if worker is not None and worker.graphs is not None:
-            worker.graphs.release()  # before the group: see CUDAGraphRunner.release
+        if worker is not None:
+            release_graphs(worker)
         leave_group(ctx.control if shut_down else None)
 
 
