@@ -208,13 +208,12 @@ def test_capture_warm_ups_run_every_padding_row(gpu_model):
 
 
 def _prefill_engine(gpu_model, backend, **kw) -> LLM:
-    """An engine with prefill graphs. The flash-attn backend has none: its varlen forward,
-    captured over the graphs' padded layout, wrote NaN into the KV cache and the model's
-    buffers (the triton backend captures its own prefill kernel instead)."""
+    """An engine with prefill graphs, where its backend captures them (flash_backend.py
+    says why flash-attn's may not)."""
     llm = _engine(gpu_model, backend, **kw)
-    if backend[0] == "flash-attn":
+    if not llm.runner.model.layers[0].self_attn.backend.captures_prefill:
         assert llm.runner.prefill_graphs is None
-        pytest.skip("the flash-attn backend captures no prefill")
+        pytest.skip(f"the {backend[0]} backend captures no prefill")
     assert llm.runner.prefill_graphs.sizes == [16, 32, 64, 128, 256, 512]
     return llm
 
@@ -284,14 +283,28 @@ def test_prefill_graph_steps_have_no_host_sync(gpu_model, backend, params):
 
 
 def test_prefill_graphs_and_eager_generate_the_same_tokens(gpu_model, backend, monkeypatch):
-    """One request at a time, so each prefill is a single prompt (the graphs' case); both
-    engines prefill with the Triton kernel (see _check_prefill_graph)."""
+    """One request at a time, so each prefill is a single prompt (the graphs' case); the
+    triton backend's engines both prefill with its own kernel (see _check_prefill_graph).
+    flash-attn's graphs split the keys where its eager step may not (flash_backend.py), so
+    there greedy tokens may part, but only where the eager engine's two best logits tie."""
     monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
     with_graphs = _prefill_engine(gpu_model, backend)
     eager = _engine(gpu_model, backend, enforce_eager=True)
     assert eager.runner.prefill_graphs is None
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for length in (3, 40, 300, 600):
         prompt = [(3 * length + j) % 991 for j in range(length)]
-        for p in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), MIXED[2]):
+        for p in (greedy, MIXED[2]):
             a = with_graphs.generate([prompt], p)[0].token_ids
-            assert a == eager.generate([prompt], p)[0].token_ids, (length, p)
+            b = eager.generate([prompt], p)[0].token_ids
+            if backend[0] != "flash-attn" or a == b or p is not greedy:
+                assert a == b, (length, p)
+                continue
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            logits = eager.runner.prompt_logits(prompt + b[:k], last=1)[0]
+            best = logits.topk(2)
+            assert sorted(best.indices.tolist()) == sorted([a[k], b[k]]), (length, k)
+            # Four bf16 steps at the logits' size: the two engines' hidden states differ by
+            # bf16 roundings, which 18 tokens of decoding moved by ~2 steps here.
+            step = 2.0 ** (torch.floor(torch.log2(best.values[0])).item() - 7)
+            assert best.values[0] - best.values[1] <= 4 * step, (length, k, best.values)

@@ -36,13 +36,13 @@ class FlashAttention:
         return [(SHORT_CONTEXT, 1), (max_model_len, 0)]
 
     cascade_from = CASCADE_FROM
-    # Its varlen forward, captured over the prefill graphs' padded layout, wrote NaN into
-    # the KV cache and the model's buffers on the H200 (BENCHMARKS.md, session 15). The
-    # likely cause, read from the code in session 16: every bucket's capture warm-up ran
-    # over the largest bucket's layout, so a small bucket's forward wrote up to a tile of
-    # rows past its output. Each bucket now warms up on its own rows; this stays off until
-    # that has run on a GPU.
-    captures_prefill = False
+    # Its varlen forward, captured over the prefill graphs' padded layout (prefill_graph.py),
+    # once wrote NaN into the KV cache and the model's buffers: every bucket's capture
+    # warm-up ran over the largest bucket's layout, past the end of a smaller bucket's
+    # tensors (BENCHMARKS.md, sessions 15 to 17). A graph's max_seqlen_k is the model's
+    # length, so flash-attn may split the keys where the eager step does not: the same
+    # logits to bf16 rounding, not bit for bit.
+    captures_prefill = True
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, _ = split_qkv(qkv, k_cache)
