@@ -104,13 +104,12 @@ def q3_k_scales(s: np.ndarray) -> np.ndarray:
     return ((low | high << 4).astype(np.int16) - 32).astype(np.int8)
 
 
-def q3_k_codes(b: np.ndarray) -> np.ndarray:
-    """Q3_K superblocks [rows, blocks, 110] (hmask [32], qs [64], scales [12], d) as int8
-    codes -4..3 [rows, blocks, 256]. In half h, value 128h + 32j + l has its low two bits at
-    (qs[32h + l] >> 2j) & 3 and its third at hmask[l] bit 4h + j; code = low - 4 where that
-    bit is clear."""
-    rows, nb = b.shape[:2]
-    hm, qs = b[..., 0:32], b[..., 32:96].reshape(rows, nb, 2, 1, 32)
+def q3_k_codes(hm: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q3_K's hmask [rows, blocks, 32] and qs [rows, blocks, 64] as int8 codes -4..3 [rows,
+    blocks, 256]. In half h, value 128h + 32j + l has its low two bits at (qs[32h + l] >> 2j)
+    & 3 and its third at hmask[l] bit 4h + j; code = low - 4 where that bit is clear."""
+    rows, nb = hm.shape[:2]
+    qs = qs.reshape(rows, nb, 2, 1, 32)
     low = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., h, j, l]
     bits = np.unpackbits(hm[..., None], axis=-1, bitorder="little")  # [.., l, 4h + j]
     high = np.swapaxes(bits, -1, -2).reshape(rows, nb, 2, 4, 32)
@@ -118,10 +117,19 @@ def q3_k_codes(b: np.ndarray) -> np.ndarray:
     return q.reshape(rows, nb, 256)
 
 
+def q3_k_weight(hm, qs, sc, d) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [rows, K], scales [rows, K/16]) of Q3_K superblocks given as hmask, qs, the
+    scales minus 32 (int8 [rows, blocks, 16]) and d float32 [rows, blocks]."""
+    rows = d.shape[0]
+    scale = d[..., None] * sc.astype(np.float32)
+    return q3_k_codes(hm, qs).reshape(rows, -1), scale.reshape(rows, -1)
+
+
 def _q3_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     b = _blocks(data, 110)
-    scale = _f16(b[..., 108:110])[..., None] * q3_k_scales(b[..., 96:108]).astype(np.float32)
-    return q3_k_codes(b).reshape(b.shape[0], -1), scale.reshape(b.shape[0], -1), None, 16
+    sc = q3_k_scales(b[..., 96:108])
+    q, scale = q3_k_weight(b[..., 0:32], b[..., 32:96], sc, _f16(b[..., 108:110]))
+    return q, scale, None, 16
 
 
 def q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

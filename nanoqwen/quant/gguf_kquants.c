@@ -1,5 +1,6 @@
-// Few-row matmuls over GGUF Q6_K, Q4_K and Q5_K superblocks (AVX512-VNNI), as gguf_gemv.c's
-// over Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per block of 32.
+// Few-row matmuls over GGUF Q6_K, Q3_K, Q4_K and Q5_K superblocks (AVX512-VNNI), as
+// gguf_gemv.c's over Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per
+// block of 32.
 
 #include "gguf_common.h"
 
@@ -12,29 +13,42 @@
 // w = d * sc[j / 16] * (c - 32) for the 6-bit code c. The activations are int8 blocks of 32
 // as for Q5_0 (scale dx); the offset 32 contributes d * sc * dx * 32 * (the 16 codes' sum),
 // so each 16 values' sum of x's codes is kept too.
+// Q3_K (q3k_gemv) has the same form with 3-bit codes c and offset 4, in the file's arrays:
+//   qs[n][s][64]:  low 2 bits. Byte 32h + l holds values 128h + 32t + l at bits 2t, 2t + 1.
+//   hm[n][s][32]:  third bits. Bit 4h + t of byte l is value 128h + 32t + l's (code c - 4
+//                  with the bit clear, as the file's "subtract 4 where unset", is c = low + 4
+//                  * bit minus the offset 4).
+//   sc[n][s][16]:  the file's 6-bit scales minus 32, unpacked at load; d[n][s]: float16.
 
-// Row n of the output for M activation rows: per superblock, the 16 group scales d * sc (exact
+// Rows n of the output for M activation rows: per superblock, the 16 group scales d * sc (exact
 // in float32: an 11-bit by 7-bit product), then 4 x 64 codes (values 64c..64c+63 are groups
 // 4c..4c+3: lane i of a 64-byte dot product sums values 4i..4i+3, group 4c + i / 4).
-static inline __attribute__((always_inline)) void dot_row_q6(
-    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* ql, const uint8_t* qh,
-    const int8_t* sc, const uint16_t* d, const int8_t* xq, const float* dxg, const float* off,
-    void* y, int out_bf16, const uint16_t* bias) {
+// lo, hi: Q6_K's ql and qh, or Q3_K's qs and hm (q3 set).
+static inline __attribute__((always_inline)) void dot_row_g16(
+    const int M, const int q3, int64_t n, int64_t N, int64_t K, const uint8_t* lo,
+    const uint8_t* hi, const int8_t* sc, const uint16_t* d, const int8_t* xq, const float* dxg,
+    const float* off, void* y, int out_bf16, const uint16_t* bias) {
     const int64_t ns = K / 256;
-    ql += n * ns * 128, qh += n * ns * 64, sc += n * ns * 16, d += n * ns;
+    const int64_t lo_bytes = q3 ? 64 : 128, hi_bytes = q3 ? 32 : 64;
+    lo += n * ns * lo_bytes, hi += n * ns * hi_bytes, sc += n * ns * 16, d += n * ns;
     // The next rows' bytes PREFETCH_BYTES ahead, as dot_row does.
-    const int64_t row_bytes = ns * 210;
+    const int64_t row_bytes = ns * (lo_bytes + hi_bytes + 18);
     const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
     if (n + ahead < N) {
-        const char* parts[4] = {(const char*)(ql + ahead * ns * 128),
-                                (const char*)(qh + ahead * ns * 64),
+        const char* parts[4] = {(const char*)(lo + ahead * ns * lo_bytes),
+                                (const char*)(hi + ahead * ns * hi_bytes),
                                 (const char*)(sc + ahead * ns * 16), (const char*)(d + ahead * ns)};
-        const int64_t sizes[4] = {ns * 128, ns * 64, ns * 16, ns * 2};
+        const int64_t sizes[4] = {ns * lo_bytes, ns * hi_bytes, ns * 16, ns * 2};
         for (int p = 0; p < 4; p++)
             for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(0x03),
+                  four = _mm512_set1_epi8(4);
     const __m256i two = _mm256_set1_epi8(0x03);
+    // Q3_K: the 16-bit shifts that bring field t of each qs byte to bits 0-1, fields 0 and 1
+    // (2 and 3) in the low and high 256 bits.
+    const __m512i shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     __m512i lane_group[4];
     for (int c = 0; c < 4; c++)
         lane_group[c] = _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2,
@@ -52,21 +66,37 @@ static inline __attribute__((always_inline)) void dot_row_q6(
             w[m] = _mm512_mul_ps(dsc, _mm512_loadu_ps(dxg + g));
             corr16[m] = _mm512_fmadd_ps(dsc, _mm512_loadu_ps(off + g), corr16[m]);
         }
+        const __m256i hm =
+            q3 ? _mm256_loadu_si256((const __m256i*)(hi + 32 * s)) : _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
-            __m512i q = _mm512_loadu_si512((const void*)(ql + 128 * s + 64 * h));
-            __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 64 * s + 32 * h));
-            __m512i lo = _mm512_and_si512(q, low4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-            __m256i b0 = _mm256_and_si256(hb, two);
-            __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), two);
-            __m256i b2 = _mm256_and_si256(_mm256_srli_epi16(hb, 4), two);
-            __m256i b3 = _mm256_and_si256(_mm256_srli_epi16(hb, 6), two);
-            __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
-            __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(b2), b3, 1);
-            // Bits 4-5 from the high parts: values up to 3, so a 16-bit shift moves no bit
-            // across a byte.
-            __m512i c0 = _mm512_or_si512(lo, _mm512_slli_epi16(h01, 4));
-            __m512i c1 = _mm512_or_si512(hi, _mm512_slli_epi16(h23, 4));
+            __m512i c0, c1;  // values 128h + 0..63 and 128h + 64..127, unsigned codes
+            if (q3) {
+                __m256i q = _mm256_loadu_si256((const __m256i*)(lo + 64 * s + 32 * h));
+                __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
+                // Fields up to bit 7 of a byte: a 16-bit shift moves none across bytes.
+                c0 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift01), three);
+                c1 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift23), three);
+                __mmask64 k[4];
+                for (int t = 0; t < 4; t++)
+                    k[t] = _mm256_test_epi8_mask(hm, _mm256_set1_epi8((char)(1 << (4 * h + t))));
+                c0 = _mm512_mask_add_epi8(c0, k[0] | k[1] << 32, c0, four);
+                c1 = _mm512_mask_add_epi8(c1, k[2] | k[3] << 32, c1, four);
+            } else {
+                __m512i q = _mm512_loadu_si512((const void*)(lo + 128 * s + 64 * h));
+                __m256i hb = _mm256_loadu_si256((const __m256i*)(hi + 64 * s + 32 * h));
+                __m512i ql = _mm512_and_si512(q, low4);
+                __m512i qh = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+                __m256i b0 = _mm256_and_si256(hb, two);
+                __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), two);
+                __m256i b2 = _mm256_and_si256(_mm256_srli_epi16(hb, 4), two);
+                __m256i b3 = _mm256_and_si256(_mm256_srli_epi16(hb, 6), two);
+                __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
+                __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(b2), b3, 1);
+                // Bits 4-5 from the high parts: values up to 3, so a 16-bit shift moves no bit
+                // across a byte.
+                c0 = _mm512_or_si512(ql, _mm512_slli_epi16(h01, 4));
+                c1 = _mm512_or_si512(qh, _mm512_slli_epi16(h23, 4));
+            }
             for (int m = 0; m < M; m++) {
                 const int8_t* x = xq + m * K + 256 * s + 128 * h;
                 __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0,
@@ -86,23 +116,26 @@ static inline __attribute__((always_inline)) void dot_row_q6(
               _mm512_reduce_add_ps(acc[m]) - _mm512_reduce_add_ps(corr16[m]));
 }
 
-#define Q6_ROWS_CASE(R)                                                                 \
-    case R:                                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
-        for (int64_t n = 0; n < N; n++)                                                 \
-            dot_row_q6(R, n, N, K, ql, qh, sc, d, xq, dxg, off, y, out_bf16, bias);     \
+#define G16_ROWS_CASE(R)                                                                    \
+    case R:                                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
+        for (int64_t n = 0; n < N; n++)                                                     \
+            dot_row_g16(R, q3, n, N, K, lo, hi, sc, d, xq, dxg, off, y, out_bf16, bias);    \
         break;
 
-// q5_gemv's contract for Q6_K weights (K a multiple of 256).
-int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql,
-             const uint8_t* qh, const int8_t* sc, const uint16_t* d, int64_t N, void* y,
-             int out_bf16, const uint16_t* bias, int threads) {
+// q5_gemv's contract for Q6_K (q3 0) and Q3_K (q3 1) weights (K a multiple of 256). Inlined
+// into each, so each copy has only its own code unpacking.
+static inline __attribute__((always_inline)) int g16_gemv(
+    const int q3, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* lo,
+    const uint8_t* hi, const int8_t* sc, const uint16_t* d, int64_t N, void* y, int out_bf16,
+    const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 256) return 1;
     const int64_t nb = K / 32, ng = K / 16;
+    const float offset = q3 ? 4.0f : 32.0f;
     Activations a;
     if (quantize_activations(x, is_bf16, M, K, 0.0f, &a)) return 2;
     const int8_t* xq = a.xq;
-    // Per 16 values: the block's scale, and the offset term of the codes' 32.
+    // Per 16 values: the block's scale, and the offset term of the codes' offset.
     float* dxg = malloc(sizeof(float) * M * ng);
     float* off = malloc(sizeof(float) * M * ng);
     if (!dxg || !off) {
@@ -114,15 +147,27 @@ int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql
             int sum = 0;
             for (int j = 0; j < 16; j++) sum += xq[m * K + 16 * g + j];
             dxg[m * ng + g] = a.dx[m * nb + g / 2];
-            off[m * ng + g] = 32.0f * a.dx[m * nb + g / 2] * (float)sum;
+            off[m * ng + g] = offset * a.dx[m * nb + g / 2] * (float)sum;
         }
     }
     switch (M) {
-        Q6_ROWS_CASE(1) Q6_ROWS_CASE(2) Q6_ROWS_CASE(3) Q6_ROWS_CASE(4)
-        Q6_ROWS_CASE(5) Q6_ROWS_CASE(6) Q6_ROWS_CASE(7) Q6_ROWS_CASE(8)
+        G16_ROWS_CASE(1) G16_ROWS_CASE(2) G16_ROWS_CASE(3) G16_ROWS_CASE(4)
+        G16_ROWS_CASE(5) G16_ROWS_CASE(6) G16_ROWS_CASE(7) G16_ROWS_CASE(8)
     }
     free(dxg), free(off), free_activations(&a);
     return 0;
+}
+
+int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql,
+             const uint8_t* qh, const int8_t* sc, const uint16_t* d, int64_t N, void* y,
+             int out_bf16, const uint16_t* bias, int threads) {
+    return g16_gemv(0, x, is_bf16, M, K, ql, qh, sc, d, N, y, out_bf16, bias, threads);
+}
+
+int q3k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint8_t* hm, const int8_t* sc, const uint16_t* d, int64_t N, void* y,
+             int out_bf16, const uint16_t* bias, int threads) {
+    return g16_gemv(1, x, is_bf16, M, K, qs, hm, sc, d, N, y, out_bf16, bias, threads);
 }
 
 // Q4_K (q4k_gemv): superblocks of 256 values in five arrays:
@@ -272,6 +317,32 @@ void requantize_q6k_rows(const uint8_t* ql, const uint8_t* qh, const int8_t* sc,
                     c[128 * h + l] = (int8_t)(((byte & 15) | b0 << 4) - 32);
                     c[128 * h + 64 + l] = (int8_t)(((byte >> 4) | b1 << 4) - 32);
                 }
+            const float dd = _cvtsh_ss(d[i]);
+            for (int j = 0; j < 16; j++) s[16 * b + j] = dd * (float)sc[16 * i + j];
+        }
+        requantize_row(q, s, K, 16, out + n * K, r + n);
+    }
+}
+
+// Q3_K: the canonical weight is symmetric int8 in groups of 16 (code low - 4 where the third
+// bit is clear, scale d * (sc - 32)), so requantize_row's result, as Q6_K's.
+void requantize_q3k_rows(const uint8_t* qs, const uint8_t* hm, const int8_t* sc,
+                         const uint16_t* d, int64_t N, int64_t K, int8_t* out, float* r,
+                         int threads) {
+    const int64_t ns = K / 256;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        int8_t q[K];
+        float s[K / 16];
+        for (int64_t b = 0; b < ns; b++) {
+            const int64_t i = n * ns + b;
+            for (int h = 0; h < 2; h++)
+                for (int t = 0; t < 4; t++)
+                    for (int l = 0; l < 32; l++) {
+                        const int low = (qs[64 * i + 32 * h + l] >> (2 * t)) & 3;
+                        const int bit = (hm[32 * i + l] >> (4 * h + t)) & 1;
+                        q[256 * b + 128 * h + 32 * t + l] = (int8_t)(low - (bit ? 0 : 4));
+                    }
             const float dd = _cvtsh_ss(d[i]);
             for (int j = 0; j < 16; j++) s[16 * b + j] = dd * (float)sc[16 * i + j];
         }

@@ -1,5 +1,5 @@
-"""GGUF Q5_0, Q8_0, Q6_K, Q4_K and Q5_K tensors read straight from the file into the CPU
-kernels' layouts.
+"""GGUF Q5_0, Q8_0, Q6_K, Q3_K, Q4_K and Q5_K tensors read straight from the file into the
+CPU kernels' layouts (Q4_0 into Q5_0's).
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
@@ -24,20 +24,18 @@ from nanoqwen.quant.format import QuantizedWeight
 from nanoqwen.quant.gguf_blocks import (
     BLOCK_SIZES,
     from_gguf_blocks,
-    q3_k_codes,
     q3_k_scales,
+    q3_k_weight,
     q4_k_scales,
     q4_k_weight,
     q5_k_high_bits,
 )
-from nanoqwen.quant.native import gguf_kernel, kquant_kernel
+from nanoqwen.quant.native import SUPERBLOCK_KINDS, gguf_kernel, kquant_kernel
 from nanoqwen.quant.scheme import Scheme
 
 BLOCK_BYTES = {
     name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0", "Q3_K")
 }
-_KINDS = {2: "q8_0", 3: "q5_0", 4: "q6_k", 5: "q4_k", 6: "q5_k"}  # by the number of tensors
-_SUPERBLOCKS = ("q6_k", "q4_k", "q5_k")  # 256 values a block
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
 
 
@@ -46,11 +44,15 @@ class PackedBlocks:
     """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
     [N, K/32], d float16 [N, K/32]), Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d), Q6_K
     (the file's superblocks in four arrays: ql uint8 [N, K/256, 128], qh uint8 [N, K/256,
-    64], sc int8 [N, K/256, 16], d float16 [N, K/256]), Q4_K (five: qs uint8 [N, K/256,
-    128], its scales and mins unpacked, uint8 [N, K/256, 8] each, d and dmin float16 [N,
-    K/256]) or Q5_K (six: Q4_K's with the fifth bits second, int32 [N, K/256, 8], word j
-    bit l for value 32j + l); gguf_gemv.c and gguf_kquants.c say how they are read."""
+    64], sc int8 [N, K/256, 16], d float16 [N, K/256]), Q3_K (four: the file's qs uint8
+    [N, K/256, 64] and hmask uint8 [N, K/256, 32], its scales unpacked minus 32, int8 [N,
+    K/256, 16], and d), Q4_K (five: qs uint8 [N, K/256, 128], its scales and mins unpacked,
+    uint8 [N, K/256, 8] each, d and dmin float16 [N, K/256]) or Q5_K (six: Q4_K's with the
+    fifth bits second, int32 [N, K/256, 8], word j bit l for value 32j + l); gguf_gemv.c and
+    gguf_kquants.c say how they are read. kind: "q5_0", "q8_0", "q6_k", "q3_k", "q4_k" or
+    "q5_k"."""
 
+    kind: str
     tensors: tuple[torch.Tensor, ...]
 
     # The canonical weight's, which QuantizedLinear reports (describe(), extra_repr).
@@ -60,23 +62,19 @@ class PackedBlocks:
 
     @property
     def group_size(self) -> int:
-        return 16 if self.kind == "q6_k" else 32
-
-    @property
-    def kind(self) -> str:
-        return _KINDS[len(self.tensors)]
+        return 16 if self.kind in ("q6_k", "q3_k") else 32
 
     @property
     def shape(self) -> tuple[int, int]:
         n, blocks = self.tensors[-1].shape
-        return n, blocks * (256 if self.kind in _SUPERBLOCKS else 32)
+        return n, blocks * (256 if self.kind in SUPERBLOCK_KINDS else 32)
 
     @property
     def device(self) -> torch.device:
         return self.tensors[0].device
 
     def to(self, device: torch.device | str) -> PackedBlocks:
-        return PackedBlocks(tuple(t.to(device) for t in self.tensors))
+        return PackedBlocks(self.kind, tuple(t.to(device) for t in self.tensors))
 
 
 def keeps_file_blocks(scheme: Scheme | None, device: torch.device, dtype: torch.dtype) -> bool:
@@ -105,14 +103,14 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
         return None
     if type_name == "Q5_0":
         qh = np.ascontiguousarray(b[..., 2:6]).view(np.int32)[..., 0]
-        return _packed(np.ascontiguousarray(b[..., 6:22]), qh, d)
+        return _packed("q5_0", np.ascontiguousarray(b[..., 6:22]), qh, d)
     if type_name == "Q4_0":  # code c - 8 is Q5_0's (c + 8) - 16: nibble c ^ 8, fifth bit c >= 8
         qs = b[..., 2:18]
         high = np.concatenate([(qs >> 3) & 1, qs >> 7], axis=-1)
         qh = np.packbits(high, axis=-1, bitorder="little").view(np.int32)[..., 0]
-        return _packed(qs ^ np.uint8(0x88), qh, d)
+        return _packed("q5_0", qs ^ np.uint8(0x88), qh, d)
     qs = b[..., 2:34] ^ np.uint8(0x80)  # int8 code -> code + 128, a new contiguous array
-    return _q5_0_from_q8(qs, d) if _fits_q5_0(qs) else _packed(qs, d)
+    return _q5_0_from_q8(qs, d) if _fits_q5_0(qs) else _packed("q8_0", qs, d)
 
 
 def _q6_k(b: np.ndarray) -> PackedBlocks | None:
@@ -122,25 +120,17 @@ def _q6_k(b: np.ndarray) -> PackedBlocks | None:
     if np.isnan(d).any():
         return None
     ql, qh = np.ascontiguousarray(b[..., 0:128]), np.ascontiguousarray(b[..., 128:192])
-    return _packed(ql, qh, np.ascontiguousarray(b[..., 192:208]).view(np.int8), d)
+    return _packed("q6_k", ql, qh, np.ascontiguousarray(b[..., 192:208]).view(np.int8), d)
 
 
 def _q3_k(b: np.ndarray) -> PackedBlocks | None:
-    """Q3_K superblocks [N, K/256, 110] in Q6_K's four arrays, exactly: a code c (-4..3) is
-    the Q6_K code c + 32, its scale d * (sc - 32) Q6_K's d * sc (6.56 bits a weight, against
-    the file's 3.44; no kernel of its own)."""
+    """Q3_K superblocks [N, K/256, 110] as the kernel's four arrays: the file's qs and hmask,
+    its scales unpacked (3.44 bits a weight in the file, 3.56 here); None for a NaN d."""
     d = np.ascontiguousarray(b[..., 108:110]).view(np.float16)[..., 0]
     if np.isnan(d).any():
         return None
-    n, nb = b.shape[:2]
-    # Per half h of 128 values: ql byte 64h + l holds values 128h + l (low nibble) and
-    # 128h + 64 + l (high); qh byte 32h + l the top two bits of values 128h + 32t + l at 2t.
-    codes = (q3_k_codes(b) + np.int8(32)).view(np.uint8).reshape(n, nb, 2, 128)
-    ql = (codes[..., :64] & 0x0F) | (codes[..., 64:] << 4)
-    top = (codes >> 4).reshape(n, nb, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-    qh = np.bitwise_or.reduce(top, axis=-2)
-    sc = q3_k_scales(b[..., 96:108])
-    return _packed(ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), sc, d)
+    hm, qs = np.ascontiguousarray(b[..., 0:32]), np.ascontiguousarray(b[..., 32:96])
+    return _packed("q3_k", qs, hm, q3_k_scales(b[..., 96:108]), d)
 
 
 def _q4_k(b: np.ndarray, qs_at: int = 16) -> PackedBlocks | None:
@@ -152,7 +142,7 @@ def _q4_k(b: np.ndarray, qs_at: int = 16) -> PackedBlocks | None:
         return None
     sc, m = q4_k_scales(b[..., 4:16])
     qs = np.ascontiguousarray(b[..., qs_at : qs_at + 128])
-    return _packed(qs, np.ascontiguousarray(sc), np.ascontiguousarray(m), d, dmin)
+    return _packed("q4_k", qs, np.ascontiguousarray(sc), np.ascontiguousarray(m), d, dmin)
 
 
 def _q5_k(b: np.ndarray) -> PackedBlocks | None:
@@ -164,7 +154,7 @@ def _q5_k(b: np.ndarray) -> PackedBlocks | None:
     high = np.packbits(q5_k_high_bits(b[..., 16:48]).reshape(*b.shape[:2], 8, 32), axis=-1,
                        bitorder="little")  # fmt: skip
     qs, *rest = four.tensors
-    return PackedBlocks((qs, torch.from_numpy(high.view(np.int32)[..., 0]), *rest))
+    return PackedBlocks("q5_k", (qs, torch.from_numpy(high.view(np.int32)[..., 0]), *rest))
 
 
 _SUPERBLOCK_READERS = {"Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q3_K": _q3_k}
@@ -174,7 +164,7 @@ def can_cat(parts: list[PackedBlocks]) -> bool:
     """Whether cat_packed takes these parts: Q5_0 and Q8_0 ones, or K-quant ones of one kind
     (a superblock layout stacks with nothing else)."""
     kinds = {p.kind for p in parts}
-    return len(kinds) == 1 or not kinds & set(_SUPERBLOCKS)
+    return len(kinds) == 1 or not kinds & set(SUPERBLOCK_KINDS)
 
 
 @dataclass(frozen=True)
@@ -230,7 +220,8 @@ def cat_packed(parts: list[PackedBlocks]) -> PackedBlocks:
         return parts[0]
     if any(p.kind == "q8_0" for p in parts):
         parts = [as_q8_0(p) for p in parts]
-    return PackedBlocks(tuple(torch.cat(column) for column in zip(*(p.tensors for p in parts))))
+    columns = zip(*(p.tensors for p in parts))
+    return PackedBlocks(parts[0].kind, tuple(torch.cat(column) for column in columns))
 
 
 def as_q8_0(p: PackedBlocks) -> PackedBlocks:
@@ -240,7 +231,7 @@ def as_q8_0(p: PackedBlocks) -> PackedBlocks:
     qs, qh, d = (t.numpy() for t in p.tensors)
     high = np.unpackbits(qh.view(np.uint8).reshape(*qh.shape, 4), axis=-1, bitorder="little")
     values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high << 4)  # 0..31
-    return _packed(values + np.uint8(_Q5_IN_Q8), d)
+    return _packed("q8_0", values + np.uint8(_Q5_IN_Q8), d)
 
 
 def to_canonical(p: PackedBlocks) -> QuantizedWeight:
@@ -254,6 +245,10 @@ def to_canonical(p: PackedBlocks) -> QuantizedWeight:
             q = (q | bits.reshape(q.shape) << 4).view(np.int8)
         tensors = (torch.from_numpy(a) for a in (q, scale, offset))
         return QuantizedWeight(*tensors, 32, 8 if high else 4)
+    if p.kind == "q3_k":
+        qs, hm, sc, d = (t.numpy() for t in p.tensors)
+        q, scale = q3_k_weight(hm, qs, sc, d.astype(np.float32))
+        return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(scale), None, 16, 8)
     if p.kind == "q6_k":
         ql, qh, sc, d = (t.numpy() for t in p.tensors)
         raw = [ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(*d.shape, 2)]
@@ -278,8 +273,8 @@ def _q5_0_from_q8(qs: np.ndarray, d: np.ndarray) -> PackedBlocks:
     low = values & 0x0F
     packed = low[..., :16] | (low[..., 16:] << 4)
     qh = np.packbits(values >> 4, axis=-1, bitorder="little").view(np.int32)[..., 0]
-    return _packed(np.ascontiguousarray(packed), np.ascontiguousarray(qh), d)
+    return _packed("q5_0", np.ascontiguousarray(packed), np.ascontiguousarray(qh), d)
 
 
-def _packed(*arrays: np.ndarray) -> PackedBlocks:
-    return PackedBlocks(tuple(torch.from_numpy(a) for a in arrays))
+def _packed(kind: str, *arrays: np.ndarray) -> PackedBlocks:
+    return PackedBlocks(kind, tuple(torch.from_numpy(a) for a in arrays))

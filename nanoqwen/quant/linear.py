@@ -41,7 +41,7 @@ from nanoqwen.quant.native import (
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
 CPU_PACKED_MAX_ROWS = 4
-GGUF_KINDS = ("q5_0", "q8_0", "q6_k", "q4_k", "q5_k")  # what native.gguf_matmul reads
+GGUF_KINDS = ("q5_0", "q8_0", "q6_k", "q3_k", "q4_k", "q5_k")  # what native.gguf_matmul reads
 _INT4_GROUPS = (32, 64, 128, 256)
 
 
@@ -59,7 +59,7 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.group_size, self.bits = weight.group_size, weight.bits
         self.kind = "unprepared"
-        self._decode: tuple = ()  # for PackedParts, each part's tensors
+        self._decode: tuple = ()  # for PackedParts, its parts (PackedBlocks)
         self._parts = isinstance(weight, PackedParts)
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -69,7 +69,7 @@ class QuantizedLinear(nn.Module):
             return self.weight.device
         if self.weight is not None:
             return self.weight.q.device
-        return (self._decode[0][0] if self._parts else self._decode[0]).device
+        return self._decode[0].device
 
     @property
     def layout(self) -> str:
@@ -137,7 +137,7 @@ class QuantizedLinear(nn.Module):
                 f"PackedBlocks need the CPU's GGUF kernels and bf16/fp16 activations "
                 f"(got {dtype} on {w.device})"
             )
-        self._decode = tuple(p.tensors for p in w.parts) if self._parts else w.tensors
+        self._decode = w.parts if self._parts else w.tensors
         self.kind = w.kind
         if prefill_copy:
             self._int8 = self._packed_int8()
@@ -146,14 +146,15 @@ class QuantizedLinear(nn.Module):
     def _packed_int8(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The GGUF blocks' per-channel int8 copy (a PackedParts projection's: its parts'
         copies stacked, since the copy is per row)."""
-        copies = [requantize_packed(t) for t in (self._decode if self._parts else [self._decode])]
+        parts = self._decode if self._parts else [PackedBlocks(self.kind, self._decode)]
+        copies = [requantize_packed(p.kind, p.tensors) for p in parts]
         q = copies[0].q if len(copies) == 1 else torch.cat([c.q for c in copies])
         scale = copies[0].scale if len(copies) == 1 else torch.cat([c.scale for c in copies])
         return q, scale.view(-1)
 
     def decode_bytes(self) -> int:
         """Bytes the few-rows kernel reads per call."""
-        tensors = [t for part in self._decode for t in part] if self._parts else self._decode
+        tensors = [t for p in self._decode for t in p.tensors] if self._parts else self._decode
         if self.kind == "triton":  # whatever tensors the packed object holds
             packed = self._decode[0]
             found = packed if isinstance(packed, (tuple, list)) else vars(packed).values()
@@ -203,11 +204,12 @@ class QuantizedLinear(nn.Module):
         """native.gguf_matmul, of each part for PackedParts (with its slice of the bias),
         their outputs side by side."""
         if not self._parts:
-            return gguf_matmul(x, self._decode, bias)
+            return gguf_matmul(x, self.kind, self._decode, bias)
         outs, start = [], 0
-        for packed in self._decode:
-            end = start + packed[0].shape[0]
-            outs.append(gguf_matmul(x, packed, None if bias is None else bias[start:end]))
+        for p in self._decode:
+            end = start + p.shape[0]
+            part_bias = None if bias is None else bias[start:end]
+            outs.append(gguf_matmul(x, p.kind, p.tensors, part_bias))
             start = end
         return torch.cat(outs, dim=-1)
 

@@ -1,9 +1,10 @@
-"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q8_0, Q6_K, Q4_K and Q5_K
-weights kept as they are in the file for the few-row CPU matmuls of decode (Q5_0: 5.5 bits a
-weight, against 8 for torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where
+"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q8_0, Q6_K, Q3_K, Q4_K and
+Q5_K weights kept as they are in the file for the few-row CPU matmuls of decode (Q5_0: 5.5
+bits a weight, against 8 for torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where
 per-channel int8 requantizes, and faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5
-and rounded it again; Q4_K: 4.63 with its scales unpacked, where torch's int4 kernel read 5;
-Q5_K: 5.63, where it was requantized to Q8_0's form, 8.5).
+and rounded it again; Q3_K: 3.56 with its scales unpacked, where Q6_K's form took 6.56;
+Q4_K: 4.63, where torch's int4 kernel read 5; Q5_K: 5.63, where it was requantized to Q8_0's
+form, 8.5).
 
 They are compiled at first use (nanoqwen/native/build.py) and called through ctypes; where
 there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
@@ -65,12 +66,14 @@ def gguf_kernel() -> ctypes.CDLL | None:
 
 @cache
 def kquant_kernel() -> ctypes.CDLL | None:
-    """gguf_kquants.c's library (Q6_K, Q4_K and Q5_K)."""
-    return _library(KQUANT_SOURCE, "GGUF Q6_K/Q4_K/Q5_K CPU kernels unavailable", {
+    """gguf_kquants.c's library (Q6_K, Q3_K, Q4_K and Q5_K)."""
+    return _library(KQUANT_SOURCE, "GGUF Q6_K/Q3_K/Q4_K/Q5_K CPU kernels unavailable", {
         "q6k_gemv": _gemv(4),  # ql, qh, sc, d
+        "q3k_gemv": _gemv(4),  # qs, hm, sc, d
         "q4k_gemv": _gemv(5),  # qs, sc, m, d, dmin
         "q5k_gemv": _gemv(6),  # qs, hb, sc, m, d, dmin
         "requantize_q6k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q3k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
         "requantize_q4k_rows": ([*[_ptr] * 5, *_REQUANTIZE], None),
         "requantize_q5k_rows": ([*[_ptr] * 6, *_REQUANTIZE], None),
     })  # fmt: skip
@@ -115,13 +118,26 @@ def pack_q8_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
     return qs.contiguous(), w.scale.half().contiguous()
 
 
+# By kind: (library, few-row matmul, per-channel int8 copy); SUPERBLOCK_KINDS' blocks hold
+# 256 values, the others 32.
+_KERNELS = {
+    "q5_0": (gguf_kernel, "q5_gemv", "requantize_q5_rows"),
+    "q8_0": (gguf_kernel, "q8_gemv", "requantize_q8_rows"),
+    "q6_k": (kquant_kernel, "q6k_gemv", "requantize_q6k_rows"),
+    "q3_k": (kquant_kernel, "q3k_gemv", "requantize_q3k_rows"),
+    "q4_k": (kquant_kernel, "q4k_gemv", "requantize_q4k_rows"),
+    "q5_k": (kquant_kernel, "q5k_gemv", "requantize_q5k_rows"),
+}
+SUPERBLOCK_KINDS = ("q6_k", "q3_k", "q4_k", "q5_k")
+
+
 def gguf_matmul(
-    x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
+    x: torch.Tensor, kind: str, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W packed by pack_q5_0 (three tensors),
-    pack_q8_0 (two) or as gguf_packed keeps Q6_K (four), Q4_K (five) and Q5_K (six): float32
-    [M, N], or for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's
-    output and then its bias add would be, in the one kernel."""
+    """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W of `kind` packed by pack_q5_0 ("q5_0"),
+    pack_q8_0 ("q8_0") or as gguf_packed keeps Q6_K, Q3_K, Q4_K and Q5_K: float32 [M, N], or
+    for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then
+    its bias add would be, in the one kernel."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()  # float16: the kernels read bf16 or float32
     out_bf16 = x.dtype == torch.bfloat16
@@ -129,16 +145,11 @@ def gguf_matmul(
     rows, k = x.shape
     n = packed[0].shape[0]
     out = torch.empty(rows, n, dtype=x.dtype)
-    if len(packed) <= 3:
-        lib = gguf_kernel()
-        fn = lib.q5_gemv if len(packed) == 3 else lib.q8_gemv
-    else:
-        lib = kquant_kernel()
-        fn = {4: lib.q6k_gemv, 5: lib.q4k_gemv, 6: lib.q5k_gemv}[len(packed)]
-    args = [t.data_ptr() for t in packed]
-    status = fn(
-        x.data_ptr(), int(out_bf16), rows, k, *args, n, out.data_ptr(), int(out_bf16),
-        None if bias is None else bias.data_ptr(), torch.get_num_threads(),
+    library, gemv, _ = _KERNELS[kind]
+    status = getattr(library(), gemv)(
+        x.data_ptr(), int(out_bf16), rows, k, *[t.data_ptr() for t in packed], n,
+        out.data_ptr(), int(out_bf16), None if bias is None else bias.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise RuntimeError(f"gguf_gemv failed (status {status}) for x {tuple(x.shape)}")
@@ -158,28 +169,17 @@ def requantize_rows(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(out, row, None, k, 8)
 
 
-_REQUANTIZE_PACKED = {  # by the number of packed tensors
-    2: "requantize_q8_rows",
-    3: "requantize_q5_rows",
-    4: "requantize_q6k_rows",
-    5: "requantize_q4k_rows",
-    6: "requantize_q5k_rows",
-}
-
-
-def requantize_packed(packed: tuple[torch.Tensor, ...]) -> QuantizedWeight:
+def requantize_packed(kind: str, packed: tuple[torch.Tensor, ...]) -> QuantizedWeight:
     """The per-channel int8 copy that linear.py makes of the canonical weight packed holds,
     computed from the packed blocks (GGUF tensors loaded straight into the kernels' layouts,
-    nanoqwen.quant.gguf_packed, never have the canonical codes). By the number of tensors:
-    Q8_0 (2) and Q5_0 (3) as requantize_rows, Q6_K (4), Q4_K (5) and Q5_K (6) as
-    gguf_kquants.c says."""
-    superblocks = len(packed) >= 4
-    n, k = packed[-1].shape[0], packed[-1].shape[1] * (256 if superblocks else 32)
+    nanoqwen.quant.gguf_packed, never have the canonical codes): Q8_0 and Q5_0 as
+    requantize_rows, the K-quants as gguf_kquants.c says."""
+    n, blocks = packed[-1].shape
+    k = blocks * (256 if kind in SUPERBLOCK_KINDS else 32)
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
-    lib = kquant_kernel() if superblocks else gguf_kernel()
-    fn = getattr(lib, _REQUANTIZE_PACKED[len(packed)])
+    library, _, requantize = _KERNELS[kind]
     tensors = [t.contiguous() for t in packed]  # held until the call returns
-    fn(
+    getattr(library(), requantize)(
         *[t.data_ptr() for t in tensors], n, k, out.data_ptr(), row.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip

@@ -75,20 +75,21 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
     ref = _expected(x.bfloat16(), dequantize(w))
     packed = PACK[type_name](w)
     for xin in (x.bfloat16().float(), x.bfloat16().half()):  # the same values
-        got = gguf_matmul(xin, packed)
+        got = gguf_matmul(xin, type_name.lower(), packed)
         assert got.shape == (rows, 80) and got.dtype == torch.float32
         # Integer sums are exact; float32 scaling and accumulation of k / 32 block terms.
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     # bfloat16 activations: the same sums, rounded in the kernel as .to(bfloat16) rounds them,
     # and a bias added after that rounding as F.linear's bias add would.
     bias = torch.randn(80).bfloat16()
-    sums = gguf_matmul(x.bfloat16().float(), packed)
-    assert torch.equal(gguf_matmul(x.bfloat16(), packed), sums.bfloat16())
-    assert torch.equal(gguf_matmul(x.bfloat16(), packed, bias), sums.bfloat16() + bias)
+    kind = type_name.lower()
+    sums = gguf_matmul(x.bfloat16().float(), kind, packed)
+    assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed), sums.bfloat16())
+    assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed, bias), sums.bfloat16() + bias)
 
 
 @pytest.mark.parametrize(
-    ("type_name", "kind"), [("Q6_K", "q6_k"), ("Q4_K", "q4_k"), ("Q5_K", "q5_k"), ("Q3_K", "q6_k")]
+    ("type_name", "kind"), [("Q6_K", "q6_k"), ("Q4_K", "q4_k"), ("Q5_K", "q5_k"), ("Q3_K", "q3_k")]
 )
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 4864])  # 4864: the default model's down_proj
@@ -101,10 +102,10 @@ def test_k_quant_kernels_equal_int8_activation_reference(type_name, kind, rows, 
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0
     ref = _expected(x.bfloat16(), dequantize(from_gguf_blocks(type_name, raw)))
-    got = gguf_matmul(x.bfloat16().float(), packed.tensors)
+    got = gguf_matmul(x.bfloat16().float(), kind, packed.tensors)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     bias = torch.randn(80).bfloat16()
-    assert torch.equal(gguf_matmul(x.bfloat16(), packed.tensors, bias), got.bfloat16() + bias)
+    assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed.tensors, bias), got.bfloat16() + bias)
 
 
 def test_layouts_are_told_apart():

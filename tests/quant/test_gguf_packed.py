@@ -3,7 +3,7 @@
 give exactly what the canonical route gives (unpacked to int8 codes, then packed by
 native.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
 prefill, the same kernel choice per layer, fused projections included, and so the same
-greedy tokens. Q6_K and Q4_K load as their file's superblocks, which the canonical route has
+greedy tokens. The K-quants load as their file's superblocks, which the canonical route has
 no packing for."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_direct_packing_equals_unpack_and_repack(type_name, raw):
     # The prefill copy: C from the blocks == C from the codes (what prepare computed) == torch
     # from the codes, but where a code is -128 (never in a quantizer's Q8_0), whose int8 abs
     # overflows in torch.
-    fast = requantize_packed(packed.tensors)
+    fast = requantize_packed(packed.kind, packed.tensors)
     others = [requantize_rows(canonical)]
     others += [requantize_per_channel(canonical)] if int(canonical.q.min()) > -128 else []
     for other in others:
@@ -134,8 +134,8 @@ def test_layouts_prepare_would_not_pack_take_the_canonical_route():
 def test_k_quants_load_as_the_files_superblocks(type_name):
     """Q6_K, Q4_K and Q5_K go to the kernels as the file's bytes (Q6_K: 6.56 bits a weight,
     where Q8_0's form of it took 8.5 and rounded it again; Q4_K: 4.63, where torch's int4
-    kernel read 5; Q5_K: 5.63, where Q8_0's form of it read 8.5; Q3_K in Q6_K's layout,
-    exactly, 6.56 where Q8_0's form read 8.5): the canonical weight they hold is the file's
+    kernel read 5; Q5_K: 5.63, where Q8_0's form of it read 8.5; Q3_K: 3.56, where Q6_K's
+    layout of it read 6.56): the canonical weight they hold is the file's
     (which dequantizes as gguf-py's reference does), and the layer's int8 prefill copy is
     what prepare makes of that weight."""
     raw = random_blocks(type_name, 16, 512, seed=4)
@@ -152,7 +152,7 @@ def test_k_quants_load_as_the_files_superblocks(type_name):
     assert (packed.bits, packed.group_size) == (canonical.bits, canonical.group_size)
     layer = QuantizedLinear(packed, None)
     layer.prepare(torch.bfloat16)
-    assert layer.kind == ("q6_k" if type_name == "Q3_K" else type_name.lower())
+    assert layer.kind == packed.kind == type_name.lower()
     symmetric = type_name in ("Q6_K", "Q3_K")  # groups of 16, no offset
     want = requantize_rows(canonical) if symmetric else requantize_per_channel(canonical)
     assert _same(layer._int8, (want.q, want.scale.view(-1)))
@@ -206,7 +206,8 @@ def test_k_quant_prefill_copies_from_the_superblocks_equal_the_canonical_routes(
     canonical = from_gguf_blocks(type_name, raw)
     symmetric = type_name in ("Q6_K", "Q3_K")
     want = requantize_rows(canonical) if symmetric else requantize_per_channel(canonical)
-    got = requantize_packed(from_file(type_name, raw).tensors)
+    packed = from_file(type_name, raw)
+    got = requantize_packed(packed.kind, packed.tensors)
     assert _same((got.q, got.scale), (want.q, want.scale))
     assert float(got.scale[1]) == 0.0 and not got.q[1].any()
 
