@@ -8,6 +8,8 @@ per-group offset), which is exactly QuantizedWeight's form:
     Q4_0  32 4-bit codes, f16 d      -> int8, group 32, codes q - 8, scale d (Q5_0's form)
     Q6_K  256 = 16 x 16 6-bit codes  -> int8, group 16, codes q - 32, scale d * sc (int8 sc)
     Q3_K  256 = 16 x 16 3-bit codes  -> int8, group 16, codes -4..3, scale d * (sc - 32)
+    Q2_K  256 = 16 x 16 2-bit codes  -> int8, group 16, codes 0..3, scale d * sc, offset
+                                        -dmin * m (4-bit sc and m)
     Q4_K  256 = 8 x 32 4-bit codes   -> int4, group 32, scale d * sc, offset -dmin * m
     Q5_K  Q4_K's, a fifth bit a code -> int8 (codes 0..31), group 32, as Q4_K
 
@@ -132,6 +134,26 @@ def _q3_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     return q, scale, None, 16
 
 
+def q2_k_weight(qs, sc, d, dmin) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [rows, K], scale and offset [rows, K/16]) of Q2_K superblocks given as qs
+    [rows, blocks, 64] (value 128h + 32j + l at bits 2j of byte 32h + l, as Q3_K's), the 16
+    scale bytes (low nibble the scale of 16 values, high nibble their min) and d, dmin
+    float32 [rows, blocks]."""
+    rows, nb = d.shape
+    qs = qs.reshape(rows, nb, 2, 1, 32)
+    q = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
+    scale = d[..., None] * (sc & 0x0F).astype(np.float32)
+    offset = -(dmin[..., None] * (sc >> 4).astype(np.float32))
+    return q.astype(np.int8).reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+def _q2_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b = _blocks(data, 84)  # scales [16], qs [64], d, dmin
+    q, scale, offset = q2_k_weight(b[..., 16:80], b[..., 0:16], _f16(b[..., 80:82]),
+                                   _f16(b[..., 82:84]))  # fmt: skip
+    return q, scale, offset, 16
+
+
 def q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A Q4_K superblock's 12 scale bytes [..., 12] as its 8 six-bit scales and 8 six-bit
     mins (uint8 [..., 8] each): sub-blocks 0..3 in the low 6 bits of bytes 0..3 (scales) and
@@ -178,13 +200,13 @@ def _q5_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 
 _DECODERS = {
     "Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4),
-    "Q5_K": (_q5_k, 8), "Q4_0": (_q4_0, 8), "Q3_K": (_q3_k, 8),
+    "Q5_K": (_q5_k, 8), "Q4_0": (_q4_0, 8), "Q3_K": (_q3_k, 8), "Q2_K": (_q2_k, 8),
 }  # fmt: skip
 EXACT_TYPES = tuple(_DECODERS)
 # (values, bytes) of one block
 BLOCK_SIZES = {
     "Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (QK_K, 210), "Q4_K": (QK_K, 144),
-    "Q5_K": (QK_K, 176), "Q4_0": (32, 18), "Q3_K": (QK_K, 110),
+    "Q5_K": (QK_K, 176), "Q4_0": (32, 18), "Q3_K": (QK_K, 110), "Q2_K": (QK_K, 84),
 }  # fmt: skip
 
 

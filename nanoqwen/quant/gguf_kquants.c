@@ -19,27 +19,38 @@
 //                  with the bit clear, as the file's "subtract 4 where unset", is c = low + 4
 //                  * bit minus the offset 4).
 //   sc[n][s][16]:  the file's 6-bit scales minus 32, unpacked at load; d[n][s]: float16.
+// Q2_K (q2k_gemv): 2-bit codes c (0..3) in Q3_K's qs layout, and per 16 values a scale and a
+// min, w = d * sc * c - dmin * m, in the file's arrays:
+//   sc[n][s][16]:  scale in the low nibble, min in the high one; d[n][s], dmin[n][s]: float16.
+// The min contributes dmin * m * dx * (the 16 codes' sum), as Q4_K's does a 32 values.
 
 // Rows n of the output for M activation rows: per superblock, the 16 group scales d * sc (exact
 // in float32: an 11-bit by 7-bit product), then 4 x 64 codes (values 64c..64c+63 are groups
 // 4c..4c+3: lane i of a 64-byte dot product sums values 4i..4i+3, group 4c + i / 4).
-// lo, hi: Q6_K's ql and qh, or Q3_K's qs and hm (q3 set).
+// kind: G16_Q6 (lo, hi: ql and qh), G16_Q3 (qs and hm) or G16_Q2 (qs; hi NULL, dmin set).
+enum { G16_Q6, G16_Q3, G16_Q2 };
 static inline __attribute__((always_inline)) void dot_row_g16(
-    const int M, const int q3, int64_t n, int64_t N, int64_t K, const uint8_t* lo,
-    const uint8_t* hi, const int8_t* sc, const uint16_t* d, const int8_t* xq, const float* dxg,
-    const float* off, void* y, int out_bf16, const uint16_t* bias) {
+    const int M, const int kind, int64_t n, int64_t N, int64_t K, const uint8_t* lo,
+    const uint8_t* hi, const int8_t* sc, const uint16_t* d, const uint16_t* dmin,
+    const int8_t* xq, const float* dxg, const float* off, void* y, int out_bf16,
+    const uint16_t* bias) {
     const int64_t ns = K / 256;
-    const int64_t lo_bytes = q3 ? 64 : 128, hi_bytes = q3 ? 32 : 64;
-    lo += n * ns * lo_bytes, hi += n * ns * hi_bytes, sc += n * ns * 16, d += n * ns;
+    const int q3 = kind == G16_Q3, q2 = kind == G16_Q2;
+    const int64_t lo_bytes = kind == G16_Q6 ? 128 : 64, hi_bytes = q2 ? 0 : (q3 ? 32 : 64);
+    lo += n * ns * lo_bytes, sc += n * ns * 16, d += n * ns;
+    if (q2) dmin += n * ns;
+    else hi += n * ns * hi_bytes;
     // The next rows' bytes PREFETCH_BYTES ahead, as dot_row does.
-    const int64_t row_bytes = ns * (lo_bytes + hi_bytes + 18);
+    const int64_t row_bytes = ns * (lo_bytes + hi_bytes + (q2 ? 20 : 18));
     const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
     if (n + ahead < N) {
-        const char* parts[4] = {(const char*)(lo + ahead * ns * lo_bytes),
-                                (const char*)(hi + ahead * ns * hi_bytes),
-                                (const char*)(sc + ahead * ns * 16), (const char*)(d + ahead * ns)};
-        const int64_t sizes[4] = {ns * lo_bytes, ns * hi_bytes, ns * 16, ns * 2};
-        for (int p = 0; p < 4; p++)
+        const char* parts[5] = {(const char*)(lo + ahead * ns * lo_bytes),
+                                q2 ? NULL : (const char*)(hi + ahead * ns * hi_bytes),
+                                (const char*)(sc + ahead * ns * 16), (const char*)(d + ahead * ns),
+                                q2 ? (const char*)(dmin + ahead * ns) : NULL};
+        const int64_t sizes[5] = {ns * lo_bytes, hi_bytes ? ns * hi_bytes : 0, ns * 16, ns * 2,
+                                  q2 ? ns * 2 : 0};
+        for (int p = 0; p < 5; p++)
             for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
     }
     const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(0x03),
@@ -57,30 +68,43 @@ static inline __attribute__((always_inline)) void dot_row_g16(
     __m512 acc[M], corr16[M];
     for (int m = 0; m < M; m++) acc[m] = corr16[m] = _mm512_setzero_ps();
     for (int64_t s = 0; s < ns; s++) {
-        __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[s])),
-                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                       _mm_loadu_si128((const __m128i*)(sc + 16 * s)))));
+        const __m128i scb = _mm_loadu_si128((const __m128i*)(sc + 16 * s));
+        __m512 dsc, corr_scale;  // per 16 values: the codes' scale, the offset term's
+        if (q2) {
+            const __m512i both = _mm512_cvtepu8_epi32(scb);
+            const __m512i low = _mm512_and_si512(both, _mm512_set1_epi32(15));
+            dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[s])), _mm512_cvtepi32_ps(low));
+            corr_scale = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(dmin[s])),
+                                       _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)));
+        } else {
+            dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[s])),
+                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scb)));
+            corr_scale = dsc;
+        }
         __m512 w[M];
         for (int m = 0; m < M; m++) {
             const int64_t g = m * (K / 16) + 16 * s;
             w[m] = _mm512_mul_ps(dsc, _mm512_loadu_ps(dxg + g));
-            corr16[m] = _mm512_fmadd_ps(dsc, _mm512_loadu_ps(off + g), corr16[m]);
+            corr16[m] = _mm512_fmadd_ps(corr_scale, _mm512_loadu_ps(off + g), corr16[m]);
         }
         const __m256i hm =
             q3 ? _mm256_loadu_si256((const __m256i*)(hi + 32 * s)) : _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m512i c0, c1;  // values 128h + 0..63 and 128h + 64..127, unsigned codes
-            if (q3) {
+            if (kind != G16_Q6) {
                 __m256i q = _mm256_loadu_si256((const __m256i*)(lo + 64 * s + 32 * h));
                 __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
                 // Fields up to bit 7 of a byte: a 16-bit shift moves none across bytes.
                 c0 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift01), three);
                 c1 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift23), three);
-                __mmask64 k[4];
-                for (int t = 0; t < 4; t++)
-                    k[t] = _mm256_test_epi8_mask(hm, _mm256_set1_epi8((char)(1 << (4 * h + t))));
-                c0 = _mm512_mask_add_epi8(c0, k[0] | k[1] << 32, c0, four);
-                c1 = _mm512_mask_add_epi8(c1, k[2] | k[3] << 32, c1, four);
+                if (q3) {
+                    __mmask64 k[4];
+                    for (int t = 0; t < 4; t++)
+                        k[t] = _mm256_test_epi8_mask(hm,
+                                                     _mm256_set1_epi8((char)(1 << (4 * h + t))));
+                    c0 = _mm512_mask_add_epi8(c0, k[0] | k[1] << 32, c0, four);
+                    c1 = _mm512_mask_add_epi8(c1, k[2] | k[3] << 32, c1, four);
+                }
             } else {
                 __m512i q = _mm512_loadu_si512((const void*)(lo + 128 * s + 64 * h));
                 __m256i hb = _mm256_loadu_si256((const __m256i*)(hi + 64 * s + 32 * h));
@@ -120,18 +144,20 @@ static inline __attribute__((always_inline)) void dot_row_g16(
     case R:                                                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
         for (int64_t n = 0; n < N; n++)                                                     \
-            dot_row_g16(R, q3, n, N, K, lo, hi, sc, d, xq, dxg, off, y, out_bf16, bias);    \
+            dot_row_g16(R, kind, n, N, K, lo, hi, sc, d, dmin, xq, dxg, off, y, out_bf16, bias); \
         break;
 
-// q5_gemv's contract for Q6_K (q3 0) and Q3_K (q3 1) weights (K a multiple of 256). Inlined
-// into each, so each copy has only its own code unpacking.
+// q5_gemv's contract for Q6_K, Q3_K and Q2_K weights (K a multiple of 256). Inlined into
+// each, so each copy has only its own code unpacking.
 static inline __attribute__((always_inline)) int g16_gemv(
-    const int q3, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* lo,
-    const uint8_t* hi, const int8_t* sc, const uint16_t* d, int64_t N, void* y, int out_bf16,
-    const uint16_t* bias, int threads) {
+    const int kind, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* lo,
+    const uint8_t* hi, const int8_t* sc, const uint16_t* d, const uint16_t* dmin, int64_t N,
+    void* y, int out_bf16, const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 256) return 1;
     const int64_t nb = K / 32, ng = K / 16;
-    const float offset = q3 ? 4.0f : 32.0f;
+    // What multiplies the codes' sum in the offset term: Q6_K's and Q3_K's code offsets, Q2_K's
+    // min (its scale and dmin applied in the kernel).
+    const float offset = kind == G16_Q6 ? 32.0f : kind == G16_Q3 ? 4.0f : 1.0f;
     Activations a;
     if (quantize_activations(x, is_bf16, M, K, 0.0f, &a)) return 2;
     const int8_t* xq = a.xq;
@@ -161,13 +187,20 @@ static inline __attribute__((always_inline)) int g16_gemv(
 int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql,
              const uint8_t* qh, const int8_t* sc, const uint16_t* d, int64_t N, void* y,
              int out_bf16, const uint16_t* bias, int threads) {
-    return g16_gemv(0, x, is_bf16, M, K, ql, qh, sc, d, N, y, out_bf16, bias, threads);
+    return g16_gemv(G16_Q6, x, is_bf16, M, K, ql, qh, sc, d, NULL, N, y, out_bf16, bias, threads);
 }
 
 int q3k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
              const uint8_t* hm, const int8_t* sc, const uint16_t* d, int64_t N, void* y,
              int out_bf16, const uint16_t* bias, int threads) {
-    return g16_gemv(1, x, is_bf16, M, K, qs, hm, sc, d, N, y, out_bf16, bias, threads);
+    return g16_gemv(G16_Q3, x, is_bf16, M, K, qs, hm, sc, d, NULL, N, y, out_bf16, bias, threads);
+}
+
+int q2k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint8_t* sc, const uint16_t* d, const uint16_t* dmin, int64_t N, void* y,
+             int out_bf16, const uint16_t* bias, int threads) {
+    return g16_gemv(G16_Q2, x, is_bf16, M, K, qs, NULL, (const int8_t*)sc, d, dmin, N, y,
+                    out_bf16, bias, threads);
 }
 
 // Q4_K (q4k_gemv): superblocks of 256 values in five arrays:
@@ -350,6 +383,22 @@ void requantize_q3k_rows(const uint8_t* qs, const uint8_t* hm, const int8_t* sc,
     }
 }
 
+// A dequantized row w [K] (float32, max |w| amax) as per-channel int8: r = amax / 127 and
+// codes round(w / r) to nearest even, clamped, 16 at a time (format.quantize_int8's
+// arithmetic).
+static inline void per_channel_row(const float* w, int64_t K, float amax, int8_t* o, float* r) {
+    const float row = amax / 127.0f, safe = row > 0.0f ? row : 1.0f;
+    *r = row;
+    const __m512 sv = _mm512_set1_ps(safe), lo = _mm512_set1_ps(-127.0f),
+                 hi = _mm512_set1_ps(127.0f);
+    for (int64_t j = 0; j < K; j += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(w + j), sv);
+        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i*)(o + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+}
+
 // Q4_K: the canonical weight is asymmetric int4 in groups of 32, w = c * d * sc - dmin * m
 // (Q5_K: int8 codes 0..31, the same w). format.quantize_int8(format.dequantize(w)): the
 // values in float32 (c * scale is exact, so only the offset's add rounds, FMA or not),
@@ -384,18 +433,35 @@ static void requantize_k4(const uint8_t* qs, const uint32_t* hb, const uint8_t* 
                 }
             }
         }
-        const float row = _mm512_reduce_max_ps(amax) / 127.0f, safe = row > 0.0f ? row : 1.0f;
-        r[n] = row;
-        // round(w / r) to nearest even, clamped: the scalar loop's arithmetic, 16 at a time
-        const __m512 sv = _mm512_set1_ps(safe), lo = _mm512_set1_ps(-127.0f),
-                     hi = _mm512_set1_ps(127.0f);
-        int8_t* o = out + n * K;
-        for (int64_t j = 0; j < K; j += 16) {
-            __m512 v = _mm512_div_ps(_mm512_loadu_ps(w + j), sv);
-            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-            _mm_storeu_si128((__m128i*)(o + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+        per_channel_row(w, K, _mm512_reduce_max_ps(amax), out + n * K, r + n);
+    }
+}
+
+// Q2_K: the canonical weight is asymmetric int8 in groups of 16, w = c * d * sc - dmin * m
+// (codes 0..3, 4-bit sc and m), requantized as Q4_K's.
+void requantize_q2k_rows(const uint8_t* qs, const uint8_t* sc, const uint16_t* d,
+                         const uint16_t* dmin, int64_t N, int64_t K, int8_t* out, float* r,
+                         int threads) {
+    const int64_t ns = K / 256;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        float w[K];
+        float amax = 0.0f;
+        for (int64_t b = 0; b < ns; b++) {
+            const int64_t i = n * ns + b;
+            const float dd = _cvtsh_ss(d[i]), dm = _cvtsh_ss(dmin[i]);
+            for (int v = 0; v < 256; v++) {
+                const int h = v >> 7, t = (v >> 5) & 3, l = v & 31, g = v >> 4;
+                const int c = (qs[64 * i + 32 * h + l] >> (2 * t)) & 3;
+                const float scale = dd * (float)(sc[16 * i + g] & 15);
+                const float offset = -(dm * (float)(sc[16 * i + g] >> 4));
+                // c * scale is exact (a 2-bit code times an 11-bit by 4-bit product): one
+                // rounding, in the add, as format.dequantize's
+                w[256 * b + v] = (float)c * scale + offset;
+                amax = fmaxf(amax, fabsf(w[256 * b + v]));
+            }
         }
+        per_channel_row(w, K, amax, out + n * K, r + n);
     }
 }
 

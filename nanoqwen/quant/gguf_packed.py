@@ -1,5 +1,5 @@
-"""GGUF Q5_0, Q8_0, Q6_K, Q3_K, Q4_K and Q5_K tensors read straight from the file into the
-CPU kernels' layouts (Q4_0 into Q5_0's).
+"""GGUF Q5_0, Q8_0, Q6_K, Q3_K, Q2_K, Q4_K and Q5_K tensors read straight from the file into
+the CPU kernels' layouts (Q4_0 into Q5_0's).
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
@@ -24,6 +24,7 @@ from nanoqwen.quant.format import QuantizedWeight
 from nanoqwen.quant.gguf_blocks import (
     BLOCK_SIZES,
     from_gguf_blocks,
+    q2_k_weight,
     q3_k_scales,
     q3_k_weight,
     q4_k_scales,
@@ -34,7 +35,8 @@ from nanoqwen.quant.native import SUPERBLOCK_KINDS, gguf_kernel, kquant_kernel
 from nanoqwen.quant.scheme import Scheme
 
 BLOCK_BYTES = {
-    name: BLOCK_SIZES[name][1] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0", "Q3_K")
+    name: BLOCK_SIZES[name][1]
+    for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0", "Q3_K", "Q2_K")
 }
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
 
@@ -46,11 +48,12 @@ class PackedBlocks:
     (the file's superblocks in four arrays: ql uint8 [N, K/256, 128], qh uint8 [N, K/256,
     64], sc int8 [N, K/256, 16], d float16 [N, K/256]), Q3_K (four: the file's qs uint8
     [N, K/256, 64] and hmask uint8 [N, K/256, 32], its scales unpacked minus 32, int8 [N,
-    K/256, 16], and d), Q4_K (five: qs uint8 [N, K/256, 128], its scales and mins unpacked,
-    uint8 [N, K/256, 8] each, d and dmin float16 [N, K/256]) or Q5_K (six: Q4_K's with the
-    fifth bits second, int32 [N, K/256, 8], word j bit l for value 32j + l); gguf_gemv.c and
-    gguf_kquants.c say how they are read. kind: "q5_0", "q8_0", "q6_k", "q3_k", "q4_k" or
-    "q5_k"."""
+    K/256, 16], and d), Q2_K (four, the file's: qs uint8 [N, K/256, 64] as Q3_K's, scales
+    and mins uint8 [N, K/256, 16], d and dmin float16 [N, K/256]), Q4_K (five: qs uint8
+    [N, K/256, 128], its scales and mins unpacked, uint8 [N, K/256, 8] each, d and dmin) or
+    Q5_K (six: Q4_K's with the fifth bits second, int32 [N, K/256, 8], word j bit l for
+    value 32j + l); gguf_gemv.c and gguf_kquants.c say how they are read. kind: "q5_0",
+    "q8_0", "q6_k", "q3_k", "q2_k", "q4_k" or "q5_k"."""
 
     kind: str
     tensors: tuple[torch.Tensor, ...]
@@ -62,7 +65,7 @@ class PackedBlocks:
 
     @property
     def group_size(self) -> int:
-        return 16 if self.kind in ("q6_k", "q3_k") else 32
+        return 16 if self.kind in ("q6_k", "q3_k", "q2_k") else 32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -133,6 +136,17 @@ def _q3_k(b: np.ndarray) -> PackedBlocks | None:
     return _packed("q3_k", qs, hm, q3_k_scales(b[..., 96:108]), d)
 
 
+def _q2_k(b: np.ndarray) -> PackedBlocks | None:
+    """Q2_K superblocks [N, K/256, 84] (scales [16], qs [64], d, dmin) as the kernel's four
+    arrays, the file's own (2.63 bits a weight); None for a NaN d or dmin."""
+    d = np.ascontiguousarray(b[..., 80:82]).view(np.float16)[..., 0]
+    dmin = np.ascontiguousarray(b[..., 82:84]).view(np.float16)[..., 0]
+    if np.isnan(d).any() or np.isnan(dmin).any():
+        return None
+    qs, sc = np.ascontiguousarray(b[..., 16:80]), np.ascontiguousarray(b[..., 0:16])
+    return _packed("q2_k", qs, sc, d, dmin)
+
+
 def _q4_k(b: np.ndarray, qs_at: int = 16) -> PackedBlocks | None:
     """Q4_K superblocks [N, K/256, 144] as the kernel's five arrays, the scales unpacked;
     None for a NaN d or dmin. qs_at: where the 128 code bytes start (Q5_K's: 48)."""
@@ -157,7 +171,9 @@ def _q5_k(b: np.ndarray) -> PackedBlocks | None:
     return PackedBlocks("q5_k", (qs, torch.from_numpy(high.view(np.int32)[..., 0]), *rest))
 
 
-_SUPERBLOCK_READERS = {"Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q3_K": _q3_k}
+_SUPERBLOCK_READERS = {
+    "Q6_K": _q6_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q3_K": _q3_k, "Q2_K": _q2_k,
+}  # fmt: skip
 
 
 def can_cat(parts: list[PackedBlocks]) -> bool:
@@ -245,6 +261,11 @@ def to_canonical(p: PackedBlocks) -> QuantizedWeight:
             q = (q | bits.reshape(q.shape) << 4).view(np.int8)
         tensors = (torch.from_numpy(a) for a in (q, scale, offset))
         return QuantizedWeight(*tensors, 32, 8 if high else 4)
+    if p.kind == "q2_k":
+        qs, sc, d, dmin = (t.numpy() for t in p.tensors)
+        q, scale, offset = q2_k_weight(qs, sc, d.astype(np.float32), dmin.astype(np.float32))
+        tensors = (torch.from_numpy(a) for a in (q, scale, offset))
+        return QuantizedWeight(*tensors, 16, 8)
     if p.kind == "q3_k":
         qs, hm, sc, d = (t.numpy() for t in p.tensors)
         q, scale = q3_k_weight(hm, qs, sc, d.astype(np.float32))

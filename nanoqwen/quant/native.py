@@ -1,10 +1,10 @@
-"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q8_0, Q6_K, Q3_K, Q4_K and
-Q5_K weights kept as they are in the file for the few-row CPU matmuls of decode (Q5_0: 5.5
-bits a weight, against 8 for torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where
+"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q8_0, Q6_K, Q3_K, Q2_K, Q4_K
+and Q5_K weights kept as they are in the file for the few-row CPU matmuls of decode (Q5_0:
+5.5 bits a weight, against 8 for torch's per-channel int8 kernel; Q8_0: 8.5 bits, exact where
 per-channel int8 requantizes, and faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5
 and rounded it again; Q3_K: 3.56 with its scales unpacked, where Q6_K's form took 6.56;
-Q4_K: 4.63, where torch's int4 kernel read 5; Q5_K: 5.63, where it was requantized to Q8_0's
-form, 8.5).
+Q2_K: 2.63, where Q8_0's form took 8.5; Q4_K: 4.63, where torch's int4 kernel read 5; Q5_K:
+5.63, where it was requantized to Q8_0's form, 8.5).
 
 They are compiled at first use (nanoqwen/native/build.py) and called through ctypes; where
 there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
@@ -66,14 +66,16 @@ def gguf_kernel() -> ctypes.CDLL | None:
 
 @cache
 def kquant_kernel() -> ctypes.CDLL | None:
-    """gguf_kquants.c's library (Q6_K, Q3_K, Q4_K and Q5_K)."""
-    return _library(KQUANT_SOURCE, "GGUF Q6_K/Q3_K/Q4_K/Q5_K CPU kernels unavailable", {
+    """gguf_kquants.c's library (Q6_K, Q3_K, Q2_K, Q4_K and Q5_K)."""
+    return _library(KQUANT_SOURCE, "GGUF K-quant CPU kernels unavailable", {
         "q6k_gemv": _gemv(4),  # ql, qh, sc, d
         "q3k_gemv": _gemv(4),  # qs, hm, sc, d
+        "q2k_gemv": _gemv(4),  # qs, sc, d, dmin
         "q4k_gemv": _gemv(5),  # qs, sc, m, d, dmin
         "q5k_gemv": _gemv(6),  # qs, hb, sc, m, d, dmin
         "requantize_q6k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
         "requantize_q3k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q2k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
         "requantize_q4k_rows": ([*[_ptr] * 5, *_REQUANTIZE], None),
         "requantize_q5k_rows": ([*[_ptr] * 6, *_REQUANTIZE], None),
     })  # fmt: skip
@@ -125,17 +127,18 @@ _KERNELS = {
     "q8_0": (gguf_kernel, "q8_gemv", "requantize_q8_rows"),
     "q6_k": (kquant_kernel, "q6k_gemv", "requantize_q6k_rows"),
     "q3_k": (kquant_kernel, "q3k_gemv", "requantize_q3k_rows"),
+    "q2_k": (kquant_kernel, "q2k_gemv", "requantize_q2k_rows"),
     "q4_k": (kquant_kernel, "q4k_gemv", "requantize_q4k_rows"),
     "q5_k": (kquant_kernel, "q5k_gemv", "requantize_q5k_rows"),
 }
-SUPERBLOCK_KINDS = ("q6_k", "q3_k", "q4_k", "q5_k")
+SUPERBLOCK_KINDS = ("q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 
 
 def gguf_matmul(
     x: torch.Tensor, kind: str, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W of `kind` packed by pack_q5_0 ("q5_0"),
-    pack_q8_0 ("q8_0") or as gguf_packed keeps Q6_K, Q3_K, Q4_K and Q5_K: float32 [M, N], or
+    pack_q8_0 ("q8_0") or as gguf_packed keeps the K-quants: float32 [M, N], or
     for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then
     its bias add would be, in the one kernel."""
     if x.dtype not in (torch.bfloat16, torch.float32):

@@ -89,7 +89,8 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
 
 
 @pytest.mark.parametrize(
-    ("type_name", "kind"), [("Q6_K", "q6_k"), ("Q4_K", "q4_k"), ("Q5_K", "q5_k"), ("Q3_K", "q3_k")]
+    ("type_name", "kind"),
+    [("Q6_K", "q6_k"), ("Q4_K", "q4_k"), ("Q5_K", "q5_k"), ("Q3_K", "q3_k"), ("Q2_K", "q2_k")],
 )
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 4864])  # 4864: the default model's down_proj

@@ -124,7 +124,7 @@ def test_layouts_prepare_would_not_pack_take_the_canonical_route():
     nan[3, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # not Q8_0's form
     assert from_file("Q8_0", nan) is None
     for type_name, size, at in (("Q6_K", 210, 208), ("Q4_K", 144, 2), ("Q5_K", 176, 2),
-                                ("Q3_K", 110, 108)):  # fmt: skip
+                                ("Q3_K", 110, 108), ("Q2_K", 84, 82)):  # fmt: skip
         nan = np.zeros((8, size), dtype=np.uint8)
         nan[5, at : at + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
         assert from_file(type_name, nan) is None
@@ -132,12 +132,12 @@ def test_layouts_prepare_would_not_pack_take_the_canonical_route():
 
 @pytest.mark.parametrize("type_name", K_QUANTS)
 def test_k_quants_load_as_the_files_superblocks(type_name):
-    """Q6_K, Q4_K and Q5_K go to the kernels as the file's bytes (Q6_K: 6.56 bits a weight,
-    where Q8_0's form of it took 8.5 and rounded it again; Q4_K: 4.63, where torch's int4
-    kernel read 5; Q5_K: 5.63, where Q8_0's form of it read 8.5; Q3_K: 3.56, where Q6_K's
-    layout of it read 6.56): the canonical weight they hold is the file's
-    (which dequantizes as gguf-py's reference does), and the layer's int8 prefill copy is
-    what prepare makes of that weight."""
+    """The K-quants go to the kernels as the file's bytes (Q6_K: 6.56 bits a weight, where
+    Q8_0's form of it took 8.5 and rounded it again; Q4_K: 4.63, where torch's int4 kernel
+    read 5; Q5_K: 5.63, where Q8_0's form of it read 8.5; Q3_K: 3.56, where Q6_K's layout of
+    it read 6.56; Q2_K: 2.63, where Q8_0's form of it read 8.5): the canonical weight they
+    hold is the file's (which dequantizes as gguf-py's reference does), and the layer's int8
+    prefill copy is what prepare makes of that weight."""
     raw = random_blocks(type_name, 16, 512, seed=4)
     packed = from_file(type_name, raw)
     canonical = from_gguf_blocks(type_name, raw)
@@ -201,7 +201,8 @@ def test_k_quant_prefill_copies_from_the_superblocks_equal_the_canonical_routes(
     for bit the same, a row whose scales are all zero included (row scale 0, codes 0)."""
     raw = random_blocks(type_name, n, k, seed=n)
     zero = raw.reshape(n, k // 256, -1)
-    for at in {"Q6_K": (208,), "Q3_K": (108,)}.get(type_name, (0, 2)):  # d (and dmin) of row 1
+    scales = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}  # d (and dmin) of row 1
+    for at in scales.get(type_name, (0, 2)):
         zero[1, :, at : at + 2] = 0
     canonical = from_gguf_blocks(type_name, raw)
     symmetric = type_name in ("Q6_K", "Q3_K")

@@ -17,17 +17,18 @@ from nanoqwen.weights.gguf import LAYER_NAMES, TOP_NAMES
 # NaN or huge; everything else in a block is codes and integer sub-scales, any byte valid.
 _F16_AT = {
     "Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-    "Q3_K": (108,),
+    "Q3_K": (108,), "Q2_K": (80, 82),
 }  # fmt: skip
 _SCALE = {
     "Q8_0": 0.01, "Q5_0": 0.01, "Q4_0": 0.01, "Q6_K": 1e-4, "Q4_K": 1e-3, "Q5_K": 1e-3,
-    "Q3_K": 1e-3,
+    "Q3_K": 1e-3, "Q2_K": 1e-3,
 }  # fmt: skip
 K_QUANTS = (
     "Q6_K",
     "Q4_K",
     "Q5_K",
     "Q3_K",
+    "Q2_K",
 )  # superblocks of 256 values, which gguf.quants cannot write
 GGUF_NAMES = {hf: ours for ours, hf in (*LAYER_NAMES.items(), *TOP_NAMES.items())}
 
