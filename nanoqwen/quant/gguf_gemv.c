@@ -1,10 +1,11 @@
-// Few-row matmuls over GGUF Q5_0 and Q8_0 blocks (AVX512-VNNI), built at first use by
-// nanoqwen/quant/native.py and called through ctypes; gguf_kquants.c has Q6_K, Q4_K and Q5_K's.
+// Few-row matmuls over GGUF Q5_0, Q4_0 and Q8_0 blocks (AVX512-VNNI), built at first use by
+// nanoqwen/quant/native.py and called through ctypes; gguf_kquants.c has the K-quants'.
 //
 // A weight row is K/32 blocks of 32 unsigned codes c and a float16 scale d[n][b]:
 //   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16), stored as the file has them:
 //     qs[n][b][16]: byte j = low nibble of c[j] | low nibble of c[j + 16] << 4
 //     qh[n][b]:     bit j = bit 4 of c[j]
+//   Q4_0 (q4_gemv): four-bit codes, w = d * (c - 8), qs as Q5_0's (the file's), no qh.
 //   Q8_0 (q8_gemv): qs[n][b][32] = c = the file's int8 code + 128, w = d * (c - 128).
 // The activations are quantized per block of 32 to int8 (scale max|x| / 127), as llama.cpp
 // does for its Q5_0/Q8_0 x Q8_0 dot products, so each block is one unsigned x signed byte dot
@@ -13,36 +14,40 @@
 #include "gguf_common.h"
 
 // Codes of blocks b and b + 1 as 64 unsigned bytes in x's order: [lo_b | hi_b | lo_b1 | hi_b1],
-// the high bits added from the two 32-bit masks.
-static inline __m512i two_blocks(const uint8_t* qs, const uint32_t* qh) {
+// the high bits added from the two 32-bit masks (Q5_0; none for Q4_0, qh NULL).
+static inline __attribute__((always_inline)) __m512i two_blocks(const uint8_t* qs,
+                                                                const uint32_t* qh) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256i packed = _mm256_loadu_si256((const __m256i*)qs);
     __m256i lo = _mm256_and_si256(packed, low4);
     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo_b lo_b1 hi_b hi_b1
     c = _mm512_shuffle_i64x2(c, c, _MM_SHUFFLE(3, 1, 2, 0));
+    if (!qh) return c;
     uint64_t high;
     memcpy(&high, qh, 8);
     return _mm512_mask_add_epi8(c, (__mmask64)high, c, _mm512_set1_epi8(16));
 }
 
-static inline __m256i one_block(const uint8_t* qs, uint32_t qh) {
+static inline __attribute__((always_inline)) __m256i one_block(const uint8_t* qs,
+                                                               const uint32_t* qh) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
     __m128i packed = _mm_loadu_si128((const __m128i*)qs);
     __m128i lo = _mm_and_si128(packed, low4);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
     __m256i c = _mm256_set_m128i(hi, lo);
-    return _mm256_mask_add_epi8(c, (__mmask32)qh, c, _mm256_set1_epi8(16));
+    if (!qh) return c;
+    return _mm256_mask_add_epi8(c, (__mmask32)*qh, c, _mm256_set1_epi8(16));
 }
 
-// Row n of the output for M activation rows; M and bits (5 or 8) are compile-time constants
+// Row n of the output for M activation rows; M and bits (5, 4 or 8) are compile-time constants
 // at each call site so that the accumulators stay in registers.
 static inline __attribute__((always_inline)) void dot_row(
     const int M, const int bits, int64_t n, int64_t N, int64_t K, const uint8_t* qs,
     const uint32_t* qh, const uint16_t* d, const int8_t* xq, const float* dx, const float* off,
     void* y, int out_bf16, const uint16_t* bias) {
     const int64_t nb = K / 32;
-    const int64_t block_bytes = bits == 5 ? 16 : 32;
+    const int64_t block_bytes = bits == 8 ? 32 : 16;
     qs += n * nb * block_bytes, d += n * nb;
     if (bits == 5) qh += n * nb;
     // The rows PREFETCH_BYTES of weight ahead (this thread's, under the static schedule)
@@ -80,8 +85,8 @@ static inline __attribute__((always_inline)) void dot_row(
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        __m512i c = bits == 5 ? two_blocks(qs + 16 * b, qh + b)
-                              : _mm512_loadu_si512((const void*)(qs + 32 * b));
+        __m512i c = bits == 8 ? _mm512_loadu_si512((const void*)(qs + 32 * b))
+                              : two_blocks(qs + 16 * b, bits == 5 ? qh + b : NULL);
         for (int m = 0; m < M; m++) {
             __m512i xv = _mm512_loadu_si512((const void*)(xq + m * K + 32 * b));
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
@@ -93,8 +98,8 @@ static inline __attribute__((always_inline)) void dot_row(
     float tail[M];
     for (int m = 0; m < M; m++) tail[m] = 0.0f;
     if (b < nb) {
-        __m256i c = bits == 5 ? one_block(qs + 16 * b, qh[b])
-                              : _mm256_loadu_si256((const __m256i*)(qs + 32 * b));
+        __m256i c = bits == 8 ? _mm256_loadu_si256((const __m256i*)(qs + 32 * b))
+                              : one_block(qs + 16 * b, bits == 5 ? qh + b : NULL);
         for (int m = 0; m < M; m++) {
             __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * K + 32 * b));
             __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xv);
@@ -120,13 +125,19 @@ static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, cons
                 const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 32) return 1;
     Activations a;
-    if (quantize_activations(x, is_bf16, M, K, bits == 5 ? 16.0f : 128.0f, &a)) return 2;
+    const float zero = bits == 5 ? 16.0f : bits == 4 ? 8.0f : 128.0f;
+    if (quantize_activations(x, is_bf16, M, K, zero, &a)) return 2;
     const int8_t* xq = a.xq;
     const float *dx = a.dx, *off = a.off;
     if (bits == 5) {
         switch (M) {
             ROWS_CASE(1, 5) ROWS_CASE(2, 5) ROWS_CASE(3, 5) ROWS_CASE(4, 5)
             ROWS_CASE(5, 5) ROWS_CASE(6, 5) ROWS_CASE(7, 5) ROWS_CASE(8, 5)
+        }
+    } else if (bits == 4) {
+        switch (M) {
+            ROWS_CASE(1, 4) ROWS_CASE(2, 4) ROWS_CASE(3, 4) ROWS_CASE(4, 4)
+            ROWS_CASE(5, 4) ROWS_CASE(6, 4) ROWS_CASE(7, 4) ROWS_CASE(8, 4)
         }
     } else {
         switch (M) {
@@ -144,6 +155,12 @@ int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
     return gemv(5, x, is_bf16, M, K, qs, qh, d, N, y, out_bf16, bias, threads);
 }
 
+int q4_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+            const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
+            int threads) {
+    return gemv(4, x, is_bf16, M, K, qs, NULL, d, N, y, out_bf16, bias, threads);
+}
+
 int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
             int threads) {
@@ -158,9 +175,9 @@ void requantize_rows(const int8_t* q, const float* s, int64_t N, int64_t K, int6
         requantize_row(q + n * K, s + n * (K / g), K, g, out + n * K, r + n);
 }
 
-// requantize_rows of a weight in q5_gemv's (bits 5) or q8_gemv's (bits 8) layout: each row's
-// codes and scales are decoded to what gguf_blocks.py reads from the file (int8 code, float32
-// d), so the result is requantize_rows's on that canonical weight, bit for bit.
+// requantize_rows of a weight in q5_gemv's (bits 5), q4_gemv's (4) or q8_gemv's (8) layout:
+// each row's codes and scales are decoded to what gguf_blocks.py reads from the file (int8
+// code, float32 d), so the result is requantize_rows's on that canonical weight, bit for bit.
 static void requantize_blocks(int bits, const uint8_t* qs, const uint32_t* qh, const uint16_t* d,
                               int64_t N, int64_t K, int8_t* out, float* r, int threads) {
     const int64_t nb = K / 32;
@@ -179,6 +196,12 @@ static void requantize_blocks(int bits, const uint8_t* qs, const uint32_t* qh, c
                     c[j] = (int8_t)(((p[j] & 15) | ((h >> j) & 1) << 4) - 16);
                     c[j + 16] = (int8_t)(((p[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16);
                 }
+            } else if (bits == 4) {
+                const uint8_t* p = qs + 16 * i;
+                for (int j = 0; j < 16; j++) {
+                    c[j] = (int8_t)((p[j] & 15) - 8);
+                    c[j + 16] = (int8_t)((p[j] >> 4) - 8);
+                }
             } else {
                 const uint8_t* p = qs + 32 * i;
                 for (int j = 0; j < 32; j++) c[j] = (int8_t)(p[j] ^ 0x80);  // code + 128
@@ -191,6 +214,11 @@ static void requantize_blocks(int bits, const uint8_t* qs, const uint32_t* qh, c
 void requantize_q5_rows(const uint8_t* qs, const uint32_t* qh, const uint16_t* d, int64_t N,
                         int64_t K, int8_t* out, float* r, int threads) {
     requantize_blocks(5, qs, qh, d, N, K, out, r, threads);
+}
+
+void requantize_q4_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t K, int8_t* out,
+                        float* r, int threads) {
+    requantize_blocks(4, qs, NULL, d, N, K, out, r, threads);
 }
 
 void requantize_q8_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t K, int8_t* out,

@@ -1,5 +1,5 @@
-"""GGUF Q5_0, Q8_0, Q6_K, Q3_K, Q2_K, Q4_K and Q5_K tensors read straight from the file into
-the CPU kernels' layouts (Q4_0 into Q5_0's).
+"""GGUF Q5_0, Q4_0, Q8_0, Q6_K, Q3_K, Q2_K, Q4_K and Q5_K tensors read straight from the file
+into the CPU kernels' layouts.
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
@@ -44,16 +44,16 @@ _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 
 @dataclass(frozen=True)
 class PackedBlocks:
     """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
-    [N, K/32], d float16 [N, K/32]), Q8_0 (qs uint8 [N, K/32, 32] = code + 128, d), Q6_K
-    (the file's superblocks in four arrays: ql uint8 [N, K/256, 128], qh uint8 [N, K/256,
-    64], sc int8 [N, K/256, 16], d float16 [N, K/256]), Q3_K (four: the file's qs uint8
-    [N, K/256, 64] and hmask uint8 [N, K/256, 32], its scales unpacked minus 32, int8 [N,
-    K/256, 16], and d), Q2_K (four, the file's: qs uint8 [N, K/256, 64] as Q3_K's, scales
-    and mins uint8 [N, K/256, 16], d and dmin float16 [N, K/256]), Q4_K (five: qs uint8
-    [N, K/256, 128], its scales and mins unpacked, uint8 [N, K/256, 8] each, d and dmin) or
-    Q5_K (six: Q4_K's with the fifth bits second, int32 [N, K/256, 8], word j bit l for
-    value 32j + l); gguf_gemv.c and gguf_kquants.c say how they are read. kind: "q5_0",
-    "q8_0", "q6_k", "q3_k", "q2_k", "q4_k" or "q5_k"."""
+    [N, K/32], d float16 [N, K/32]), Q4_0 (Q5_0's qs and d, no qh), Q8_0 (qs uint8 [N, K/32,
+    32] = code + 128, d), Q6_K (the file's superblocks in four arrays: ql uint8 [N, K/256,
+    128], qh uint8 [N, K/256, 64], sc int8 [N, K/256, 16], d float16 [N, K/256]), Q3_K
+    (four: the file's qs uint8 [N, K/256, 64] and hmask uint8 [N, K/256, 32], its scales
+    unpacked minus 32, int8 [N, K/256, 16], and d), Q2_K (four, the file's: qs uint8 [N,
+    K/256, 64] as Q3_K's, scales and mins uint8 [N, K/256, 16], d and dmin float16 [N,
+    K/256]), Q4_K (five: qs uint8 [N, K/256, 128], its scales and mins unpacked, uint8 [N,
+    K/256, 8] each, d and dmin) or Q5_K (six: Q4_K's with the fifth bits second, int32 [N,
+    K/256, 8], word j bit l for value 32j + l); gguf_gemv.c and gguf_kquants.c say how they
+    are read. kind: "q5_0", "q4_0", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k" or "q5_k"."""
 
     kind: str
     tensors: tuple[torch.Tensor, ...]
@@ -107,11 +107,8 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name == "Q5_0":
         qh = np.ascontiguousarray(b[..., 2:6]).view(np.int32)[..., 0]
         return _packed("q5_0", np.ascontiguousarray(b[..., 6:22]), qh, d)
-    if type_name == "Q4_0":  # code c - 8 is Q5_0's (c + 8) - 16: nibble c ^ 8, fifth bit c >= 8
-        qs = b[..., 2:18]
-        high = np.concatenate([(qs >> 3) & 1, qs >> 7], axis=-1)
-        qh = np.packbits(high, axis=-1, bitorder="little").view(np.int32)[..., 0]
-        return _packed("q5_0", qs ^ np.uint8(0x88), qh, d)
+    if type_name == "Q4_0":
+        return _packed("q4_0", np.ascontiguousarray(b[..., 2:18]), d)
     qs = b[..., 2:34] ^ np.uint8(0x80)  # int8 code -> code + 128, a new contiguous array
     return _q5_0_from_q8(qs, d) if _fits_q5_0(qs) else _packed("q8_0", qs, d)
 
@@ -231,20 +228,35 @@ def stack_packed(parts: list[PackedBlocks]) -> PackedBlocks | PackedParts:
 
 def cat_packed(parts: list[PackedBlocks]) -> PackedBlocks:
     """The packing of format.cat_rows of the parts' canonical weights (a fused projection):
-    Q5_0 when every part is, else Q8_0 (a Q8_0 part has codes beyond -16..15)."""
+    their own when all share one, Q8_0 beside a Q8_0 part (codes beyond -16..15), else Q5_0
+    (Q4_0 parts beside Q5_0 ones)."""
     if len(parts) == 1:
         return parts[0]
-    if any(p.kind == "q8_0" for p in parts):
+    kinds = {p.kind for p in parts}
+    if "q8_0" in kinds:
         parts = [as_q8_0(p) for p in parts]
+    elif len(kinds) > 1:
+        parts = [as_q5_0(p) for p in parts]
     columns = zip(*(p.tensors for p in parts))
     return PackedBlocks(parts[0].kind, tuple(torch.cat(column) for column in columns))
+
+
+def as_q5_0(p: PackedBlocks) -> PackedBlocks:
+    """A Q5_0 or Q4_0 p in Q5_0's layout (pack_q5_0 of the same canonical weight)."""
+    if p.kind == "q5_0":
+        return p
+    # Q4_0's code c - 8 is Q5_0's (c + 8) - 16: nibble c ^ 8, fifth bit c >= 8.
+    qs, d = (t.numpy() for t in p.tensors)
+    high = np.concatenate([(qs >> 3) & 1, qs >> 7], axis=-1)
+    qh = np.packbits(high, axis=-1, bitorder="little").view(np.int32)[..., 0]
+    return _packed("q5_0", qs ^ np.uint8(0x88), qh, d)
 
 
 def as_q8_0(p: PackedBlocks) -> PackedBlocks:
     """p in Q8_0's layout (pack_q8_0 of the same canonical weight)."""
     if p.kind == "q8_0":
         return p
-    qs, qh, d = (t.numpy() for t in p.tensors)
+    qs, qh, d = (t.numpy() for t in as_q5_0(p).tensors)
     high = np.unpackbits(qh.view(np.uint8).reshape(*qh.shape, 4), axis=-1, bitorder="little")
     values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high << 4)  # 0..31
     return _packed("q8_0", values + np.uint8(_Q5_IN_Q8), d)

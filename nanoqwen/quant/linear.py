@@ -41,7 +41,8 @@ from nanoqwen.quant.native import (
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
 CPU_PACKED_MAX_ROWS = 4
-GGUF_KINDS = ("q5_0", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k", "q5_k")  # native.gguf_matmul's
+# What native.gguf_matmul reads.
+GGUF_KINDS = ("q5_0", "q4_0", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 _INT4_GROUPS = (32, 64, 128, 256)
 
 

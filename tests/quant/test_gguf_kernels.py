@@ -65,15 +65,17 @@ def test_packed_layouts_are_the_files_own_bytes():
     assert np.array_equal(codes, blocks[..., 2:34])
 
 
-@pytest.mark.parametrize("type_name", list(PACK))
+@pytest.mark.parametrize("type_name", [*PACK, "Q4_0"])
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 96])  # 96: an odd number of blocks (the one-block tail)
 def test_kernel_equals_int8_activation_reference(type_name, rows, k):
-    w = from_gguf_blocks(type_name, _blocks(type_name, 80, k, seed=rows))
+    """Q5_0 and Q8_0 packed from the canonical weight; Q4_0 as the file's blocks."""
+    raw = _blocks(type_name, 80, k, seed=rows)
+    w = from_gguf_blocks(type_name, raw)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero block: scale 0
     ref = _expected(x.bfloat16(), dequantize(w))
-    packed = PACK[type_name](w)
+    packed = PACK[type_name](w) if type_name in PACK else from_file(type_name, raw).tensors
     for xin in (x.bfloat16().float(), x.bfloat16().half()):  # the same values
         got = gguf_matmul(xin, type_name.lower(), packed)
         assert got.shape == (rows, 80) and got.dtype == torch.float32

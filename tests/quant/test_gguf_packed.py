@@ -1,4 +1,4 @@
-"""GGUF Q5_0/Q8_0 (and Q4_0, as Q5_0) tensors loaded straight into the CPU kernels' layout
+"""GGUF Q5_0/Q8_0 (and Q4_0) tensors loaded straight into the CPU kernels' layout
 (quant/gguf_packed.py)
 give exactly what the canonical route gives (unpacked to int8 codes, then packed by
 native.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
@@ -19,6 +19,8 @@ from nanoqwen.quant.gguf_blocks import from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
     PackedBlocks,
     PackedParts,
+    as_q5_0,
+    as_q8_0,
     cat_packed,
     from_file,
     keeps_file_blocks,
@@ -83,7 +85,7 @@ def _cases() -> list[tuple[str, np.ndarray]]:
         ("Q5_0", _random_blocks("Q5_0", 24, 96, seed=2)),  # an odd number of blocks
         ("Q8_0", _random_blocks("Q8_0", 24, 96, seed=3)),  # code -128 included
         ("Q8_0", _random_blocks("Q8_0", 24, 64, seed=4, small=True)),  # Q5_0's codes only
-        ("Q4_0", _quantized("Q4_0", 40, 256, seed=5)),  # packed as Q5_0
+        ("Q4_0", _quantized("Q4_0", 40, 256, seed=5)),  # the canonical route packs it as Q5_0
         ("Q4_0", _random_blocks("Q4_0", 24, 96, seed=6)),
     ]
 
@@ -92,15 +94,19 @@ def _cases() -> list[tuple[str, np.ndarray]]:
 def test_direct_packing_equals_unpack_and_repack(type_name, raw):
     canonical = from_gguf_blocks(type_name, raw)
     packed = from_file(type_name, raw)
-    assert _same(packed.tensors, _old_pack(canonical))
-    assert packed.kind == ("q5_0" if is_q5_0(canonical) else "q8_0")
+    # Q4_0 keeps its file's blocks (4.5 bits a weight), which are Q5_0's, exactly, less qh.
+    assert packed.kind == "q4_0" if type_name == "Q4_0" else packed.kind in ("q5_0", "q8_0")
+    assert _same(as_q5_0(packed).tensors if type_name == "Q4_0" else packed.tensors,
+                 _old_pack(canonical))  # fmt: skip
+    assert as_q8_0(packed).kind == "q8_0" and _same(as_q8_0(packed).tensors, pack_q8_0(canonical))
+    assert type_name == "Q4_0" or packed.kind == ("q5_0" if is_q5_0(canonical) else "q8_0")
     assert packed.shape == canonical.shape
     back = to_canonical(packed)
     assert torch.equal(back.q, canonical.q) and torch.equal(back.scale, canonical.scale)
     # The prefill copy: C from the blocks == C from the codes (what prepare computed) == torch
     # from the codes, but where a code is -128 (never in a quantizer's Q8_0), whose int8 abs
     # overflows in torch.
-    fast = requantize_packed(packed.kind, packed.tensors)
+    fast = requantize_packed(packed.kind, packed.tensors)  # Q4_0's: its own C decoding
     others = [requantize_rows(canonical)]
     others += [requantize_per_channel(canonical)] if int(canonical.q.min()) > -128 else []
     for other in others:
@@ -109,13 +115,28 @@ def test_direct_packing_equals_unpack_and_repack(type_name, raw):
 
 @pytest.mark.parametrize(
     "types",
-    [("Q5_0", "Q5_0", "Q5_0"), ("Q5_0", "Q5_0", "Q8_0"), ("Q8_0", "Q5_0")],  # qkv, gate_up
+    [
+        ("Q5_0", "Q5_0", "Q5_0"),
+        ("Q5_0", "Q5_0", "Q8_0"),
+        ("Q8_0", "Q5_0"),
+        ("Q4_0", "Q5_0"),
+        ("Q4_0", "Q4_0", "Q8_0"),
+        ("Q4_0", "Q4_0"),
+    ],  # qkv, gate_up
 )
 def test_fused_parts_equal_the_packed_concatenation(types):
+    """All Q4_0 parts stay Q4_0 (the canonical route packs them as Q5_0, which the fused
+    blocks are, less qh); beside Q5_0 they go to Q5_0's layout, beside Q8_0 to Q8_0's."""
     raws = [_quantized(t, 8 * (i + 1), 128, seed=10 + i) for i, t in enumerate(types)]
     parts = [from_file(t, raw) for t, raw in zip(types, raws)]
     old = _old_pack(cat_rows([from_gguf_blocks(t, raw) for t, raw in zip(types, raws)]))
-    assert _same(cat_packed(parts).tensors, old)
+    fused = cat_packed(parts)
+    assert fused.kind == ("q4_0" if set(types) == {"Q4_0"} else old_kind(old))
+    assert _same(as_q5_0(fused).tensors if fused.kind == "q4_0" else fused.tensors, old)
+
+
+def old_kind(packed: tuple[torch.Tensor, ...]) -> str:
+    return "q5_0" if len(packed) == 3 else "q8_0"
 
 
 def test_layouts_prepare_would_not_pack_take_the_canonical_route():
