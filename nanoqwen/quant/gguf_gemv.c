@@ -10,6 +10,8 @@
 // The activations are quantized per block of 32 to int8 (scale max|x| / 127), as llama.cpp
 // does for its Q5_0/Q8_0 x Q8_0 dot products, so each block is one unsigned x signed byte dot
 // product (vpdpbusd) and the codes' offset one term per block: zero * d_x * sum(x_q).
+// For Q5_0 and Q4_0 the activations are reordered once a call (nibble_order) so that four
+// blocks' low nibbles, then their high ones, meet their x values as one 64-byte load each.
 
 #include "gguf_common.h"
 
@@ -84,6 +86,35 @@ static inline __attribute__((always_inline)) void dot_row(
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     int64_t b = 0;
+    if (bits != 8) {
+        // Four blocks a step, x in nibble_order: lane i of both dot products sums values of
+        // block b + i / 4 (of its low nibbles, then of its high ones).
+        const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+        const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        for (; b + 4 <= nb; b += 4) {
+            const __m512i q = _mm512_loadu_si512((const void*)(qs + 16 * b));
+            __m512i lo = _mm512_and_si512(q, low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+            if (bits == 5) {  // bit j of qh[b]: value j, in lo for j < 16, else in hi
+                uint64_t mlo = 0, mhi = 0;
+                for (int i = 0; i < 4; i++) {
+                    mlo |= (uint64_t)(qh[b + i] & 0xFFFF) << (16 * i);
+                    mhi |= (uint64_t)(qh[b + i] >> 16) << (16 * i);
+                }
+                lo = _mm512_mask_add_epi8(lo, (__mmask64)mlo, lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, (__mmask64)mhi, hi, sixteen);
+            }
+            for (int m = 0; m < M; m++) {
+                const int8_t* x = xq + m * K + 32 * b;
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                  _mm512_loadu_si512((const void*)x));
+                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void*)(x + 64)));
+                __m512 s = _mm512_permutexvar_ps(
+                    quad, _mm512_castps128_ps512(_mm_loadu_ps(&scale[m][b])));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m]);
+            }
+        }
+    }
     for (; b + 2 <= nb; b += 2) {
         __m512i c = bits == 8 ? _mm512_loadu_si512((const void*)(qs + 32 * b))
                               : two_blocks(qs + 16 * b, bits == 5 ? qh + b : NULL);
@@ -110,6 +141,22 @@ static inline __attribute__((always_inline)) void dot_row(
         store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) + tail[m] - corr[m]);
 }
 
+// Each row's int8 activations, in place, in the order dot_row's four-block steps read them:
+// per 128 values (four blocks), the first 16 of each block, then the last 16 of each (a
+// trailing one to three blocks stay as they are).
+static void nibble_order(int8_t* xq, int64_t M, int64_t K) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t at = 0; at + 128 <= K; at += 128) {
+            int8_t* v = xq + m * K + at;
+            int8_t t[128];
+            for (int j = 0; j < 4; j++) {
+                memcpy(t + 16 * j, v + 32 * j, 16);
+                memcpy(t + 64 + 16 * j, v + 32 * j + 16, 16);
+            }
+            memcpy(v, t, 128);
+        }
+}
+
 #define ROWS_CASE(R, BITS)                                                          \
     case R:                                                                         \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")           \
@@ -127,6 +174,7 @@ static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, cons
     Activations a;
     const float zero = bits == 5 ? 16.0f : bits == 4 ? 8.0f : 128.0f;
     if (quantize_activations(x, is_bf16, M, K, zero, &a)) return 2;
+    if (bits != 8) nibble_order(a.xq, M, K);
     const int8_t* xq = a.xq;
     const float *dx = a.dx, *off = a.off;
     if (bits == 5) {
