@@ -268,10 +268,8 @@ static inline __attribute__((always_inline)) void dot_row_k4(
             for (int m = 0; m < M; m++) {
                 const int8_t* x = xq + m * K + 256 * s + 64 * c;
                 for (int half = 0; half < 2; half++) {
-                    // Values 64c + 32 half + l and 64(c + 1) + 32 half + l.
-                    __m512i xv = _mm512_inserti64x4(
-                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(x + 32 * half))),
-                        _mm256_loadu_si256((const __m256i*)(x + 64 + 32 * half)), 1);
+                    // Values 64c + 32 half + l and 64(c + 1) + 32 half + l (k4_order).
+                    __m512i xv = _mm512_loadu_si512((const void*)(x + 64 * half));
                     __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[half], xv);
                     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                              _mm512_permutexvar_ps(pair[c + half], w[m]), acc[m]);
@@ -281,6 +279,19 @@ static inline __attribute__((always_inline)) void dot_row_k4(
     }
     for (int m = 0; m < M; m++)
         store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) - hsum(corr8[m]));
+}
+
+// Each row's int8 activations, in place, in the order dot_row_k4 reads them: in each 256
+// values, blocks of 32 in the order 0 2 1 3 4 6 5 7, so that the values a 64-byte code vector
+// meets (blocks 2c + half and 2c + 2 + half) are one 64-byte load.
+static void k4_order(int8_t* xq, int64_t M, int64_t K) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t at = 0; at < K; at += 256)
+            for (int c = 0; c < 256; c += 128) {
+                int8_t* v = xq + m * K + at + c;
+                int8_t t[32];
+                memcpy(t, v + 32, 32), memcpy(v + 32, v + 64, 32), memcpy(v + 64, t, 32);
+            }
 }
 
 #define K4_ROWS_CASE(R)                                                                     \
@@ -299,6 +310,7 @@ static inline __attribute__((always_inline)) int k4_gemv(
     if (M < 1 || M > MAX_ROWS || K % 256) return 1;
     Activations a;  // offset terms with zero 1: dx times the block's code sum
     if (quantize_activations(x, is_bf16, M, K, 1.0f, &a)) return 2;
+    k4_order(a.xq, M, K);
     const int8_t* xq = a.xq;
     const float *dx = a.dx, *off = a.off;
     switch (M) {
