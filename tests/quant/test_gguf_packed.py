@@ -321,14 +321,23 @@ def k_types(main: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize(("main", "layout"), [("Q4_K", "int4 group 32"), ("Q5_K", "int8 group 32")])
+@pytest.mark.parametrize(
+    ("main", "layout"),
+    [
+        ("Q4_K", "int4 group 32"),
+        ("Q5_K", "int8 group 32"),
+        ("Q3_K", "int8 group 16"),
+        ("Q2_K", "int8 group 16"),
+    ],
+)
 def test_a_k_quant_model_runs_every_layer_on_the_files_blocks(tmp_path, main, layout):
     """Every projection keeps its file's blocks, a fused one with two layouts as parts
     (before, any fused projection with a K-quant part took the canonical route: torch's
     int4 kernel, or per-channel int8 of the float weight; Q5_K was not read at all and went
     to Q8_0's form). Decode's logits (3 rows: the file's kernels) against the exact float32
-    dequantized model: measured mean |gap| 0.049 (Q4_K) and 0.088 (Q5_K) with logits ~1.3
-    on average (random weights), every argmax equal; parts out of order would be far off.
+    dequantized model: measured mean |gap| 0.049 (Q4_K), 0.088 (Q5_K), 0.028 (Q3_K) and
+    0.025 (Q2_K) with logits ~1.3 on average (random weights), every argmax equal; parts
+    out of order would be far off.
     (Prefill's int8 copies are the canonical route's, bit for bit: tested above.)"""
     path = write_gguf(tmp_path, False, k_types(main), hidden_size=256, intermediate_size=512,
                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
