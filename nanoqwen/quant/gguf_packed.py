@@ -10,7 +10,8 @@ copy out of the memory-mapped file (the kernels read them apart, not interleaved
 block's codes get pack_q8_0's +128 in one pass. The result equals native.pack_q5_0 /
 pack_q8_0 of the canonical weight bit for bit (tests/quant/test_gguf_packed.py), and the
 choice between the two follows QuantizedLinear.prepare's: Q5_0 exactly when every code is
-in -16..15.
+in -16..15. Q4_0 and the K-quants, for which the canonical route has no packing of their
+own, keep the file's arrays (a K-quant's packed scales unpacked).
 """
 
 from __future__ import annotations

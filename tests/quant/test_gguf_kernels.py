@@ -97,8 +97,9 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 4864])  # 4864: the default model's down_proj
 def test_k_quant_kernels_equal_int8_activation_reference(type_name, kind, rows, k):
-    """Q6_K and Q4_K read from the file's superblocks: the same arithmetic as Q5_0/Q8_0's,
-    with Q6_K's scale a 16 values and Q4_K's scale and min a 32."""
+    """The K-quants read from the file's superblocks: the same arithmetic as Q5_0/Q8_0's,
+    with a scale a 16 values (Q6_K, Q3_K; Q2_K with a min too) or a scale and a min a 32
+    (Q4_K, Q5_K)."""
     raw = random_blocks(type_name, 80, k, seed=rows)  # any code, scale and high-bit pattern
     packed = from_file(type_name, raw)
     assert packed.kind == kind and packed.shape == (80, k)
