@@ -56,8 +56,8 @@ SCHEMES = {
 }
 # What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4; where the
 # CPU's GGUF kernels run (bf16/fp16 activations on an AVX512-VNNI CPU) Q5_0, Q4_0, Q8_0 and
-# the K-quants kept as they are instead (gguf_packed.from_file; a fused projection whose parts differ in layout as
-# gguf_packed.PackedParts, gguf_loader._fuse).
+# the K-quants kept as they are instead (gguf_packed.from_file; a fused projection whose
+# parts differ in layout as gguf_packed.PackedParts, gguf_loader._fuse).
 # All-int4 (Q5_0/Q6_K/Q8_0 requantized to int4) agreed with the float32 dequantized model's
 # argmax at only 93% of the fidelity test's positions (BENCHMARKS.md).
 AUTO_GGUF, AUTO_GGUF_BLOCKS = "gguf", "gguf-blocks"
