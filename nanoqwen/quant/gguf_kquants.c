@@ -338,11 +338,12 @@ int q5k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs
 // superblocks: bit for bit what linear.py made of the canonical weights before (gguf_blocks.py's
 // decoding, then format.py's arithmetic), in one pass where those took seconds at load.
 
-// Q6_K: the canonical weight is symmetric int8 in groups of 16 (code c - 32, scale d * sc,
-// exact in float32), so requantize_row's result.
-void requantize_q6k_rows(const uint8_t* ql, const uint8_t* qh, const int8_t* sc,
-                         const uint16_t* d, int64_t N, int64_t K, int8_t* out, float* r,
-                         int threads) {
+// Q6_K and Q3_K: the canonical weight is symmetric int8 in groups of 16 (Q6_K: code c - 32,
+// scale d * sc; Q3_K: code low - 4 where the third bit is clear, scale d * (sc - 32); exact
+// in float32), so requantize_row's result. lo, hi: ql and qh, or qs and hm (q3 set).
+static inline __attribute__((always_inline)) void requantize_g16(
+    const int q3, const uint8_t* lo, const uint8_t* hi, const int8_t* sc, const uint16_t* d,
+    int64_t N, int64_t K, int8_t* out, float* r, int threads) {
     const int64_t ns = K / 256;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
@@ -350,18 +351,28 @@ void requantize_q6k_rows(const uint8_t* ql, const uint8_t* qh, const int8_t* sc,
         float s[K / 16];
         for (int64_t b = 0; b < ns; b++) {
             const int64_t i = n * ns + b;
-            const uint8_t *lo = ql + 128 * i, *hi = qh + 64 * i;
             int8_t* c = q + 256 * b;
-            for (int h = 0; h < 2; h++)
-                for (int l = 0; l < 64; l++) {
-                    const int byte = lo[64 * h + l], l2 = l & 31, t = l >> 5;
-                    // values 128h + l and 128h + 64 + l: qh byte 32h + (l % 32), 2-bit field
-                    // 32-value group (l / 32) and (l / 32) + 2
-                    const int b0 = (hi[32 * h + l2] >> (2 * t)) & 3;
-                    const int b1 = (hi[32 * h + l2] >> (2 * (t + 2))) & 3;
-                    c[128 * h + l] = (int8_t)(((byte & 15) | b0 << 4) - 32);
-                    c[128 * h + 64 + l] = (int8_t)(((byte >> 4) | b1 << 4) - 32);
-                }
+            if (q3) {
+                for (int h = 0; h < 2; h++)
+                    for (int t = 0; t < 4; t++)
+                        for (int l = 0; l < 32; l++) {
+                            const int low = (lo[64 * i + 32 * h + l] >> (2 * t)) & 3;
+                            const int bit = (hi[32 * i + l] >> (4 * h + t)) & 1;
+                            c[128 * h + 32 * t + l] = (int8_t)(low - (bit ? 0 : 4));
+                        }
+            } else {
+                const uint8_t *ql = lo + 128 * i, *qh = hi + 64 * i;
+                for (int h = 0; h < 2; h++)
+                    for (int l = 0; l < 64; l++) {
+                        const int byte = ql[64 * h + l], l2 = l & 31, t = l >> 5;
+                        // values 128h + l and 128h + 64 + l: qh byte 32h + (l % 32), 2-bit
+                        // field 32-value group (l / 32) and (l / 32) + 2
+                        const int b0 = (qh[32 * h + l2] >> (2 * t)) & 3;
+                        const int b1 = (qh[32 * h + l2] >> (2 * (t + 2))) & 3;
+                        c[128 * h + l] = (int8_t)(((byte & 15) | b0 << 4) - 32);
+                        c[128 * h + 64 + l] = (int8_t)(((byte >> 4) | b1 << 4) - 32);
+                    }
+            }
             const float dd = _cvtsh_ss(d[i]);
             for (int j = 0; j < 16; j++) s[16 * b + j] = dd * (float)sc[16 * i + j];
         }
@@ -369,30 +380,16 @@ void requantize_q6k_rows(const uint8_t* ql, const uint8_t* qh, const int8_t* sc,
     }
 }
 
-// Q3_K: the canonical weight is symmetric int8 in groups of 16 (code low - 4 where the third
-// bit is clear, scale d * (sc - 32)), so requantize_row's result, as Q6_K's.
+void requantize_q6k_rows(const uint8_t* ql, const uint8_t* qh, const int8_t* sc,
+                         const uint16_t* d, int64_t N, int64_t K, int8_t* out, float* r,
+                         int threads) {
+    requantize_g16(0, ql, qh, sc, d, N, K, out, r, threads);
+}
+
 void requantize_q3k_rows(const uint8_t* qs, const uint8_t* hm, const int8_t* sc,
                          const uint16_t* d, int64_t N, int64_t K, int8_t* out, float* r,
                          int threads) {
-    const int64_t ns = K / 256;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        int8_t q[K];
-        float s[K / 16];
-        for (int64_t b = 0; b < ns; b++) {
-            const int64_t i = n * ns + b;
-            for (int h = 0; h < 2; h++)
-                for (int t = 0; t < 4; t++)
-                    for (int l = 0; l < 32; l++) {
-                        const int low = (qs[64 * i + 32 * h + l] >> (2 * t)) & 3;
-                        const int bit = (hm[32 * i + l] >> (4 * h + t)) & 1;
-                        q[256 * b + 128 * h + 32 * t + l] = (int8_t)(low - (bit ? 0 : 4));
-                    }
-            const float dd = _cvtsh_ss(d[i]);
-            for (int j = 0; j < 16; j++) s[16 * b + j] = dd * (float)sc[16 * i + j];
-        }
-        requantize_row(q, s, K, 16, out + n * K, r + n);
-    }
+    requantize_g16(1, qs, hm, sc, d, N, K, out, r, threads);
 }
 
 // A dequantized row w [K] (float32, max |w| amax) as per-channel int8: r = amax / 127 and
