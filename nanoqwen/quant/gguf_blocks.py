@@ -6,6 +6,8 @@ per-group offset), which is exactly QuantizedWeight's form:
     Q8_0  32 codes, f16 d            -> int8, group 32, scale d
     Q5_0  32 5-bit codes, f16 d      -> int8, group 32, codes q - 16, scale d
     Q4_0  32 4-bit codes, f16 d      -> int8, group 32, codes q - 8, scale d (Q5_0's form)
+    Q5_1  32 5-bit codes, f16 d, m   -> int8 (codes 0..31), group 32, scale d, offset m
+    Q4_1  32 4-bit codes, f16 d, m   -> int4, group 32, scale d, offset m (Q4_K's form)
     Q6_K  256 = 16 x 16 6-bit codes  -> int8, group 16, codes q - 32, scale d * sc (int8 sc)
     Q3_K  256 = 16 x 16 3-bit codes  -> int8, group 16, codes -4..3, scale d * (sc - 32)
     Q2_K  256 = 16 x 16 2-bit codes  -> int8, group 16, codes 0..3, scale d * sc, offset
@@ -51,6 +53,21 @@ def _q4_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, int]:
     qs = b[..., 2:18]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
     return q.reshape(b.shape[0], -1), _f16(b[..., 0:2]), None, 32
+
+
+def _q4_1(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b = _blocks(data, 20)  # d, m, qs [16] as Q4_0's
+    qs = b[..., 4:20]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return q.reshape(b.shape[0], -1), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 32
+
+
+def _q5_1(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b = _blocks(data, 24)  # d, m, qh [4], qs [16] as Q5_0's
+    qs = b[..., 8:24]
+    high = np.unpackbits(b[..., 4:8], axis=-1, bitorder="little")  # bit j: value j
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high << 4)
+    return q.view(np.int8).reshape(b.shape[0], -1), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 32
 
 
 def _q5_high_table() -> np.ndarray:
@@ -201,12 +218,14 @@ def _q5_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 _DECODERS = {
     "Q8_0": (_q8_0, 8), "Q5_0": (_q5_0, 8), "Q6_K": (_q6_k, 8), "Q4_K": (_q4_k, 4),
     "Q5_K": (_q5_k, 8), "Q4_0": (_q4_0, 8), "Q3_K": (_q3_k, 8), "Q2_K": (_q2_k, 8),
+    "Q4_1": (_q4_1, 4), "Q5_1": (_q5_1, 8),
 }  # fmt: skip
 EXACT_TYPES = tuple(_DECODERS)
 # (values, bytes) of one block
 BLOCK_SIZES = {
     "Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (QK_K, 210), "Q4_K": (QK_K, 144),
     "Q5_K": (QK_K, 176), "Q4_0": (32, 18), "Q3_K": (QK_K, 110), "Q2_K": (QK_K, 84),
+    "Q4_1": (32, 20), "Q5_1": (32, 24),
 }  # fmt: skip
 
 

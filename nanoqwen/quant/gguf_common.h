@@ -130,3 +130,19 @@ static inline void requantize_row(const int8_t* qn, const float* sn, int64_t K, 
         }
     }
 }
+
+// A dequantized row w [K] (float32, max |w| amax) as per-channel int8: r = amax / 127 and
+// codes round(w / r) to nearest even, clamped, 16 at a time (format.quantize_int8's
+// arithmetic).
+static inline void per_channel_row(const float* w, int64_t K, float amax, int8_t* o, float* r) {
+    const float row = amax / 127.0f, safe = row > 0.0f ? row : 1.0f;
+    *r = row;
+    const __m512 sv = _mm512_set1_ps(safe), lo = _mm512_set1_ps(-127.0f),
+                 hi = _mm512_set1_ps(127.0f);
+    for (int64_t j = 0; j < K; j += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(w + j), sv);
+        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i*)(o + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+}

@@ -1,11 +1,14 @@
-// Few-row matmuls over GGUF Q5_0, Q4_0 and Q8_0 blocks (AVX512-VNNI), built at first use by
-// nanoqwen/quant/native.py and called through ctypes; gguf_kquants.c has the K-quants'.
+// Few-row matmuls over GGUF Q5_0, Q4_0, Q5_1, Q4_1 and Q8_0 blocks (AVX512-VNNI), built at
+// first use by nanoqwen/quant/native.py and called through ctypes; gguf_kquants.c has the
+// K-quants'.
 //
 // A weight row is K/32 blocks of 32 unsigned codes c and a float16 scale d[n][b]:
 //   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16), stored as the file has them:
 //     qs[n][b][16]: byte j = low nibble of c[j] | low nibble of c[j + 16] << 4
 //     qh[n][b]:     bit j = bit 4 of c[j]
 //   Q4_0 (q4_gemv): four-bit codes, w = d * (c - 8), qs as Q5_0's (the file's), no qh.
+//   Q5_1 (q51_gemv), Q4_1 (q41_gemv): Q5_0's and Q4_0's codes with w = d * c + m, a float16
+//     min m[n][b] a block (its term: m * d_x * sum(x_q)).
 //   Q8_0 (q8_gemv): qs[n][b][32] = c = the file's int8 code + 128, w = d * (c - 128).
 // The activations are quantized per block of 32 to int8 (scale max|x| / 127), as llama.cpp
 // does for its Q5_0/Q8_0 x Q8_0 dot products, so each block is one unsigned x signed byte dot
@@ -46,12 +49,13 @@ static inline __attribute__((always_inline)) __m256i one_block(const uint8_t* qs
 // at each call site so that the accumulators stay in registers.
 static inline __attribute__((always_inline)) void dot_row(
     const int M, const int bits, int64_t n, int64_t N, int64_t K, const uint8_t* qs,
-    const uint32_t* qh, const uint16_t* d, const int8_t* xq, const float* dx, const float* off,
-    void* y, int out_bf16, const uint16_t* bias) {
+    const uint32_t* qh, const uint16_t* d, const uint16_t* mins, const int8_t* xq, const float* dx,
+    const float* off, void* y, int out_bf16, const uint16_t* bias) {
     const int64_t nb = K / 32;
     const int64_t block_bytes = bits == 8 ? 32 : 16;
     qs += n * nb * block_bytes, d += n * nb;
     if (bits == 5) qh += n * nb;
+    if (mins) mins += n * nb;
     // The rows PREFETCH_BYTES of weight ahead (this thread's, under the static schedule)
     // into the cache while this one computes: without it a core stalls on a row's loads, then
     // computes, and Q5_0's unpacking did not overlap memory at all (gate_up streamed at 17
@@ -67,6 +71,10 @@ static inline __attribute__((always_inline)) void dot_row(
             const char* next_h = (const char*)(qh + ahead * nb);
             for (int64_t at = 0; at < nb * 4; at += 64) _mm_prefetch(next_h + at, _MM_HINT_T0);
         }
+        if (mins) {
+            const char* next_m = (const char*)(mins + ahead * nb);
+            for (int64_t at = 0; at < nb * 2; at += 64) _mm_prefetch(next_m + at, _MM_HINT_T0);
+        }
     }
     float scale[M][nb + 16];  // room for the masked stores past nb
     __m512 corr16[M];
@@ -74,10 +82,14 @@ static inline __attribute__((always_inline)) void dot_row(
     for (int64_t b = 0; b < nb; b += 16) {
         __mmask16 live = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
         __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + b));
+        // The offset term's factor: d for the codes' offset zero, -m for a min (zero 1).
+        __m512 cw = mins ? _mm512_sub_ps(_mm512_setzero_ps(),
+                                         _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + b)))
+                         : dw;
         for (int m = 0; m < M; m++) {
             __m512 dxm = _mm512_maskz_loadu_ps(live, dx + m * nb + b);
             _mm512_storeu_ps(&scale[m][b], _mm512_mul_ps(dw, dxm));
-            corr16[m] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(live, off + m * nb + b), corr16[m]);
+            corr16[m] = _mm512_fmadd_ps(cw, _mm512_maskz_loadu_ps(live, off + m * nb + b), corr16[m]);
         }
     }
     float corr[M];
@@ -161,18 +173,18 @@ static void nibble_order(int8_t* xq, int64_t M, int64_t K) {
     case R:                                                                         \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")           \
         for (int64_t n = 0; n < N; n++)                                             \
-            dot_row(R, BITS, n, N, K, qs, qh, d, xq, dx, off, y, out_bf16, bias);   \
+            dot_row(R, BITS, n, N, K, qs, qh, d, mins, xq, dx, off, y, out_bf16, bias); \
         break;
 
 // y[m][n] = sum_k x[m][k] * w[n][k] for m < M <= MAX_ROWS; x is bfloat16 when is_bf16, else
 // float32; y is float32 [M][N], or bfloat16 plus bias (NULL: none) when out_bf16. Returns 0,
 // or nonzero for arguments it does not take.
 static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-                const uint32_t* qh, const uint16_t* d, int64_t N, void* y, int out_bf16,
-                const uint16_t* bias, int threads) {
+                const uint32_t* qh, const uint16_t* d, const uint16_t* mins, int64_t N, void* y,
+                int out_bf16, const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 32) return 1;
     Activations a;
-    const float zero = bits == 5 ? 16.0f : bits == 4 ? 8.0f : 128.0f;
+    const float zero = mins ? 1.0f : bits == 5 ? 16.0f : bits == 4 ? 8.0f : 128.0f;
     if (quantize_activations(x, is_bf16, M, K, zero, &a)) return 2;
     if (bits != 8) nibble_order(a.xq, M, K);
     const int8_t* xq = a.xq;
@@ -200,19 +212,31 @@ static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, cons
 int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint32_t* qh, const uint16_t* d, int64_t N, void* y, int out_bf16,
             const uint16_t* bias, int threads) {
-    return gemv(5, x, is_bf16, M, K, qs, qh, d, N, y, out_bf16, bias, threads);
+    return gemv(5, x, is_bf16, M, K, qs, qh, d, NULL, N, y, out_bf16, bias, threads);
+}
+
+int q51_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint32_t* qh, const uint16_t* d, const uint16_t* m, int64_t N, void* y,
+             int out_bf16, const uint16_t* bias, int threads) {
+    return gemv(5, x, is_bf16, M, K, qs, qh, d, m, N, y, out_bf16, bias, threads);
+}
+
+int q41_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+             const uint16_t* d, const uint16_t* m, int64_t N, void* y, int out_bf16,
+             const uint16_t* bias, int threads) {
+    return gemv(4, x, is_bf16, M, K, qs, NULL, d, m, N, y, out_bf16, bias, threads);
 }
 
 int q4_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
             int threads) {
-    return gemv(4, x, is_bf16, M, K, qs, NULL, d, N, y, out_bf16, bias, threads);
+    return gemv(4, x, is_bf16, M, K, qs, NULL, d, NULL, N, y, out_bf16, bias, threads);
 }
 
 int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
             int threads) {
-    return gemv(8, x, is_bf16, M, K, qs, NULL, d, N, y, out_bf16, bias, threads);
+    return gemv(8, x, is_bf16, M, K, qs, NULL, d, NULL, N, y, out_bf16, bias, threads);
 }
 
 // requantize_row over N rows of codes q [N][K] and scales s [N][K/g].
@@ -272,4 +296,42 @@ void requantize_q4_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t
 void requantize_q8_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t K, int8_t* out,
                         float* r, int threads) {
     requantize_blocks(8, qs, NULL, d, N, K, out, r, threads);
+}
+
+// Q5_1 and Q4_1: the canonical weight is asymmetric (codes c, scale d, offset m a block of 32),
+// requantized as format.quantize_int8(format.dequantize(w)): w = c * d + m in float32 (c * d is
+// exact, so only the add rounds), then per_channel_row.
+static void requantize_min_blocks(int bits, const uint8_t* qs, const uint32_t* qh,
+                                  const uint16_t* d, const uint16_t* mins, int64_t N, int64_t K,
+                                  int8_t* out, float* r, int threads) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        float w[K];
+        float amax = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = n * nb + b;
+            const float dd = _cvtsh_ss(d[i]), mm = _cvtsh_ss(mins[i]);
+            const uint8_t* p = qs + 16 * i;
+            const uint32_t h = bits == 5 ? qh[i] : 0;
+            for (int j = 0; j < 32; j++) {
+                const int low = j < 16 ? p[j] & 15 : p[j - 16] >> 4;
+                const int c = low | (int)((h >> j) & 1) << 4;
+                w[32 * b + j] = (float)c * dd + mm;
+                amax = fmaxf(amax, fabsf(w[32 * b + j]));
+            }
+        }
+        per_channel_row(w, K, amax, out + n * K, r + n);
+    }
+}
+
+void requantize_q51_rows(const uint8_t* qs, const uint32_t* qh, const uint16_t* d,
+                         const uint16_t* m, int64_t N, int64_t K, int8_t* out, float* r,
+                         int threads) {
+    requantize_min_blocks(5, qs, qh, d, m, N, K, out, r, threads);
+}
+
+void requantize_q41_rows(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t N,
+                         int64_t K, int8_t* out, float* r, int threads) {
+    requantize_min_blocks(4, qs, NULL, d, m, N, K, out, r, threads);
 }

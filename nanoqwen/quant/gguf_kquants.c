@@ -392,22 +392,6 @@ void requantize_q3k_rows(const uint8_t* qs, const uint8_t* hm, const int8_t* sc,
     requantize_g16(1, qs, hm, sc, d, N, K, out, r, threads);
 }
 
-// A dequantized row w [K] (float32, max |w| amax) as per-channel int8: r = amax / 127 and
-// codes round(w / r) to nearest even, clamped, 16 at a time (format.quantize_int8's
-// arithmetic).
-static inline void per_channel_row(const float* w, int64_t K, float amax, int8_t* o, float* r) {
-    const float row = amax / 127.0f, safe = row > 0.0f ? row : 1.0f;
-    *r = row;
-    const __m512 sv = _mm512_set1_ps(safe), lo = _mm512_set1_ps(-127.0f),
-                 hi = _mm512_set1_ps(127.0f);
-    for (int64_t j = 0; j < K; j += 16) {
-        __m512 v = _mm512_div_ps(_mm512_loadu_ps(w + j), sv);
-        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-        _mm_storeu_si128((__m128i*)(o + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
-}
-
 // Q4_K: the canonical weight is asymmetric int4 in groups of 32, w = c * d * sc - dmin * m
 // (Q5_K: int8 codes 0..31, the same w). format.quantize_int8(format.dequantize(w)): the
 // values in float32 (c * scale is exact, so only the offset's add rounds, FMA or not),

@@ -1,5 +1,5 @@
-"""GGUF Q5_0, Q4_0, Q8_0, Q6_K, Q3_K, Q2_K, Q4_K and Q5_K tensors read straight from the file
-into the CPU kernels' layouts.
+"""GGUF Q5_0, Q4_0, Q5_1, Q4_1, Q8_0 and K-quant tensors read straight from the file into the
+CPU kernels' layouts.
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
@@ -10,8 +10,8 @@ copy out of the memory-mapped file (the kernels read them apart, not interleaved
 block's codes get pack_q8_0's +128 in one pass. The result equals native.pack_q5_0 /
 pack_q8_0 of the canonical weight bit for bit (tests/quant/test_gguf_packed.py), and the
 choice between the two follows QuantizedLinear.prepare's: Q5_0 exactly when every code is
-in -16..15. Q4_0 and the K-quants, for which the canonical route has no packing of their
-own, keep the file's arrays (a K-quant's packed scales unpacked).
+in -16..15. Q4_0, Q5_1, Q4_1 and the K-quants, for which the canonical route has no packing
+of their own, keep the file's arrays (a K-quant's packed scales unpacked).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from nanoqwen.quant.scheme import Scheme
 
 BLOCK_BYTES = {
     name: BLOCK_SIZES[name][1]
-    for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0", "Q3_K", "Q2_K")
+    for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_K", "Q5_K", "Q4_0", "Q3_K", "Q2_K", "Q4_1", "Q5_1")
 }
 _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 16 + 128
 
@@ -45,7 +45,8 @@ _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 
 @dataclass(frozen=True)
 class PackedBlocks:
     """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
-    [N, K/32], d float16 [N, K/32]), Q4_0 (Q5_0's qs and d, no qh), Q8_0 (qs uint8 [N, K/32,
+    [N, K/32], d float16 [N, K/32]), Q4_0 (Q5_0's qs and d, no qh), Q5_1 and Q4_1 (Q5_0's and
+    Q4_0's with a float16 min m [N, K/32] last), Q8_0 (qs uint8 [N, K/32,
     32] = code + 128, d), Q6_K (the file's superblocks in four arrays: ql uint8 [N, K/256,
     128], qh uint8 [N, K/256, 64], sc int8 [N, K/256, 16], d float16 [N, K/256]), Q3_K
     (four: the file's qs uint8 [N, K/256, 64] and hmask uint8 [N, K/256, 32], its scales
@@ -54,7 +55,8 @@ class PackedBlocks:
     K/256]), Q4_K (five: qs uint8 [N, K/256, 128], its scales and mins unpacked, uint8 [N,
     K/256, 8] each, d and dmin) or Q5_K (six: Q4_K's with the fifth bits second, int32 [N,
     K/256, 8], word j bit l for value 32j + l); gguf_gemv.c and gguf_kquants.c say how they
-    are read. kind: "q5_0", "q4_0", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k" or "q5_k"."""
+    are read. kind: "q5_0", "q4_0", "q5_1", "q4_1", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k" or
+    "q5_k"."""
 
     kind: str
     tensors: tuple[torch.Tensor, ...]
@@ -62,7 +64,7 @@ class PackedBlocks:
     # The canonical weight's, which QuantizedLinear reports (describe(), extra_repr).
     @property
     def bits(self) -> int:
-        return 4 if self.kind == "q4_k" else 8  # Q5_K's codes 0..31: int8's
+        return 4 if self.kind in ("q4_k", "q4_1") else 8  # Q5_K's, Q5_1's codes 0..31: int8's
 
     @property
     def group_size(self) -> int:
@@ -103,6 +105,14 @@ def from_file(type_name: str, data: np.ndarray) -> PackedBlocks | None:
     if type_name in _SUPERBLOCK_READERS:
         return _SUPERBLOCK_READERS[type_name](b) if kquant_kernel() is not None else None
     d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    if type_name in ("Q4_1", "Q5_1"):
+        m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
+        if np.isnan(d).any() or np.isnan(m).any():
+            return None
+        if type_name == "Q4_1":
+            return _packed("q4_1", np.ascontiguousarray(b[..., 4:20]), d, m)
+        qh = np.ascontiguousarray(b[..., 4:8]).view(np.int32)[..., 0]
+        return _packed("q5_1", np.ascontiguousarray(b[..., 8:24]), qh, d, m)
     if b.shape[1] == 1 or np.isnan(d).any():
         return None
     if type_name == "Q5_0":
@@ -175,10 +185,10 @@ _SUPERBLOCK_READERS = {
 
 
 def can_cat(parts: list[PackedBlocks]) -> bool:
-    """Whether cat_packed takes these parts: Q5_0 and Q8_0 ones, or K-quant ones of one kind
-    (a superblock layout stacks with nothing else)."""
+    """Whether cat_packed takes these parts: Q5_0, Q4_0 and Q8_0 ones, or ones of one other
+    kind (a superblock layout, or blocks with a min, stacks with nothing else)."""
     kinds = {p.kind for p in parts}
-    return len(kinds) == 1 or not kinds & set(SUPERBLOCK_KINDS)
+    return len(kinds) == 1 or not kinds - {"q5_0", "q4_0", "q8_0"}
 
 
 @dataclass(frozen=True)
@@ -274,6 +284,16 @@ def to_canonical(p: PackedBlocks) -> QuantizedWeight:
             q = (q | bits.reshape(q.shape) << 4).view(np.int8)
         tensors = (torch.from_numpy(a) for a in (q, scale, offset))
         return QuantizedWeight(*tensors, 32, 8 if high else 4)
+    if p.kind in ("q4_1", "q5_1"):
+        qs, *qh, d, m = (t.numpy() for t in p.tensors)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        if qh:  # bit j: value j's fifth bit
+            high = np.unpackbits(qh[0].view(np.uint8).reshape(*qh[0].shape, 4), axis=-1,
+                                 bitorder="little")  # fmt: skip
+            q = (q | high << 4).view(np.int8)
+        codes = torch.from_numpy(q.reshape(q.shape[0], -1))
+        scale, offset = (torch.from_numpy(a.astype(np.float32)) for a in (d, m))
+        return QuantizedWeight(codes, scale, offset, 32, 8 if qh else 4)
     if p.kind == "q2_k":
         qs, sc, d, dmin = (t.numpy() for t in p.tensors)
         q, scale, offset = q2_k_weight(qs, sc, d.astype(np.float32), dmin.astype(np.float32))

@@ -42,7 +42,7 @@ from nanoqwen.quant.native import (
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
 CPU_PACKED_MAX_ROWS = 4
 # What native.gguf_matmul reads.
-GGUF_KINDS = ("q5_0", "q4_0", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
+GGUF_KINDS = ("q5_0", "q4_0", "q5_1", "q4_1", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 _INT4_GROUPS = (32, 64, 128, 256)
 
 

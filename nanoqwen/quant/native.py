@@ -1,11 +1,11 @@
-"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q4_0, Q8_0, Q6_K, Q3_K, Q2_K,
-Q4_K and Q5_K weights kept as they are in the file for the few-row CPU matmuls of decode
-(Q5_0: 5.5 bits a weight, against 8 for torch's per-channel int8 kernel; Q4_0: 4.5, where
-Q5_0's form of it read 5.5; Q8_0: 8.5 bits, exact where per-channel int8 requantizes, and
-faster; Q6_K: 6.56 bits, where Q8_0's form of it took 8.5 and rounded it again; Q3_K: 3.56
-with its scales unpacked, where Q6_K's form took 6.56; Q2_K: 2.63, where Q8_0's form took
-8.5; Q4_K: 4.63, where torch's int4 kernel read 5; Q5_K: 5.63, where it was requantized to
-Q8_0's form, 8.5).
+"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q6_K,
+Q3_K, Q2_K, Q4_K and Q5_K weights kept as they are in the file for the few-row CPU matmuls of
+decode (Q5_0: 5.5 bits a weight, against 8 for torch's per-channel int8 kernel; Q4_0: 4.5,
+where Q5_0's form of it read 5.5; Q5_1 and Q4_1: 6 and 5, where they were requantized; Q8_0:
+8.5 bits, exact where per-channel int8 requantizes, and faster; Q6_K: 6.56 bits, where Q8_0's
+form of it took 8.5 and rounded it again; Q3_K: 3.56 with its scales unpacked, where Q6_K's
+form took 6.56; Q2_K: 2.63, where Q8_0's form took 8.5; Q4_K: 4.63, where torch's int4 kernel
+read 5; Q5_K: 5.63, where it was requantized to Q8_0's form, 8.5).
 
 They are compiled at first use (nanoqwen/native/build.py) and called through ctypes; where
 there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
@@ -55,15 +55,19 @@ def _library(source: Path, note: str, signatures: dict) -> ctypes.CDLL | None:
 
 @cache
 def gguf_kernel() -> ctypes.CDLL | None:
-    """gguf_gemv.c's library (Q5_0, Q4_0, Q8_0 and the int8 prefill copies)."""
+    """gguf_gemv.c's library (Q5_0, Q4_0, Q5_1, Q4_1, Q8_0 and the int8 prefill copies)."""
     return _library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel", {
         "q5_gemv": _gemv(3),  # qs, qh, d
         "q8_gemv": _gemv(2),  # qs, d
         "q4_gemv": _gemv(2),  # qs, d
+        "q51_gemv": _gemv(4),  # qs, qh, d, m
+        "q41_gemv": _gemv(3),  # qs, d, m
         "requantize_rows": ([_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, _int], None),
         "requantize_q5_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
         "requantize_q8_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
         "requantize_q4_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
+        "requantize_q51_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q41_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
     })  # fmt: skip
 
 
@@ -129,6 +133,8 @@ _KERNELS = {
     "q5_0": (gguf_kernel, "q5_gemv", "requantize_q5_rows"),
     "q8_0": (gguf_kernel, "q8_gemv", "requantize_q8_rows"),
     "q4_0": (gguf_kernel, "q4_gemv", "requantize_q4_rows"),
+    "q5_1": (gguf_kernel, "q51_gemv", "requantize_q51_rows"),
+    "q4_1": (gguf_kernel, "q41_gemv", "requantize_q41_rows"),
     "q6_k": (kquant_kernel, "q6k_gemv", "requantize_q6k_rows"),
     "q3_k": (kquant_kernel, "q3k_gemv", "requantize_q3k_rows"),
     "q2_k": (kquant_kernel, "q2k_gemv", "requantize_q2k_rows"),
@@ -142,7 +148,7 @@ def gguf_matmul(
     x: torch.Tensor, kind: str, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W of `kind` packed by pack_q5_0 ("q5_0"),
-    pack_q8_0 ("q8_0") or as gguf_packed keeps Q4_0 and the K-quants: float32 [M, N], or
+    pack_q8_0 ("q8_0") or as gguf_packed keeps the other kinds: float32 [M, N], or
     for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then
     its bias add would be, in the one kernel."""
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -180,7 +186,7 @@ def requantize_packed(kind: str, packed: tuple[torch.Tensor, ...]) -> QuantizedW
     """The per-channel int8 copy that linear.py makes of the canonical weight packed holds,
     computed from the packed blocks (GGUF tensors loaded straight into the kernels' layouts,
     nanoqwen.quant.gguf_packed, never have the canonical codes): Q8_0, Q5_0 and Q4_0 as
-    requantize_rows, the K-quants as gguf_kquants.c says."""
+    requantize_rows, Q5_1 and Q4_1 as gguf_gemv.c says, the K-quants as gguf_kquants.c."""
     n, blocks = packed[-1].shape
     k = blocks * (256 if kind in SUPERBLOCK_KINDS else 32)
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)

@@ -65,11 +65,12 @@ def test_packed_layouts_are_the_files_own_bytes():
     assert np.array_equal(codes, blocks[..., 2:34])
 
 
-@pytest.mark.parametrize("type_name", [*PACK, "Q4_0"])
+@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1"])
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 96])  # 96: an odd number of blocks (the one-block tail)
 def test_kernel_equals_int8_activation_reference(type_name, rows, k):
-    """Q5_0 and Q8_0 packed from the canonical weight; Q4_0 as the file's blocks."""
+    """Q5_0 and Q8_0 packed from the canonical weight; Q4_0, Q4_1 and Q5_1 as the file's
+    blocks (the last two with a min a block, as the offset term's factor)."""
     raw = _blocks(type_name, 80, k, seed=rows)
     w = from_gguf_blocks(type_name, raw)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))

@@ -104,6 +104,6 @@ def test_rows_stay_on_the_cpu_and_decode_to_move():
 
 def test_malformed_blocks_are_refused():
     with pytest.raises(ValueError, match="allowed"):
-        GGUFRows("Q4_1", np.zeros((2, 20), dtype=np.uint8))
+        GGUFRows("IQ4_NL", np.zeros((2, 18), dtype=np.uint8))
     with pytest.raises(ValueError, match="multiple of 22"):
         GGUFRows("Q5_0", np.zeros((2, 23), dtype=np.uint8))

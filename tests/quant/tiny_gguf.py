@@ -17,12 +17,15 @@ from nanoqwen.weights.gguf import LAYER_NAMES, TOP_NAMES
 # NaN or huge; everything else in a block is codes and integer sub-scales, any byte valid.
 _F16_AT = {
     "Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-    "Q3_K": (108,), "Q2_K": (80, 82),
+    "Q3_K": (108,), "Q2_K": (80, 82), "Q4_1": (0, 2), "Q5_1": (0, 2),
 }  # fmt: skip
 _SCALE = {
     "Q8_0": 0.01, "Q5_0": 0.01, "Q4_0": 0.01, "Q6_K": 1e-4, "Q4_K": 1e-3, "Q5_K": 1e-3,
-    "Q3_K": 1e-3, "Q2_K": 1e-3,
+    "Q3_K": 1e-3, "Q2_K": 1e-3, "Q4_1": 0.01, "Q5_1": 0.01,
 }  # fmt: skip
+# Blocks with a min as well as a scale, which kernels of their own read: random blocks in the
+# tests that take K_QUANTS' (any code and scale), beside them.
+WITH_MINS = ("Q4_1", "Q5_1")
 K_QUANTS = (
     "Q6_K",
     "Q4_K",
