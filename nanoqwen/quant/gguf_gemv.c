@@ -13,8 +13,9 @@
 // The activations are quantized per block of 32 to int8 (scale max|x| / 127), as llama.cpp
 // does for its Q5_0/Q8_0 x Q8_0 dot products, so each block is one unsigned x signed byte dot
 // product (vpdpbusd) and the codes' offset one term per block: zero * d_x * sum(x_q).
-// For Q5_0 and Q4_0 the activations are reordered once a call (nibble_order) so that four
-// blocks' low nibbles, then their high ones, meet their x values as one 64-byte load each.
+// For the nibble layouts (all but Q8_0) the activations are reordered once a call
+// (nibble_order) so that four blocks' low nibbles, then their high ones, meet their x values
+// as one 64-byte load each. A min (Q5_1, Q4_1) takes the offset term with zero 1 and -m for d.
 
 #include "gguf_common.h"
 
