@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.chat import run_chat
+from nanoqwen.cli.chat import run_chat
 
 REPO = Path(__file__).resolve().parents[1]
 # --device cpu: the in-process reference LLM runs on the CPU, even where CUDA is available.
@@ -310,8 +310,8 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, model, llm):
     r = cli("generate", "--model", str(ck), "--device", "cpu", "--max-tokens", "12", "-q", "Hi")
     assert r.returncode == 0, r.stderr
     assert r.stdout == as_printed(greedy(llm, chat_ids(llm, "Hi")).text)
-    from nanoqwen.cli_engine import sampling_params
-    from nanoqwen.cli_parser import build_parser
+    from nanoqwen.cli.engine import sampling_params
+    from nanoqwen.cli.parser import build_parser
 
     args = build_parser().parse_args(["generate", "--model", str(ck), "--temperature", "0.9"])
     params = sampling_params(args)

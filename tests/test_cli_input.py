@@ -17,7 +17,7 @@ import torch
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.cli import main
-from nanoqwen.cli_parser import build_parser
+from nanoqwen.cli.parser import build_parser
 
 # --repetition-penalty 1: plain greedy (the CLI default is Qwen's 1.05).
 QUICK = [

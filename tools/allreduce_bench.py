@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoqwen.model.parallel import _all_gather
 from nanoqwen.model.shapes import shape_config
+from nanoqwen.model.tensor_parallel import _all_gather
 from nanoqwen.runtime.cuda_graph import used_entries
 from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, ll_max_bytes_from_env
 from nanoqwen.runtime.parallel.group import keep_multicast_off, spawn_store
@@ -76,7 +76,7 @@ def protocols_us(custom: CustomAllReduce, x: torch.Tensor) -> dict[str, float]:
 def norm_us(custom: CustomAllReduce, x: torch.Tensor, eps: float) -> dict[str, float]:
     """A row-parallel output's all-reduce and the add + RMSNorm after it: the Triton norm
     alone, the low-latency all-reduce then the norm, and the one fused kernel."""
-    from nanoqwen.kernels.rms_norm import rms_norm
+    from nanoqwen.kernels.triton.rms_norm import rms_norm
 
     residual, weight = torch.randn_like(x), torch.ones_like(x[0])
     custom.ll_max_bytes = LL_KIB << 10

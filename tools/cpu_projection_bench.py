@@ -19,12 +19,12 @@ import time
 import numpy as np
 import torch
 
+from nanoqwen.model.load_gguf import _fuse
 from nanoqwen.quant.format import cat_rows, dequantize
 from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
 from nanoqwen.quant.gguf_packed import from_file
 from nanoqwen.quant.linear import QuantizedLinear
 from nanoqwen.quant.scheme import SCHEMES
-from nanoqwen.weights.gguf_loader import _fuse
 
 F16_AT = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2)}  # d (and dmin) in a superblock
 

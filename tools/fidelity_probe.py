@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen import LLM
-from nanoqwen.runtime.bench.hf import hf_model_from
+from nanoqwen.bench.hf import hf_model_from
 
 NEW = 48
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

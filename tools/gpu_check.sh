@@ -16,7 +16,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   for shape in 0.5B 7B; do
-    python3 -m nanoqwen.runtime.bench --shape "$shape" --json "$OUT/bench_${shape}.json" "$@" 2>&1 \
+    python3 -m nanoqwen.bench --shape "$shape" --json "$OUT/bench_${shape}.json" "$@" 2>&1 \
       | grep -v '\r' | tee "$OUT/bench_${shape}.log"
   done
 fi

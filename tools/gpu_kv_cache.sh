@@ -12,7 +12,7 @@ what=${1:-all}
 shape=${2:-0.5B}
 bench() {  # name, then bench flags
   local name=$1; shift
-  python3 -m nanoqwen.runtime.bench --shape "$shape" --mode throughput \
+  python3 -m nanoqwen.bench --shape "$shape" --mode throughput \
     --json "$OUT/kv_${shape}_${name}.json" "$@" 2>&1 | grep -v $'\r' | tee "$OUT/kv_${shape}_${name}.log"
 }
 if [[ $what == tests || $what == all ]]; then

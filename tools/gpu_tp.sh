@@ -22,7 +22,7 @@ bench() {  # bench TP NAME ARGS...: one run, its log and JSON under $OUT
   # SIGABRT on a hang: faulthandler prints every thread's stack (session 11's tp=2 runs
   # printed their results, then did not exit).
   local tp=$1 name=$2; shift 2
-  timeout -s ABRT "${BENCH_TIMEOUT_S:-300}" python3 -X faulthandler -m nanoqwen.runtime.bench \
+  timeout -s ABRT "${BENCH_TIMEOUT_S:-300}" python3 -X faulthandler -m nanoqwen.bench \
     --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
     2>&1 | grep --line-buffered -v $'\r' | tee "$OUT/$name.log"
 }

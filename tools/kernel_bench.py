@@ -16,7 +16,7 @@ import itertools
 import torch
 from gpu_timing import graph_us
 
-import nanoqwen.kernels.decode_attention as da
+import nanoqwen.kernels.triton.decode_attention as da
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.model.shapes import shape_config
 

@@ -68,7 +68,7 @@ def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, gen: int, r
 
 
 def nanoqwen_run(llm, prompt: int, gen: int, seed: int) -> dict:
-    from nanoqwen.runtime.bench.runs import latency_run
+    from nanoqwen.bench.runs import latency_run
 
     row = latency_run(llm, 1, prompt, gen, random.Random(seed), {"temperature": 0.0})
     return {"pp": row["prefill_tok_s"], "tg": row["decode_tok_s"]}

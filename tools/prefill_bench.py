@@ -30,8 +30,8 @@ import sys
 import gpu_timing
 import torch
 
-import nanoqwen.kernels.prefill_attention as pa
-from nanoqwen.kernels.rope import rope_and_store
+import nanoqwen.kernels.triton.prefill_attention as pa
+from nanoqwen.kernels.triton.rope import rope_and_store
 from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.model.shapes import shape_config
 
@@ -214,7 +214,7 @@ def sweep_configs(head_dim: int):
 
 def engine(args) -> dict:
     from nanoqwen import LLM
-    from nanoqwen.runtime.bench.runs import latency_run, throughput_run
+    from nanoqwen.bench.runs import latency_run, throughput_run
 
     runs = [(b, False) for b in (int(x) for x in args.block_sizes.split(","))]
     if flash_attn_available() and 256 in [b for b, _ in runs]:

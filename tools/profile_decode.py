@@ -14,7 +14,7 @@ import time
 import torch
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.bench.workloads import PRESETS
+from nanoqwen.bench.workloads import PRESETS
 
 
 def median_ms(fn, n: int = 100) -> float:

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from nanoqwen import SamplingParams
-from nanoqwen.runtime.bench.workloads import PRESETS
+from nanoqwen.bench.workloads import PRESETS
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sequence import Sequence
 

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools import disasm
 
-from nanoqwen.kernels import quant_gemv, quant_gemv_mma
+from nanoqwen.kernels.triton import quant_gemv, quant_gemv_mma
 
 SM90 = GPUTarget("cuda", 90, 32)
 POINTERS = ("x_ptr", "qw_ptr", "s_ptr", "o_ptr", "b_ptr", "y_ptr")

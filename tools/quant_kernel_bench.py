@@ -48,17 +48,17 @@ import gpu_timing
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.kernels.gemv import gemv, gemv_pays, gemv_silu_mul
-from nanoqwen.kernels.quant_gemm import GemmConfig, dequantize, gemm_config, launch_gemm
-from nanoqwen.kernels.quant_gemv import GemvConfig, gemv_config, sm_count
-from nanoqwen.kernels.quant_gemv_mma import MmaGemvConfig, mma_gemv_config
-from nanoqwen.kernels.quant_matmul import (
+from nanoqwen.kernels.triton.gemv import gemv, gemv_pays, gemv_silu_mul
+from nanoqwen.kernels.triton.quant_gemm import GemmConfig, dequantize, gemm_config, launch_gemm
+from nanoqwen.kernels.triton.quant_gemv import GemvConfig, gemv_config, sm_count
+from nanoqwen.kernels.triton.quant_gemv_mma import MmaGemvConfig, mma_gemv_config
+from nanoqwen.kernels.triton.quant_matmul import (
     PackedWeight,
     pack_for_triton,
     quant_linear,
     quant_linear_silu_mul,
 )
-from nanoqwen.kernels.silu_mul import silu_mul
+from nanoqwen.kernels.triton.silu_mul import silu_mul
 from nanoqwen.model.shapes import shape_config
 
 ROTATE_BYTES = 192 << 20

@@ -13,7 +13,7 @@ streaming requests, against what LLM.generate spends on the same requests offlin
         # in, take_output, pickling); --profile FILE: the EngineCore run under cProfile.
 
 --model is a checkpoint directory (the tests' tiny model, or weights/...). The workload is the
-serving benchmark's (nanoqwen.serve.bench.make_workload), token-id prompts with ignore_eos."""
+serving benchmark's (nanoqwen.bench.serve.make_workload), token-id prompts with ignore_eos."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoqwen.serve.bench import Workload, make_workload  # noqa: E402
+from nanoqwen.bench.serve import Workload, make_workload  # noqa: E402
 
 ENGINE_FLAGS = ["--device", "cpu", "--block-size", "16", "--num-kv-blocks", "4096"]
 
@@ -101,7 +101,7 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen,
 def run_server(args: argparse.Namespace, work: Workload) -> None:
     import httpx
 
-    from nanoqwen.serve.bench_client import send_requests
+    from nanoqwen.bench.serve_client import send_requests
 
     log = Path(args.log)
     proc, url, engine = start_server(args, log)

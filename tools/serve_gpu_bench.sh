@@ -25,7 +25,7 @@ for shape in "${shapes[@]}"; do
   engine=(--random-shape "$shape" --device "${DEVICE:-cuda}" -q)
   rate_var="RATE_${shape//./_}"; rate=${!rate_var:-$([[ $shape == 0.5B ]] && echo 20 || echo 6)}
   # shellcheck disable=SC2086
-  python3 -m nanoqwen.serve.bench --offline "${engine[@]}" --num-requests "$n" ${BENCH_ARGS:-} \
+  python3 -m nanoqwen.bench.serve --offline "${engine[@]}" --num-requests "$n" ${BENCH_ARGS:-} \
     --json "$OUT/offline_$shape.json" 2>&1 | tee "$OUT/offline_$shape.log"
   # shellcheck disable=SC2086
   python3 -m nanoqwen serve "${engine[@]}" --port 8000 ${SERVE_ARGS:-} \
@@ -42,11 +42,11 @@ else:
     raise SystemExit("the server did not come up in 10 minutes")
 PY
   # shellcheck disable=SC2086
-  python3 -m nanoqwen.serve.bench --num-requests "$n" --request-rate inf ${BENCH_ARGS:-} \
+  python3 -m nanoqwen.bench.serve --num-requests "$n" --request-rate inf ${BENCH_ARGS:-} \
     --compare "$OUT/offline_$shape.json" --json "$OUT/burst_$shape.json" \
     2>&1 | tee "$OUT/burst_$shape.log"
   # shellcheck disable=SC2086
-  python3 -m nanoqwen.serve.bench --num-requests "$n" --request-rate "$rate" ${BENCH_ARGS:-} \
+  python3 -m nanoqwen.bench.serve --num-requests "$n" --request-rate "$rate" ${BENCH_ARGS:-} \
     --json "$OUT/rate${rate}_$shape.json" 2>&1 | tee "$OUT/rate${rate}_$shape.log"
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
     > "$OUT/metrics_$shape.txt"

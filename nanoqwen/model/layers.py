@@ -25,7 +25,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1:
-            from nanoqwen.kernels.gemv import gemv
+            from nanoqwen.kernels.triton.gemv import gemv
 
             return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -59,13 +59,13 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); residual=None means x alone."""
         if self.fused:
-            from nanoqwen.kernels.rms_norm import rms_norm
+            from nanoqwen.kernels.triton.rms_norm import rms_norm
 
             if residual is None:
                 return rms_norm(x, self.weight, self.eps), x
             return rms_norm(x, self.weight, self.eps, residual), residual
         if self.native:
-            from nanoqwen.native.cpu_ops import add_rms_norm
+            from nanoqwen.kernels.cpu.cpu_ops import add_rms_norm
 
             return add_rms_norm(x, self.weight, self.eps, residual)
         residual = x if residual is None else residual + x
@@ -115,7 +115,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1:
-            from nanoqwen.kernels.gemv import gemv_silu_mul
+            from nanoqwen.kernels.triton.gemv import gemv_silu_mul
 
             return self.down_proj(gemv_silu_mul(x, self.gate_up_proj.weight))
         if x.shape[0] == 1 and getattr(self.gate_up_proj, "fuses_silu_mul", False):
@@ -123,11 +123,11 @@ class MLP(nn.Module):
             return self.down_proj(self.gate_up_proj.silu_mul_row(x))
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            from nanoqwen.kernels.silu_mul import silu_mul
+            from nanoqwen.kernels.triton.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
         if self.native:
-            from nanoqwen.native.cpu_ops import silu_mul as native_silu_mul
+            from nanoqwen.kernels.cpu.cpu_ops import silu_mul as native_silu_mul
 
             return self.down_proj(native_silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoqwen.model.attention import AttentionBackend, AttentionMetadata
+from nanoqwen.attention.metadata import AttentionBackend, AttentionMetadata
+from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
-from nanoqwen.model.parallel import (
+from nanoqwen.model.tensor_parallel import (
     ReducingRMSNorm,
     TensorParallel,
     embed_vocab_parallel,
     gather_vocab,
     shard_config,
 )
-from nanoqwen.weights.config import ModelConfig
 
 
 def _norm(cfg: ModelConfig, tp: TensorParallel | None, dtype, device) -> RMSNorm:
@@ -95,7 +95,7 @@ class Qwen2ForCausalLM(nn.Module):
         """Triton add+norm and SiLU*up kernels, and GEMVs for single rows through small
         weights, for bf16/fp16 on CUDA."""
         if enabled:
-            from nanoqwen.kernels.gemv import gemv_pays
+            from nanoqwen.kernels.triton.gemv import gemv_pays
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = enabled
@@ -105,7 +105,7 @@ class Qwen2ForCausalLM(nn.Module):
                 module.gemv = enabled and gemv_pays(module.gate_up_proj.weight)
 
     def use_native_kernels(self, enabled: bool) -> None:
-        """The C add + norm and SiLU·up (nanoqwen/native/cpu_ops.c), for bf16 on the CPU."""
+        """The C add + norm and SiLU·up (nanoqwen/kernels/cpu/cpu_ops.c), for bf16 on the CPU."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.native = enabled

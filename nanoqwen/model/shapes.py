@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.model.config import ModelConfig
 from nanoqwen.validation import choice
-from nanoqwen.weights.config import ModelConfig
 
 # size: (hidden, intermediate, layers, heads, kv_heads, vocab, tied, rms_norm_eps)
 _SHAPES = {

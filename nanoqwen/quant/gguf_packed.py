@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoqwen.kernels.cpu.gguf import SUPERBLOCK_KINDS, gguf_kernel, kquant_kernel
 from nanoqwen.quant.format import QuantizedWeight
 from nanoqwen.quant.gguf_blocks import (
     BLOCK_SIZES,
@@ -32,7 +33,6 @@ from nanoqwen.quant.gguf_blocks import (
     q4_k_weight,
     q5_k_high_bits,
 )
-from nanoqwen.quant.native import SUPERBLOCK_KINDS, gguf_kernel, kquant_kernel
 from nanoqwen.quant.scheme import Scheme
 
 BLOCK_BYTES = {

@@ -6,7 +6,7 @@ kernels of the device it lives on:
 - CPU, few rows (decode): torch's packed kernels, which read the codes and dequantize inside
   the matmul: aten._weight_int4pack_mm_for_cpu (int4, groups of 32..256) and
   aten._weight_int8pack_mm (int8, one scale per output channel); GGUF Q5_0 and Q8_0 tensors,
-  with bf16/fp16 activations, through nanoqwen.quant.native's C kernels, which read the
+  with bf16/fp16 activations, through nanoqwen.kernels.cpu.gguf's C kernels, which read the
   file's own blocks (Q5_0: 5.5 bits a weight, where the int8 kernel would need 8).
 - CPU, many rows (prefill): those kernels are GEMV-shaped and slow past a few rows, and
   dequantizing the weight in torch costs more than the matmul. With bf16/fp16 activations
@@ -14,7 +14,7 @@ kernels of the device it lives on:
   codes of the weight in one int8 x int8 -> int32 matmul (oneDNN, AMX/VNNI), which beats
   even the bf16 AMX matmul. float32 activations are the exact mode: the weight is
   dequantized in float32, as the reference is.
-- CUDA: nanoqwen.kernels.quant_matmul's Triton kernels (see cuda_pack/cuda_forward).
+- CUDA: nanoqwen.kernels.triton.quant_matmul's Triton kernels (see cuda_pack/cuda_forward).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.native.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
-from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
-from nanoqwen.quant.gguf_packed import PackedBlocks, PackedParts
-from nanoqwen.quant.gguf_rows import GGUFRows
-from nanoqwen.quant.native import (
+from nanoqwen.kernels.cpu.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
+from nanoqwen.kernels.cpu.gguf import (
     gguf_kernel,
     gguf_matmul,
     is_q5_0,
@@ -37,6 +34,9 @@ from nanoqwen.quant.native import (
     requantize_packed,
     requantize_rows,
 )
+from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
+from nanoqwen.quant.gguf_packed import PackedBlocks, PackedParts
+from nanoqwen.quant.gguf_rows import GGUFRows
 
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
@@ -170,7 +170,7 @@ class QuantizedLinear(nn.Module):
 
     def silu_mul_row(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused gate_up weight for one row of x, in one kernel (CUDA)."""
-        from nanoqwen.kernels.quant_matmul import quant_linear_silu_mul
+        from nanoqwen.kernels.triton.quant_matmul import quant_linear_silu_mul
 
         return quant_linear_silu_mul(x, self._decode[0])
 
@@ -260,13 +260,13 @@ class QuantizedEmbedding(nn.Module):
 
 
 def cuda_pack(w: QuantizedWeight):
-    """The GPU kernels' packed form (nanoqwen.kernels.quant_matmul, imported only here)."""
-    from nanoqwen.kernels.quant_matmul import pack_for_triton
+    """The GPU kernels' packed form (nanoqwen.kernels.triton.quant_matmul, imported only here)."""
+    from nanoqwen.kernels.triton.quant_matmul import pack_for_triton
 
     return pack_for_triton(w.q, w.scale, w.offset, w.group_size, w.bits)
 
 
 def cuda_forward(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-    from nanoqwen.kernels.quant_matmul import quant_linear
+    from nanoqwen.kernels.triton.quant_matmul import quant_linear
 
     return quant_linear(x, packed, bias)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoqwen.kernels.cpu.gguf import is_q8_0
 from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int4, quantize_int8
-from nanoqwen.quant.native import is_q8_0
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 

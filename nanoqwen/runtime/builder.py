@@ -7,14 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoqwen.attention.backends import BACKENDS, create_backend, native_problem
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.model.parallel import check_tensor_parallel
+from nanoqwen.kernels.cpu.gguf import gguf_kernel
+from nanoqwen.model.config import ModelConfig
+from nanoqwen.model.load_checkpoint import checkpoint_dtype, load_weights
+from nanoqwen.model.load_gguf import load_gguf, open_gguf
+from nanoqwen.model.quantize import describe, quantize_loaded
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
-from nanoqwen.quant.apply import describe, quantize_loaded
-from nanoqwen.quant.native import gguf_kernel
+from nanoqwen.model.tensor_parallel import check_tensor_parallel
 from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
-from nanoqwen.runtime.attention import BACKENDS, create_backend, native_problem
 from nanoqwen.runtime.device_choice import (
     DTYPES,
     default_is_quantized,
@@ -30,11 +33,8 @@ from nanoqwen.runtime.parallel.group import ParallelContext, leave_group
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
 from nanoqwen.validation import boolean, check_engine_args, choice, integer, invalid, number
-from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.gguf import is_gguf
-from nanoqwen.weights.gguf_loader import load_gguf, open_gguf
 from nanoqwen.weights.hub import default_tokenizer_dir, resolve_default_gguf, resolve_model
-from nanoqwen.weights.loader import checkpoint_dtype, load_weights
 from nanoqwen.weights.tokenizer import Tokenizer
 
 

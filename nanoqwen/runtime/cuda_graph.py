@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nanoqwen.model.attention import AttentionMetadata
-from nanoqwen.runtime.attention.cascade import shared_prefix_blocks
+from nanoqwen.attention.cascade import shared_prefix_blocks
+from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.kv.cache import KVCache
 
 

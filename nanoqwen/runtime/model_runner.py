@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoqwen.model.attention import AttentionMetadata
+from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nanoqwen.model.attention import AttentionMetadata
+from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.scheduler import Batch
 

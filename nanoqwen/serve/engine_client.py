@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
-from nanoqwen.cli_errors import CLIError, UsageError
+from nanoqwen.cli.errors import CLIError, UsageError
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.batch_sender import BatchSender, receive

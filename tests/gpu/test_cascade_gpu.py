@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoqwen.model.attention import AttentionMetadata
-from nanoqwen.runtime.attention.cascade import cascade_decode
+from nanoqwen.attention.cascade import cascade_decode
+from nanoqwen.attention.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -10,7 +10,7 @@ import torch
 from conftest import launch_two_steps_without_host_sync
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.attention import triton_backend
+from nanoqwen.attention.backends import triton_backend
 from nanoqwen.runtime.scheduler import Batch
 
 

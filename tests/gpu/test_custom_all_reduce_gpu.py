@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoqwen.model.parallel import TensorParallel
+from nanoqwen.model.tensor_parallel import TensorParallel
 from nanoqwen.runtime.parallel.custom_all_reduce import (
     SWITCH_ENV,
     TIMEOUT_ENV,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.bench.hf import hf_model_from
+from nanoqwen.bench.hf import hf_model_from
 
 NEW_TOKENS = 48
 # bf16 logits near 4 are resolved to 0.03; HF against itself differs by up to 0.06 here.

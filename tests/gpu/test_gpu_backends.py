@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoqwen.model.attention import AttentionMetadata
+from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.attention.torch_backend import TorchAttention
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.torch_backend import TorchAttention
 
 HEADS, KV_HEADS = 14, 2
 
@@ -46,7 +46,7 @@ def _meta(ctx_before: list[int], new: list[int], tables: torch.Tensor, prefill: 
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_then_decode_agree(backend, head_dim, lengths):
-    from nanoqwen.runtime.attention import create_backend
+    from nanoqwen.attention.backends import create_backend
 
     name, block, flash = backend
     torch.manual_seed(0)

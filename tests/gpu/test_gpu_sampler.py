@@ -43,7 +43,7 @@ FILTERS = [
 # that holds them (the more tiles, the more often), else over the row.
 @pytest.mark.parametrize(("candidates", "tile"), [(256, 2048), (8, 2048), (8, 256)])
 def test_filtered_sets_equal_the_reference(monkeypatch, candidates, tile):
-    from nanoqwen.kernels import sampling as kernels
+    from nanoqwen.kernels.triton import sample as kernels
 
     monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
     monkeypatch.setattr(kernels, "TILE", tile)

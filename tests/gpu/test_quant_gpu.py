@@ -1,4 +1,4 @@
-"""Quantized linear layers on CUDA (nanoqwen.kernels.quant_matmul's Triton kernels) against
+"""Quantized linear layers on CUDA (nanoqwen.kernels.triton.quant_matmul's Triton kernels) against
 their dequantized reference on the device.
 
 - Layer: QuantizedLinear (int4 groups of 32 and 128, int8 per channel) for 1, 8 and 64 rows
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.model.layers import Linear
-from nanoqwen.quant.apply import set_module
+from nanoqwen.model.quantize import set_module
 from nanoqwen.quant.format import dequantize, quantize_int4, quantize_int8
 from nanoqwen.quant.linear import QuantizedLinear
 

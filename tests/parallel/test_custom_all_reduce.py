@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoqwen.model.parallel import TensorParallel
+from nanoqwen.model.tensor_parallel import TensorParallel
 from nanoqwen.runtime.parallel import custom_all_reduce, peer_memory
 from nanoqwen.runtime.parallel.custom_all_reduce import CustomAllReduce, create, max_bytes_for
 from nanoqwen.runtime.parallel.group import spawn_store

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoqwen.model.parallel import ReducingRMSNorm, TensorParallel, gather_vocab
+from nanoqwen.model.tensor_parallel import ReducingRMSNorm, TensorParallel, gather_vocab
 from nanoqwen.runtime.parallel.group import spawn_store
 
 from .test_custom_all_reduce import PROGRAMS, interpreted, join

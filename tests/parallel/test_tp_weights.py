@@ -11,10 +11,10 @@ from conftest import write_tiny_model
 
 from nanoqwen import LLM
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.model.parallel import TensorParallel
+from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
+from nanoqwen.model.tensor_parallel import TensorParallel
 from nanoqwen.weights import loader
-from nanoqwen.weights.config import ModelConfig
 
 
 def load_rank(path, rank: int, size: int) -> Qwen2ForCausalLM:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoqwen.kernels.quant_gemv_mma import mma_gemv_fits
-from nanoqwen.kernels.quant_matmul import pack_for_triton
+from nanoqwen.kernels.triton.quant_gemv_mma import mma_gemv_fits
+from nanoqwen.kernels.triton.quant_matmul import pack_for_triton
 from nanoqwen.quant.scheme import Scheme, resolve_scheme
 
 

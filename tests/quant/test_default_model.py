@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.kernels.cpu.gguf import gguf_kernel
 from nanoqwen.quant.linear import QuantizedLinear
-from nanoqwen.quant.native import gguf_kernel
 from nanoqwen.runtime.device_choice import cpu_has_bf16, default_is_quantized
 from nanoqwen.weights.hub import ModelNotFoundError
 from nanoqwen.weights.tokenizer import Tokenizer

@@ -14,11 +14,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from nanoqwen.model.config import ModelConfig
+from nanoqwen.model.load_gguf import open_gguf
 from nanoqwen.quant.format import dequantize
 from nanoqwen.quant.gguf_blocks import EXACT_TYPES, from_gguf_blocks
-from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.gguf import GGUFCheckpoint
-from nanoqwen.weights.gguf_loader import open_gguf
 from nanoqwen.weights.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model

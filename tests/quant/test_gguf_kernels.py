@@ -12,11 +12,7 @@ import torch.nn.functional as F
 from conftest import run_without_a_compiler
 from tiny_gguf import random_blocks
 
-from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
-from nanoqwen.quant.gguf_blocks import from_gguf_blocks
-from nanoqwen.quant.gguf_packed import from_file
-from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
-from nanoqwen.quant.native import (
+from nanoqwen.kernels.cpu.gguf import (
     MAX_ROWS,
     gguf_kernel,
     gguf_matmul,
@@ -26,6 +22,10 @@ from nanoqwen.quant.native import (
     pack_q8_0,
     requantize_rows,
 )
+from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
+from nanoqwen.quant.gguf_blocks import from_gguf_blocks
+from nanoqwen.quant.gguf_packed import from_file
+from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(
@@ -167,7 +167,7 @@ def test_without_a_compiler_the_layers_keep_torchs_kernels(tmp_path):
         "import torch, numpy as np, gguf\n"
         "from nanoqwen.quant.gguf_blocks import from_gguf_blocks\n"
         "from nanoqwen.quant.linear import QuantizedLinear\n"
-        "from nanoqwen.quant.native import gguf_kernel\n"
+        "from nanoqwen.kernels.cpu.gguf import gguf_kernel\n"
         "w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)\n"
         "raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)\n"
         "layer = QuantizedLinear(from_gguf_blocks('Q5_0', raw), None)\n"

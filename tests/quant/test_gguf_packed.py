@@ -14,6 +14,14 @@ import torch
 from tiny_gguf import K_QUANTS, WITH_MINS, random_blocks, write_gguf
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.kernels.cpu.gguf import (
+    gguf_kernel,
+    is_q5_0,
+    pack_q5_0,
+    pack_q8_0,
+    requantize_packed,
+    requantize_rows,
+)
 from nanoqwen.quant.format import cat_rows, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
@@ -27,14 +35,6 @@ from nanoqwen.quant.gguf_packed import (
     to_canonical,
 )
 from nanoqwen.quant.linear import QuantizedLinear
-from nanoqwen.quant.native import (
-    gguf_kernel,
-    is_q5_0,
-    pack_q5_0,
-    pack_q8_0,
-    requantize_packed,
-    requantize_rows,
-)
 from nanoqwen.quant.scheme import SCHEMES
 from nanoqwen.weights import gguf_loader
 

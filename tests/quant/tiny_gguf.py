@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from conftest import write_tiny_model
 
+from nanoqwen.model.config import ModelConfig
 from nanoqwen.quant.gguf_blocks import BLOCK_SIZES
-from nanoqwen.weights.config import ModelConfig
 from nanoqwen.weights.gguf import LAYER_NAMES, TOP_NAMES
 
 # Where each block keeps its float16 scales (Q4_K: d and dmin), which random bytes would make

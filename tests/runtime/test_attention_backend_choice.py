@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
+from nanoqwen.attention.backends import create_backend
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention import create_backend
 
 pytest.importorskip("triton")
 CUDA = torch.device("cuda", 0)
@@ -88,7 +88,7 @@ def test_auto_falls_back_to_torch(hopper, kwargs):
 
 
 def test_auto_takes_the_c_kernels_on_a_cpu_in_bfloat16(monkeypatch):
-    from nanoqwen.native.cpu_ops import cpu_kernels
+    from nanoqwen.kernels.cpu.cpu_ops import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("no C compiler here")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoqwen import SamplingParams
-from nanoqwen.native.sampling import sampling_kernels
+from nanoqwen.kernels.cpu.sample import sampling_kernels
 from nanoqwen.runtime.sampling import sampler as sampler_module
 from nanoqwen.runtime.sampling.passes import NativePasses, TorchPasses, TritonPasses
 from nanoqwen.runtime.sampling.reference import ReferenceSampler, filter_logits
@@ -71,7 +71,7 @@ FILTERS = [
 def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candidates, tile):
     if passes == "triton":
         pytest.importorskip("triton")
-        from nanoqwen.kernels import sampling as kernels
+        from nanoqwen.kernels.triton import sample as kernels
 
         monkeypatch.setattr(kernels, "TILE", tile)
     monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
@@ -101,7 +101,7 @@ def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monk
     where it lies above c (the largest tile floor: every token above c is a candidate),
     else over the whole row. Both give the reference's kept sets, and this batch takes both."""
     pytest.importorskip("triton")
-    from nanoqwen.kernels import sampling as kernels
+    from nanoqwen.kernels.triton import sample as kernels
 
     cap, tile, vocab = 8, 128, 1000
     monkeypatch.setattr(sampler_module, "CANDIDATES", cap)
@@ -131,7 +131,7 @@ def test_tiles_under_the_rows_bound_are_skipped_and_the_rest_cover_its_top_k(mon
     floor is their max); the other tiles' floors stay under the k-th largest value, so the
     thresholds come from the candidates, with no search. A larger top-k skips none."""
     pytest.importorskip("triton")
-    from nanoqwen.kernels import sampling as kernels
+    from nanoqwen.kernels.triton import sample as kernels
 
     cap, tile, vocab = 8, 32, 640
     monkeypatch.setattr(kernels, "TILE", tile)

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from nanoqwen.model.attention import AttentionMetadata
+from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.attention.torch_backend import TorchAttention, paged_attention, store_kv
 from nanoqwen.model.layers import RotaryEmbedding
-from nanoqwen.runtime.attention.torch_backend import TorchAttention, paged_attention, store_kv
 
 BLOCK_SIZE = 8
 HEAD_DIM = 16

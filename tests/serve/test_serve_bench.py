@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from nanoqwen.serve.bench import make_workload
+from nanoqwen.bench.serve import make_workload
 
 REPO_ARGS = ["--prompt-len", "5:12", "--output-len", "3:9", "--max-token-id", "300", "--seed", "4"]
 
@@ -14,7 +14,7 @@ REPO_ARGS = ["--prompt-len", "5:12", "--output-len", "3:9", "--max-token-id", "3
 def bench(tmp_path, *args: str) -> dict:
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "nanoqwen.serve.bench", *REPO_ARGS, "--json", str(out), *args],
+        [sys.executable, "-m", "nanoqwen.bench.serve", *REPO_ARGS, "--json", str(out), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -60,7 +60,7 @@ def test_offline_counterpart_and_comparison(tiny_server, tiny_model, tmp_path):
 def test_failed_requests_are_counted(tmp_path):
     args = ["--base-url", "http://127.0.0.1:9", "--model-name", "m", "--num-requests", "3"]
     proc = subprocess.run(
-        [sys.executable, "-m", "nanoqwen.serve.bench", *args, *REPO_ARGS,
+        [sys.executable, "-m", "nanoqwen.bench.serve", *args, *REPO_ARGS,
          "--json", str(tmp_path / "r.json")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from nanoqwen.runtime.bench.workloads import throughput_workload
+from nanoqwen.bench.serve import arrival_times, make_workload
+from nanoqwen.bench.workloads import throughput_workload
 from nanoqwen.runtime.logprobs import TokenLogprobs
-from nanoqwen.serve.bench import arrival_times, make_workload
 from nanoqwen.serve.protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,

@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import Qwen2Config
 
-from nanoqwen.weights.config import ConfigError, ModelConfig
+from nanoqwen.model.config import ConfigError, ModelConfig
 
 # Qwen2.5-0.5B-Instruct's published config.json: the classic top-level rope_theta form.
 QWEN25_05B = {

@@ -13,7 +13,7 @@ from conftest import write_tiny_model
 from safetensors.torch import load_file, save_file
 
 from nanoqwen import LLM
-from nanoqwen.weights.loader import LoadError, checkpoint_dtype, checkpoint_files
+from nanoqwen.model.load_checkpoint import LoadError, checkpoint_dtype, checkpoint_files
 
 
 def load(path: Path, dtype: str = "auto") -> LLM:

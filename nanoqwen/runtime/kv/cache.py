@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoqwen.model.config import ModelConfig
 from nanoqwen.runtime.lazy_zeros import lazy_zeros
-from nanoqwen.weights.config import ModelConfig
 
 
 @dataclass

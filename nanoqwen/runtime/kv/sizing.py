@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.model.attention import AttentionMetadata
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.runtime.kv.cache import KVCache
 

@@ -87,9 +87,9 @@ class CustomAllReduce:
         ll_max_bytes: int | None = None,
     ) -> None:
         # triton: only where this runs
-        from nanoqwen.kernels import all_reduce as kernel
-        from nanoqwen.kernels import all_reduce_ll as ll_kernel
-        from nanoqwen.kernels import all_reduce_norm as norm_kernel
+        from nanoqwen.kernels.triton import all_reduce as kernel
+        from nanoqwen.kernels.triton import all_reduce_ll as ll_kernel
+        from nanoqwen.kernels.triton import all_reduce_norm as norm_kernel
 
         self.kernel, self.ll_kernel, self.norm_kernel = kernel, ll_kernel, norm_kernel
         self.rank, self.world, self.device = rank, world, device

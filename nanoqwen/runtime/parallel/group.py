@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.model.parallel import TensorParallel
+from nanoqwen.model.tensor_parallel import TensorParallel
 
 # NVLink multicast stays off on the lent multi-GPU machines (their KINDS.md says why); every
 # rank starts with these, whatever launched it.

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanoqwen.model.attention import AttentionMetadata
+from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.parallel.group import ParallelContext
 from nanoqwen.runtime.step_inputs import StepInputs
 

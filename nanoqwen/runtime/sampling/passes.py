@@ -156,14 +156,14 @@ class TritonPasses:
     """The same function in Triton kernels (kernels/sampling.py, sampling_thresholds.py)."""
 
     def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
-        from nanoqwen.kernels import sampling as kernels
+        from nanoqwen.kernels.triton import sample as kernels
 
         if filtering:
             return kernels.filter_step(logits, slots, state, candidates)
         return kernels.plain_step(logits, slots, state)
 
     def filtered(self, logits, slots, state, candidates: int) -> torch.Tensor:
-        from nanoqwen.kernels import sampling as kernels
+        from nanoqwen.kernels.triton import sample as kernels
 
         z, tau, _ = kernels.filter_thresholds(logits, slots, state, candidates)
         return z.masked_fill(z < tau[:, None], NEG_INF)
@@ -175,7 +175,7 @@ class NativePasses:
 
     @staticmethod
     def _options(state: SamplingState, filtering: bool) -> int:
-        from nanoqwen.native import sampling as native
+        from nanoqwen.kernels.cpu import sample as native
 
         return (
             native.PENALTIES * state.any_penalties
@@ -185,7 +185,7 @@ class NativePasses:
         )
 
     def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
-        from nanoqwen.native import sampling as native
+        from nanoqwen.kernels.cpu import sample as native
 
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
         options = self._options(state, filtering) | native.RECORD
@@ -193,7 +193,7 @@ class NativePasses:
         return tokens
 
     def filtered(self, logits, slots, state, candidates: int) -> torch.Tensor:
-        from nanoqwen.native import sampling as native
+        from nanoqwen.kernels.cpu import sample as native
 
         z = torch.empty(logits.shape, dtype=torch.float32)
         tau = torch.empty(logits.shape[0], dtype=torch.float32)

@@ -31,7 +31,7 @@ CANDIDATES = 64
 
 
 def cpu_passes() -> NativePasses | TorchPasses:
-    from nanoqwen.native.sampling import MAX_CANDIDATES, sampling_kernels
+    from nanoqwen.kernels.cpu.sample import MAX_CANDIDATES, sampling_kernels
 
     if CANDIDATES <= MAX_CANDIDATES and sampling_kernels() is not None:
         return NativePasses()

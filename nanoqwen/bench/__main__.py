@@ -1,0 +1,8 @@
+import argparse
+import sys
+
+from nanoqwen.bench import add_arguments, run
+
+parser = argparse.ArgumentParser(prog="python -m nanoqwen.bench")
+add_arguments(parser)
+sys.exit(run(parser.parse_args()))

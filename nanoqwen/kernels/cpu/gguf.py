@@ -1,0 +1,199 @@
+"""The C kernels of gguf_gemv.c and gguf_kquants.c: GGUF Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q6_K,
+Q3_K, Q2_K, Q4_K and Q5_K weights kept as they are in the file for the few-row CPU matmuls of
+decode (Q5_0: 5.5 bits a weight, against 8 for torch's per-channel int8 kernel; Q4_0: 4.5,
+where Q5_0's form of it read 5.5; Q5_1 and Q4_1: 6 and 5, where they were requantized; Q8_0:
+8.5 bits, exact where per-channel int8 requantizes, and faster; Q6_K: 6.56 bits, where Q8_0's
+form of it took 8.5 and rounded it again; Q3_K: 3.56 with its scales unpacked, where Q6_K's
+form took 6.56; Q2_K: 2.63, where Q8_0's form took 8.5; Q4_K: 4.63, where torch's int4 kernel
+read 5; Q5_K: 5.63, where it was requantized to Q8_0's form, 8.5).
+
+They are compiled at first use (nanoqwen/kernels/cpu/build.py) and called through ctypes; where
+there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
+(`kquant_kernel()`) returns None, and the layers keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanoqwen.kernels.cpu.build import load_library
+from nanoqwen.quant.format import QuantizedWeight
+
+SOURCE = Path(__file__).with_name("gguf_gemv.c")
+KQUANT_SOURCE = Path(__file__).with_name("gguf_kquants.c")
+MAX_ROWS = 8  # MAX_ROWS in gguf_gemv.c
+_c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+_int = ctypes.c_int
+_REQUANTIZE = [_c_int64, _c_int64, _ptr, _ptr, _int]  # N, K, out, r, threads
+
+
+def _gemv(weight_arrays: int) -> tuple[list, type]:
+    """A few-row matmul's signature: x, is_bf16, M, K, the weight's arrays, N, y, out_bf16,
+    bias, threads."""
+    return [_ptr, _int, _c_int64, _c_int64, *[_ptr] * weight_arrays, _c_int64, _ptr, _int, _ptr,
+            _int], ctypes.c_int  # fmt: skip
+
+
+def _library(source: Path, note: str, signatures: dict) -> ctypes.CDLL | None:
+    """source's library with the functions' ctypes signatures set, or None (with one note on
+    stderr) when it cannot be built here. NANOQWEN_NATIVE=0 turns it off."""
+    lib = load_library(source, note)
+    if lib is None:
+        return None
+    for name, (argtypes, restype) in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
+    return lib
+
+
+@cache
+def gguf_kernel() -> ctypes.CDLL | None:
+    """gguf_gemv.c's library (Q5_0, Q4_0, Q5_1, Q4_1, Q8_0 and the int8 prefill copies)."""
+    return _library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel", {
+        "q5_gemv": _gemv(3),  # qs, qh, d
+        "q8_gemv": _gemv(2),  # qs, d
+        "q4_gemv": _gemv(2),  # qs, d
+        "q51_gemv": _gemv(4),  # qs, qh, d, m
+        "q41_gemv": _gemv(3),  # qs, d, m
+        "requantize_rows": ([_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, _int], None),
+        "requantize_q5_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
+        "requantize_q8_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
+        "requantize_q4_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
+        "requantize_q51_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q41_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
+    })  # fmt: skip
+
+
+@cache
+def kquant_kernel() -> ctypes.CDLL | None:
+    """gguf_kquants.c's library (Q6_K, Q3_K, Q2_K, Q4_K and Q5_K)."""
+    return _library(KQUANT_SOURCE, "GGUF K-quant CPU kernels unavailable", {
+        "q6k_gemv": _gemv(4),  # ql, qh, sc, d
+        "q3k_gemv": _gemv(4),  # qs, hm, sc, d
+        "q2k_gemv": _gemv(4),  # qs, sc, d, dmin
+        "q4k_gemv": _gemv(5),  # qs, sc, m, d, dmin
+        "q5k_gemv": _gemv(6),  # qs, hb, sc, m, d, dmin
+        "requantize_q6k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q3k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q2k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
+        "requantize_q4k_rows": ([*[_ptr] * 5, *_REQUANTIZE], None),
+        "requantize_q5k_rows": ([*[_ptr] * 6, *_REQUANTIZE], None),
+    })  # fmt: skip
+
+
+def _blocks_of_32(w: QuantizedWeight) -> bool:
+    """int8 codes in groups of 32, one float16-representable scale each, no offset: the form
+    GGUF's Q8_0 and Q5_0 blocks take (nanoqwen.quant.gguf_blocks)."""
+    if w.bits != 8 or w.group_size != 32 or w.offset is not None or w.q.device.type != "cpu":
+        return False
+    return bool(torch.equal(w.scale.half().float(), w.scale))
+
+
+def is_q5_0(w: QuantizedWeight) -> bool:
+    """Whether w is exactly a Q5_0 tensor: blocks of 32 with codes in -16..15."""
+    return _blocks_of_32(w) and int(w.q.min()) >= -16 and int(w.q.max()) <= 15
+
+
+def is_q8_0(w: QuantizedWeight) -> bool:
+    """Whether w is exactly a Q8_0 tensor (which every Q5_0 tensor also is)."""
+    return _blocks_of_32(w)
+
+
+def pack_q5_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """(qs uint8 [N, K/32, 16], qh int32 [N, K/32], d float16 [N, K/32]): Q5_0's own bytes."""
+    n, k = w.shape
+    codes = (w.q.numpy().astype(np.int16) + 16).astype(np.uint8).reshape(n, k // 32, 32)
+    low = codes & 15
+    qs = low[..., :16] | (low[..., 16:] << 4)
+    qh = np.packbits((codes >> 4) & 1, axis=-1, bitorder="little").view(np.int32)[..., 0]
+    return (
+        torch.from_numpy(np.ascontiguousarray(qs)),
+        torch.from_numpy(np.ascontiguousarray(qh)),
+        w.scale.half().contiguous(),
+    )
+
+
+def pack_q8_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """(qs uint8 [N, K/32, 32] = code + 128, d float16 [N, K/32])."""
+    n, k = w.shape
+    qs = (w.q.to(torch.int16) + 128).to(torch.uint8).view(n, k // 32, 32)
+    return qs.contiguous(), w.scale.half().contiguous()
+
+
+# By kind: (library, few-row matmul, per-channel int8 copy); SUPERBLOCK_KINDS' blocks hold
+# 256 values, the others 32.
+_KERNELS = {
+    "q5_0": (gguf_kernel, "q5_gemv", "requantize_q5_rows"),
+    "q8_0": (gguf_kernel, "q8_gemv", "requantize_q8_rows"),
+    "q4_0": (gguf_kernel, "q4_gemv", "requantize_q4_rows"),
+    "q5_1": (gguf_kernel, "q51_gemv", "requantize_q51_rows"),
+    "q4_1": (gguf_kernel, "q41_gemv", "requantize_q41_rows"),
+    "q6_k": (kquant_kernel, "q6k_gemv", "requantize_q6k_rows"),
+    "q3_k": (kquant_kernel, "q3k_gemv", "requantize_q3k_rows"),
+    "q2_k": (kquant_kernel, "q2k_gemv", "requantize_q2k_rows"),
+    "q4_k": (kquant_kernel, "q4k_gemv", "requantize_q4k_rows"),
+    "q5_k": (kquant_kernel, "q5k_gemv", "requantize_q5k_rows"),
+}
+SUPERBLOCK_KINDS = ("q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
+
+
+def gguf_matmul(
+    x: torch.Tensor, kind: str, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W of `kind` packed by pack_q5_0 ("q5_0"),
+    pack_q8_0 ("q8_0") or as gguf_packed keeps the other kinds: float32 [M, N], or
+    for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then
+    its bias add would be, in the one kernel."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()  # float16: the kernels read bf16 or float32
+    out_bf16 = x.dtype == torch.bfloat16
+    assert bias is None or (out_bf16 and bias.dtype == torch.bfloat16 and bias.is_contiguous())
+    rows, k = x.shape
+    n = packed[0].shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype)
+    library, gemv, _ = _KERNELS[kind]
+    status = getattr(library(), gemv)(
+        x.data_ptr(), int(out_bf16), rows, k, *[t.data_ptr() for t in packed], n,
+        out.data_ptr(), int(out_bf16), None if bias is None else bias.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError(f"gguf_gemv failed (status {status}) for x {tuple(x.shape)}")
+    return out
+
+
+def requantize_rows(w: QuantizedWeight) -> QuantizedWeight:
+    """format.requantize_per_channel of a symmetric int8 weight, in C (a pass over the codes,
+    where torch takes several over float32 copies: seconds at load for the 0.5B model)."""
+    n, k = w.shape
+    q, s = w.q.contiguous(), w.scale.contiguous()
+    out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
+    gguf_kernel().requantize_rows(
+        q.data_ptr(), s.data_ptr(), n, k, w.group_size, out.data_ptr(), row.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return QuantizedWeight(out, row, None, k, 8)
+
+
+def requantize_packed(kind: str, packed: tuple[torch.Tensor, ...]) -> QuantizedWeight:
+    """The per-channel int8 copy that linear.py makes of the canonical weight packed holds,
+    computed from the packed blocks (GGUF tensors loaded straight into the kernels' layouts,
+    nanoqwen.quant.gguf_packed, never have the canonical codes): Q8_0, Q5_0 and Q4_0 as
+    requantize_rows, Q5_1 and Q4_1 as gguf_gemv.c says, the K-quants as gguf_kquants.c."""
+    n, blocks = packed[-1].shape
+    k = blocks * (256 if kind in SUPERBLOCK_KINDS else 32)
+    out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
+    library, _, requantize = _KERNELS[kind]
+    tensors = [t.contiguous() for t in packed]  # held until the call returns
+    getattr(library(), requantize)(
+        *[t.data_ptr() for t in tensors], n, k, out.data_ptr(), row.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return QuantizedWeight(out, row, None, k, 8)

@@ -1,0 +1,230 @@
+"""Paged decode attention in Triton: one token per sequence, the context split over many
+programs so that even batch 1 keeps the GPU busy.
+
+flash-attn's decode kernel gives each KV head of a sequence one thread block unless told a
+split count, and it sizes that count from the block-table width, not from the context. Here
+the split count is fixed per batch size (a CUDA graph captures it), while the keys each split
+reads come from the live context length: split s of S takes the s-th of S equal, tile-aligned
+slices of the cached keys (splits past a short context return at once). Programs start in
+launch order with the sequence varying slowest, so an order that puts the longest contexts
+first keeps the last wave from waiting on one long sequence.
+
+The same kernel rotates q and the new key (HF's rounding, see rope._rotate), writes the
+new key and value to their cache slot and attends to the new token straight from registers.
+Only the last split holding keys owns the new token, so no program reads a slot another
+program writes in the same launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoqwen.kernels.triton.rope import _rotate
+
+TILE = 64  # keys per inner step
+# From LARGE_BATCH (sequence, KV head) pairs up: longer tiles and fewer splits. With uneven
+# contexts (the throughput workload's U[100, 2048], 7B shape, sequences launched longest
+# first) the best split count was 4 at 128 pairs, 2 at 256-384 and 1 from 512
+# (tools/kernel_bench.py --balance, BENCHMARKS.md, session 9); flash-attn's decode ran
+# 8-25% slower at every one of those batches.
+LARGE_TILE = 128
+LARGE_BATCH = 128
+NUM_WARPS = 4
+NUM_STAGES = 2
+MAX_SPLITS = 16
+# Programs per launch worth filling at small batch: about two per SM of an H100/H200.
+TARGET_PROGRAMS = 256
+
+
+def num_splits_for(batch: int, num_kv_heads: int) -> int:
+    """Splits per (sequence, KV head): below LARGE_BATCH pairs enough programs to fill the
+    GPU (at most 16); then 4, 2 from 256 pairs and 1 from 512."""
+    pairs = batch * num_kv_heads
+    if pairs >= 512:
+        return 1
+    if pairs >= 256:
+        return 2
+    if pairs >= LARGE_BATCH:
+        return 4
+    return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // pairs))
+
+
+@triton.jit
+def _split_range(cached, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+    """Keys [start, end) of a split, of NUM_SPLITS equal, tile-aligned slices of the cached
+    keys, and how many splits hold keys (at least one: the last holds the new token)."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(cached, NUM_SPLITS), TILE_N) * TILE_N, TILE_N)
+    used = tl.maximum(tl.cdiv(cached, chunk), 1)
+    start = split * chunk
+    return start, tl.minimum(cached, start + chunk), used
+
+
+@triton.jit
+def _decode_kernel(
+    qkv_ptr, pos_ptr, slot_ptr, ctx_ptr, tables_ptr, order_ptr, cos_ptr, sin_ptr,
+    k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qkv_stride, table_stride, scale_log2,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq).to(tl.int64)
+    cached = tl.load(ctx_ptr + seq) - 1
+    start, end, used = _split_range(cached, split, NUM_SPLITS, TILE_N)
+    if split >= used:
+        return
+    half: tl.constexpr = HEAD_DIM // 2
+    dtype: tl.constexpr = qkv_ptr.dtype.element_ty
+    d = tl.arange(0, half)
+    dv = tl.arange(0, HEAD_DIM)
+    g = tl.arange(0, GROUP_PAD)
+    g_mask = g < GROUP
+    heads = kvh * GROUP + g
+
+    pos = tl.load(pos_ptr + seq)
+    cos = tl.load(cos_ptr + pos * half + d).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * half + d).to(dtype).to(tl.float32)
+    row = qkv_ptr + seq * qkv_stride
+    q_offs = heads[:, None] * HEAD_DIM + d[None, :]
+    q1 = tl.load(row + q_offs, mask=g_mask[:, None], other=0.0)
+    q2 = tl.load(row + q_offs + half, mask=g_mask[:, None], other=0.0)
+    q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], dtype)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table = tables_ptr + seq * table_stride
+    for n0 in range(start, end, TILE_N):
+        n = n0 + tl.arange(0, TILE_N)
+        n_mask = n < end
+        block = tl.load(table + n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        base = ((block * PAGE + n % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+        k1 = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        k2 = tl.load(
+            k_cache_ptr + base[:, None] + half + d[None, :], mask=n_mask[:, None], other=0.0
+        )
+        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
+        m_i = m_new
+
+    if split == used - 1:
+        # The step's own token: rotate and store its key, store its value, attend to both.
+        k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
+        v_row = row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
+        k1n, k2n = _rotate(tl.load(k_row + d), tl.load(k_row + half + d), cos, sin, dtype)
+        vn = tl.load(v_row + dv)
+        slot = tl.load(slot_ptr + seq)
+        dst = (slot * NUM_KV_HEADS + kvh) * HEAD_DIM
+        tl.store(k_cache_ptr + dst + d, k1n)
+        tl.store(k_cache_ptr + dst + half + d, k2n)
+        tl.store(v_cache_ptr + dst + dv, vn)
+        s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], 1)
+        s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], 1)
+        s_new = s_new * scale_log2
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        dst = out_ptr + seq * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + dv[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = m_i + tl.log2(l_safe)
+        part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        dst = part_out_ptr + part[:, None] * HEAD_DIM + dv[None, :]
+        tl.store(dst, out, mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence, head): the used splits' partial outputs weighted by their
+    mass (splits past the context wrote nothing)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    dv = tl.arange(0, HEAD_DIM)
+    _, _, used = _split_range(tl.load(ctx_ptr + seq) - 1, 0, NUM_SPLITS, TILE_N)
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
+    # The last used split always holds the new token, so the maximum is finite.
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    o = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + dv[None, :],
+        mask=(s < used)[:, None],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * o, 0)
+    tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + dv, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    cos_half: torch.Tensor,
+    sin_half: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    num_splits: int = 0,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """qkv: [seqs, (heads + 2 * kv_heads) * head_dim], the projection of each sequence's new
+    token. Writes the new k/v into the cache and returns the attention output
+    [seqs, heads, head_dim]. num_splits 0 picks the count from the batch size. order: the
+    sequences' launch order, a permutation of the rows (longest context first balances the
+    last wave of programs)."""
+    seqs = qkv.shape[0]
+    _, page, kv_heads, head_dim = k_cache.shape
+    num_heads = qkv.shape[1] // head_dim - 2 * kv_heads
+    group = num_heads // kv_heads
+    splits = num_splits or num_splits_for(seqs, kv_heads)
+    tile = LARGE_TILE if seqs * kv_heads >= LARGE_BATCH else TILE
+    out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    part_out = part_lse = out  # unused with one split
+    if splits > 1:
+        f32 = dict(dtype=torch.float32, device=qkv.device)
+        part_out = torch.empty(seqs, num_heads, splits, head_dim, **f32)
+        part_lse = torch.empty(seqs, num_heads, splits, **f32)
+    _decode_kernel[(splits, kv_heads, seqs)](
+        qkv, positions, slot_mapping, context_lens, block_tables,
+        context_lens if order is None else order, cos_half, sin_half, k_cache, v_cache, out,
+        part_out, part_lse, qkv.stride(0), block_tables.stride(0), scale * 1.4426950408889634,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        PAGE=page, TILE_N=tile, NUM_SPLITS=splits, ORDERED=order is not None,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(seqs, num_heads)](
+            part_out, part_lse, context_lens, out, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), TILE_N=tile,
+            num_warps=1,
+        )  # fmt: skip
+    return out

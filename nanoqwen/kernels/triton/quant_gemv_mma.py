@@ -1,0 +1,227 @@
+"""Batch-1 int4 GEMV on the tensor cores, for groups of 128 columns or more.
+
+The CUDA-core GEMV (kernels/quant_gemv.py) spends ~5.2 instructions a weight (a LOP3 and an
+FADD to turn a value into a float, an FFMA to multiply it, and overhead), so at int4 the H200
+runs out of instruction issue long before HBM bandwidth. Here the multiply-adds go to the
+tensor cores, which have plenty to spare at one token: a program dequantizes a [rows, 128]
+tile of one panel (one group of 128 columns) to x's dtype and lets tl.dot multiply it with
+x broadcast to 16 columns (mma's smallest N; the duplicate columns cost nothing, as the
+compiler keeps one copy of identical mma instructions). Values stay exact: the codes 0..15 are
+exact in bf16/fp16, products of two 16-bit floats are exact in float32 and the tensor cores
+accumulate in float32; each group's sum is then scaled once, in float32, as before.
+
+Dequantizing is the "magic number" conversion of Marlin-class kernels, two values per
+instruction: a word's nibbles j and j + 4 sit in its low and high 16-bit halves, so one LOP3
+makes (0x4300 | q_j, 0x4300 | q_j+4) = (128 + q_j, 128 + q_j+4) in bf16 and one packed FMA
+takes 128 away (0x6400, 1024 in fp16). With three shifts that is 11 instructions for a word's
+8 values (inline PTX; Triton's interpreter runs a plain shift-and-mask version instead).
+The K order inside a panel is the unpacking order, not the column order, and x (one
+contiguous load a panel) is permuted in registers to match: a word's values go to two dots
+of 64 (`low` and `high`), four consecutive K positions each, which is the tensor-core
+operand's own register layout (kWidth 4), so the packed words go from shared memory straight
+to registers in that layout and nothing is staged in bf16. A group's offset multiplies the
+panel's x sum, which a second dot (with ones) puts straight into the accumulator's layout.
+Compiled for sm_90, a weight costs ~3.2 instructions at 16 rows x 4 panels a step, ~2.4 at
+32 and ~2.1 at 64 (+0.2-0.4 with offsets; tools/quant_gemv_sass.py). A program handles
+`rows` output rows and `panels` panels a step (a batch dimension, one per warp), summed over
+the batch at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
+from nanoqwen.kernels.triton.silu_mul import _silu_mul
+
+MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
+
+# Outputs $0..$7 are value slots 0..7 of the word in $8. (a & b) | c is LOP3 immediate 0xea.
+_UNPACK_PTX = """{{
+.reg .b32 t<4>, s<3>, one, bias;
+mov.b32 one, {one};
+mov.b32 bias, {bias};
+lop3.b32 t0, $8, 0x000F000F, {magic}, 0xea;
+shr.u32 s0, $8, 4;
+lop3.b32 t1, s0, 0x000F000F, {magic}, 0xea;
+shr.u32 s1, $8, 8;
+lop3.b32 t2, s1, 0x000F000F, {magic}, 0xea;
+shr.u32 s2, $8, 12;
+lop3.b32 t3, s2, 0x000F000F, {magic}, 0xea;
+fma.rn.{ty}x2 t0, t0, one, bias;
+fma.rn.{ty}x2 t1, t1, one, bias;
+fma.rn.{ty}x2 t2, t2, one, bias;
+fma.rn.{ty}x2 t3, t3, one, bias;
+mov.b32 {{$0, $4}}, t0;
+mov.b32 {{$1, $5}}, t1;
+mov.b32 {{$2, $6}}, t2;
+mov.b32 {{$3, $7}}, t3;
+}}"""
+# magic: the float whose mantissa the code is OR-ed into (ulp 1); bias: minus that float.
+UNPACK_BF16 = tl.constexpr(
+    _UNPACK_PTX.format(ty="bf16", magic="0x43004300", one="0x3F803F80", bias="0xC300C300")
+)
+UNPACK_F16 = tl.constexpr(
+    _UNPACK_PTX.format(ty="f16", magic="0x64006400", one="0x3C003C00", bias="0xE400E400")
+)
+
+
+@dataclass(frozen=True)
+class MmaGemvConfig:
+    rows: int  # output rows per program (>= 16, mma's M)
+    panels: int  # panels per loop step, the batch dimension of the dot
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
+    """int32 words [...] -> their 8 int4 values in dtype as two [..., 4] halves, `low`
+    (value slots 0, 4, 1, 5) and `high` (2, 6, 3, 7)."""
+    if ASM:
+        if dtype == tl.bfloat16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                UNPACK_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+            )  # fmt: skip
+    else:
+        v0 = (words & 15).to(dtype)
+        v1 = ((words >> 4) & 15).to(dtype)
+        v2 = ((words >> 8) & 15).to(dtype)
+        v3 = ((words >> 12) & 15).to(dtype)
+        v4 = ((words >> 16) & 15).to(dtype)
+        v5 = ((words >> 20) & 15).to(dtype)
+        v6 = ((words >> 24) & 15).to(dtype)
+        v7 = ((words >> 28) & 15).to(dtype)
+    # The last join pairs slot j with j + 4, the two halves of one PTX register; four values
+    # a thread in K is what the dot's operand layout holds (kWidth 4), so Triton converts
+    # the packed words to it (in shared memory, 4 bytes for 8 values) and no bf16 moves.
+    low = tl.join(tl.join(v0, v1), tl.join(v4, v5))
+    high = tl.join(tl.join(v2, v3), tl.join(v6, v7))
+    return low, high
+
+
+@triton.jit
+def _dot(w, x, acc):
+    """w [BP, BN, K] times x [BP, K] broadcast to mma's 16 columns: [BP, BN, 16] float32."""
+    xb = tl.broadcast_to(x[:, :, None], [x.shape[0], x.shape[1], 16])
+    if x.dtype == tl.float32:  # the interpreter's exact mode
+        return tl.dot(w, xb, acc, input_precision="ieee")
+    return tl.dot(w, xb, acc)
+
+
+@triton.jit
+def _row_dot(
+    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G,
+    GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """float32 dot products of x with the dequantized weight rows `rows` (in bounds): [BN]."""
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    P: tl.constexpr = 16  # PANEL
+    rows64 = rows.to(tl.int64)
+    pb = tl.arange(0, BP)
+    lane = tl.arange(0, P)
+    panels = KW // P
+    acc = tl.zeros([BP, BN, 16], tl.float32)
+    for p0 in tl.range(0, panels, BP, num_stages=STAGES):
+        panel = p0 + pb
+        p_ok = panel < panels
+        # The last step's panels past the end read the last panel again, with x zeroed, so
+        # no load needs a mask.
+        pc = tl.minimum(panel, panels - 1)
+        words = tl.load(
+            qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
+        )
+        low, high = _unpack(words, dtype, ASM)
+        # The panel's x in one contiguous (cp.async) load, permuted in registers to the dots'
+        # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
+        cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
+        x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+        x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
+        x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
+        part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
+        part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
+        g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
+        acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
+        if HAS_OFFSET:
+            # offset * (the panel's x sum), the sum from the tensor cores too (a dot with
+            # ones): it lands in acc's own layout, with no reduction across threads.
+            # (built by joins like the weights, so Triton gives both dots one x layout)
+            one = tl.full([BP, BN, P], 1.0, dtype)
+            ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
+            x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
+            acc += x_sum * tl.load(o_ptr + g_off).to(tl.float32)[:, :, None]
+    # Every column of the product is the same sum: take column 0 (no rounding) of each step.
+    first = tl.arange(0, 16)[None, None, :] == 0
+    return tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
+
+
+@triton.jit
+def _mma_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, KW, G,
+    GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
+    y = silu(W_gate x) * (W_up x)."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    r_mask = rows < N
+    safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
+    y = _row_dot(
+        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, GROUP, HAS_OFFSET, BN, BP, STAGES, ASM
+    )
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        up = _row_dot(
+            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, GROUP, HAS_OFFSET, BN, BP,
+            STAGES, ASM,
+        )  # fmt: skip
+        # Both projections round to the model dtype first, as the unfused path's matmul does.
+        y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
+    tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
+
+
+def mma_gemv_fits(x: torch.Tensor, w) -> bool:
+    """int4 in groups of whole panels, 16-bit activations on a GPU (or the interpreter)."""
+    if w.bits != 4 or kernel_group(w) % MMA_PANEL_COLS:
+        return False
+    return x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)
+
+
+def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
+    """Launch parameters from the shape alone (so CUDA graphs can capture the kernel)."""
+    # From tools/quant_kernel_bench.py's sweep on the H200 (Qwen2.5 0.5B and 7B shapes):
+    # 16 rows keep >= 1.7 programs an SM below 16K rows, where more rows a step pay; long
+    # rows (K >= N) like a fourth stage in flight.
+    rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
+    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3)
+
+
+def launch_mma_gemv(
+    x: torch.Tensor, w, bias: torch.Tensor | None, silu_mul: bool, config: MmaGemvConfig | None
+) -> torch.Tensor:
+    """x [1, K] times the packed int4 weight: [1, N], or [1, N // 2] with silu_mul."""
+    n = w.out_features // 2 if silu_mul else w.out_features
+    cfg = config or mma_gemv_config(w.out_features, w.in_features)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _mma_gemv_kernel[(triton.cdiv(n, cfg.rows),)](
+        x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
+        w.scales if bias is None else bias, y, n, w.in_features, w.qweight.shape[1],
+        w.scales.shape[1], GROUP=kernel_group(w), HAS_OFFSET=w.offsets is not None,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BN=cfg.rows, BP=cfg.panels,
+        STAGES=cfg.num_stages, ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,274 @@
+"""Triton passes of the device-resident sampler (runtime/sampling/sampler.py).
+
+Each row of a batch belongs to a slot of the SamplingState, whose tables hold the request's
+settings and token statistics; kernels gather them by slot, so a step needs no per-row host
+data besides the slot ids. Every pass runs over [rows, vocabulary tiles], so batch 1 still
+spreads over many programs.
+
+The noise is counter-based: token t of a request at output position n draws
+hash(seed, n, t) (splitmix64 finalizers), identical to runtime/sampling/noise.py, so a
+seeded request samples the same tokens in any batch and on CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoqwen.kernels import sampling_layout as layout
+
+TILE = 2048  # vocabulary entries per program
+
+# The tables' layout (sampling_layout.py) as compile-time constants.
+F_TEMPERATURE = tl.constexpr(layout.F_TEMPERATURE)
+F_REPETITION = tl.constexpr(layout.F_REPETITION)
+F_PRESENCE = tl.constexpr(layout.F_PRESENCE)
+F_FREQUENCY = tl.constexpr(layout.F_FREQUENCY)
+NUM_F = tl.constexpr(layout.NUM_F)
+I_TOP_K = tl.constexpr(layout.I_TOP_K)
+I_MIN_TOKENS = tl.constexpr(layout.I_MIN_TOKENS)
+I_SEED = tl.constexpr(layout.I_SEED)
+I_FLAGS = tl.constexpr(layout.I_FLAGS)
+NUM_I = tl.constexpr(layout.NUM_I)
+FLAG_GREEDY = tl.constexpr(layout.FLAG_GREEDY)
+FLAG_PENALTY = tl.constexpr(layout.FLAG_PENALTY)
+FLAG_BAN = tl.constexpr(layout.FLAG_BAN)
+
+
+@triton.jit
+def _mix64(x):
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _gumbel(seed, pos, offs):
+    """Gumbel(0, 1) noise for tokens offs of a request at output position pos."""
+    key = _mix64(seed.to(tl.uint64, bitcast=True) + pos.to(tl.uint64) * 0x9E3779B97F4A7C15)
+    bits = _mix64(key + (offs.to(tl.uint64) + 1) * 0xD1B54A32D192ED03)
+    u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _prepare_kernel(
+    logits_ptr, logits_stride, z_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
+    prompt_mask_ptr, counts_ptr, ban_mask_ptr,
+    part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
+    vocab, num_tiles,
+    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
+    per-tile partials: max, sum of exp(z - max), first argmax; with SAMPLE the Gumbel argmax
+    of z + noise (a draw with no filter)."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < vocab
+    x = tl.load(logits_ptr + row * logits_stride + offs, mask=inside, other=float("-inf"))
+    fp = fparams_ptr + slot * NUM_F
+    ip = iparams_ptr + slot * NUM_I
+    flags = tl.load(ip + I_FLAGS)
+    table = slot * vocab + offs
+    if (flags & FLAG_PENALTY) != 0:
+        counts = tl.load(counts_ptr + table, mask=inside, other=0)
+        seen = (tl.load(prompt_mask_ptr + table, mask=inside, other=0) != 0) | (counts > 0)
+        rep = tl.load(fp + F_REPETITION)
+        x = tl.where(seen, tl.where(x < 0, x * rep, x / rep), x)
+        x = x - tl.load(fp + F_FREQUENCY) * counts.to(tl.float32)
+        x = x - tl.load(fp + F_PRESENCE) * (counts > 0).to(tl.float32)
+    ban_active = tl.load(out_pos_ptr + slot) < tl.load(ip + I_MIN_TOKENS)
+    if ((flags & FLAG_BAN) != 0) & ban_active:
+        banned = tl.load(ban_mask_ptr + table, mask=inside, other=0) != 0
+        x = tl.where(banned, float("-inf"), x)
+    x = x / tl.load(fp + F_TEMPERATURE)
+    if WRITE_Z:
+        tl.store(z_ptr + row * vocab + offs, x, mask=inside)
+    part = row * num_tiles + tile
+    tile_max = tl.max(x, axis=0)
+    tl.store(part_max_ptr + part, tile_max)
+    total = tl.sum(tl.exp(x - tile_max), axis=0)
+    tl.store(part_sum_ptr + part, tl.where(tile_max == float("-inf"), 0.0, total))
+    tl.store(part_arg_ptr + part, tile * BLOCK + tl.argmax(x, axis=0))
+    if SAMPLE:
+        _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
+                    part_gval_ptr, part_gidx_ptr)  # fmt: skip
+
+
+@triton.jit
+def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_ptr, gidx_ptr):
+    """The tile's Gumbel-max candidate among `keep` (none for greedy rows)."""
+    if (flags & FLAG_GREEDY) == 0:
+        score = x + _gumbel(tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
+        score = tl.where(keep & (x > float("-inf")), score, float("-inf"))
+        tl.store(gval_ptr + part, tl.max(score, axis=0))
+        tl.store(gidx_ptr + part, first + tl.argmax(score, axis=0))
+    else:
+        tl.store(gval_ptr + part, float("-inf"))
+        tl.store(gidx_ptr + part, first)
+
+
+@triton.jit
+def _sample_kernel(
+    z_ptr, tau_ptr, part_max_ptr, slots_ptr, iparams_ptr, out_pos_ptr, part_gval_ptr,
+    part_gidx_ptr, vocab, num_tiles, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold)."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    part = row * num_tiles + tile
+    tau = tl.load(tau_ptr + row)
+    if tl.load(part_max_ptr + part) < tau:  # the filters keep nothing here: most tiles
+        tl.store(part_gval_ptr + part, float("-inf"))
+        tl.store(part_gidx_ptr + part, tile * BLOCK)
+        return
+    slot = tl.load(slots_ptr + row)
+    ip = iparams_ptr + slot * NUM_I
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < vocab
+    x = tl.load(z_ptr + row * vocab + offs, mask=inside, other=float("-inf"))
+    keep = inside & (x >= tau)
+    _store_draw(x, keep, tl.load(ip + I_FLAGS), ip, out_pos_ptr, slot, offs, part,
+                tile * BLOCK, part_gval_ptr, part_gidx_ptr)  # fmt: skip
+
+
+@triton.jit
+def _first_max(values, payload, idx, n):
+    """The payload at the first position holding the max of values (positions < n)."""
+    best = tl.max(values, axis=0)
+    first = tl.min(tl.where((values == best) & (idx < n), idx, n), axis=0)
+    return best, tl.sum(tl.where(idx == first, payload, 0), axis=0)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
+    m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr,
+    out_pos_ptr, vocab,
+    FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+):  # fmt: skip
+    """Per row, over the tile partials: FIRST: max, sum of exp and greedy token, and with
+    CANDIDATES the row's bound for them (sampling_thresholds._candidates_kernel); SAMPLED: the
+    draw; RECORD: the row's token (greedy or drawn) stored and counted as the slot's output."""
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, TILES)
+    parts = row * num_tiles + idx
+    inside = idx < num_tiles
+    if FIRST:
+        pmax = tl.load(part_max_ptr + parts, mask=inside, other=float("-inf"))
+        m, greedy = _first_max(pmax, tl.load(part_arg_ptr + parts, mask=inside, other=0), idx,
+                               num_tiles)  # fmt: skip
+        psum = tl.load(part_sum_ptr + parts, mask=inside, other=0.0)
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, tl.sum(psum * tl.exp(pmax - m), axis=0))
+        tl.store(greedy_ptr + row, greedy)
+        if CANDIDATES > 0:
+            # With top-k k of at most CANDIDATES, the k-th largest tile max: the row's k
+            # largest values are at or above it (k tiles have a value there), and its
+            # filters read no other. Else none: a top-p nucleus may reach into every tile.
+            # Greedy rows read no candidate.
+            ip = iparams_ptr + tl.load(slots_ptr + row) * NUM_I
+            top_k = tl.load(ip + I_TOP_K)
+            kth = tl.where(idx == top_k - 1, tl.sort(pmax, descending=True), 0.0)
+            bound = tl.where(top_k <= CANDIDATES, tl.sum(kth, axis=0), float("-inf"))
+            greedy_row = (tl.load(ip + I_FLAGS) & FLAG_GREEDY) != 0
+            tl.store(bound_ptr + row, tl.where(greedy_row, float("inf"), bound))
+    if RECORD:
+        slot = tl.load(slots_ptr + row)
+        token = tl.load(greedy_ptr + row)
+        if SAMPLED:
+            gval = tl.load(part_gval_ptr + parts, mask=inside, other=float("-inf"))
+            gidx = tl.load(part_gidx_ptr + parts, mask=inside, other=0)
+            _, drawn = _first_max(gval, gidx, idx, num_tiles)
+            greedy_row = (tl.load(iparams_ptr + slot * NUM_I + I_FLAGS) & FLAG_GREEDY) != 0
+            token = tl.where(greedy_row, token, drawn)
+        # A NaN logit makes the argmax's index unspecified: the token indexes the counts
+        # below and the next step's embedding, so it stays inside the vocabulary.
+        token = tl.minimum(tl.maximum(token, 0), vocab - 1)
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.atomic_add(counts_ptr + slot * vocab + token, 1)
+        tl.atomic_add(out_pos_ptr + slot, 1)
+
+
+class _Partials:
+    def __init__(self, rows: int, vocab: int, device, candidates: int = 0) -> None:
+        self.tile = TILE  # vocabulary entries per tile (a test sets smaller ones)
+        self.tiles = triton.cdiv(vocab, TILE)
+        f32 = dict(dtype=torch.float32, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        shape = (rows, self.tiles)
+        self.max, self.sum, self.gval = (torch.empty(shape, **f32) for _ in range(3))
+        self.arg, self.gidx = torch.empty(shape, **i32), torch.empty(shape, **i32)
+        self.cand = torch.empty(rows, self.tiles, max(candidates, 1), **f32)
+        self.floor = torch.empty(shape, **f32)  # every value above it is a candidate
+        self.m, self.s = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        self.bound = torch.empty(rows, **f32)
+        self.greedy = torch.empty(rows, **i32)
+
+
+def _prepare(logits, slots, state, z, parts: _Partials, sample: bool) -> None:
+    rows, vocab = logits.shape
+    _prepare_kernel[(rows, parts.tiles)](
+        logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
+        state.iparams, state.out_pos, state.prompt_mask, state.counts, state.ban_mask,
+        parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles,
+        WRITE_Z=z is not None, SAMPLE=sample, BLOCK=parts.tile, num_warps=4,
+    )  # fmt: skip
+
+
+def _reduce(
+    parts: _Partials, slots, state, tokens, first: bool, sampled: bool, record: bool,
+    candidates: int = 0,
+):  # fmt: skip
+    _reduce_kernel[(slots.shape[0],)](
+        parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, parts.tiles, parts.m, parts.s,
+        parts.greedy, parts.bound, tokens, slots, state.iparams, state.counts, state.out_pos,
+        state.counts.shape[1], FIRST=first, SAMPLED=sampled, RECORD=record,
+        TILES=triton.next_power_of_2(parts.tiles), CANDIDATES=candidates, num_warps=1,
+    )  # fmt: skip
+
+
+def plain_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor:
+    """Tokens for rows without top-k/top-p/min-p: one pass over the logits, one reduction."""
+    rows, vocab = logits.shape
+    parts = _Partials(rows, vocab, logits.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _prepare(logits, slots, state, None, parts, sample=True)
+    _reduce(parts, slots, state, tokens, first=True, sampled=True, record=True)
+    return tokens
+
+
+def filter_thresholds(
+    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int
+) -> tuple[torch.Tensor, torch.Tensor, _Partials]:
+    """The processed logits z and each row's threshold tau (top-k, top-p and min-p keep
+    z >= tau)."""
+    from nanoqwen.kernels.triton.sampling_thresholds import thresholds
+
+    rows, vocab = logits.shape
+    parts = _Partials(rows, vocab, logits.device, candidates)
+    z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    _prepare(logits, slots, state, z, parts, sample=False)
+    _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False,
+            candidates=candidates)  # fmt: skip
+    tau = thresholds(z, parts, slots, state, candidates)
+    return z, tau, parts
+
+
+def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: int):
+    """Tokens with top-k/top-p/min-p: thresholds from the candidates, then a draw over z."""
+    z, tau, parts = filter_thresholds(logits, slots, state, candidates)
+    rows, vocab = z.shape
+    _sample_kernel[(rows, parts.tiles)](
+        z, tau, parts.max, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab,
+        parts.tiles, BLOCK=parts.tile, num_warps=4,
+    )  # fmt: skip
+    tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
+    _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True)
+    return tokens

@@ -1,0 +1,258 @@
+"""Filter thresholds for the sampler: top-k, top-p and min-p each keep the processed logits
+z >= some threshold, so together they keep z >= the largest of the three.
+
+_candidates_kernel gives each vocabulary tile its candidates: its values above the tile's
+floor, at most CANDIDATES. _thresholds_kernel merges them into the CANDIDATES largest, sorted;
+those above c, the largest floor, are the row's largest exactly. From them it derives the
+thresholds as the reference's sorted rule does: top-k's is the k-th value; top-p's the value
+where the cumulative renormalised mass first reaches p; min-p's max(z) + log(min_p). A row
+whose boundary lies past the exact values (a larger top-k, a top-p mass they do not reach,
+ties with the k-th beyond them) is flagged, and _finish_kernel searches its thresholds: over
+the union of every tile's candidates where that holds them, else over the whole row; other
+rows only take the largest of their three.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoqwen.kernels import sampling_layout as layout
+from nanoqwen.kernels.triton.select import from_ordered_key, ordered_key, store_above, store_largest
+
+F_TOP_P = tl.constexpr(layout.F_TOP_P)
+F_MIN_P = tl.constexpr(layout.F_MIN_P)
+NUM_F = tl.constexpr(layout.NUM_F)
+I_TOP_K = tl.constexpr(layout.I_TOP_K)
+NUM_I = tl.constexpr(layout.NUM_I)
+PROBES = 8  # thresholds a search pass measures at once
+SEARCH_BLOCK = 2048  # values a search loads at a time
+SEARCH_WARPS = 16
+
+
+@triton.jit
+def _at(values, idx, i):
+    return tl.sum(tl.where(idx == i, values, 0.0), axis=0)
+
+
+@triton.jit
+def _candidates_kernel(
+    z_ptr, part_max_ptr, bound_ptr, cand_ptr, floor_ptr, vocab, num_tiles,
+    CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Each tile's candidates: its values above a floor, at most CAP (select.store_above). A
+    tile whose max is under the row's bound (from sampling._reduce_kernel) holds none of the
+    row's values the filters read: it is skipped, with its max as its floor. With top-k 20
+    most tiles are."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    part = row * num_tiles + tile
+    out = cand_ptr + part * CAP
+    tile_max = tl.load(part_max_ptr + part)
+    if tile_max < tl.load(bound_ptr + row):
+        tl.store(out + tl.arange(0, CAP), tl.full([CAP], float("-inf"), tl.float32))
+        tl.store(floor_ptr + part, tile_max)
+        return
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(z_ptr + row * vocab + offs, mask=offs < vocab, other=float("-inf"))
+    tl.store(floor_ptr + part, store_above(x, tile_max, out, CAP))
+
+
+@triton.jit
+def _row_floor(floor_ptr, row, num_tiles, TILES: tl.constexpr):
+    """c: the largest of the row's tile floors; every token above it is a candidate."""
+    t = tl.arange(0, TILES)
+    floors = tl.load(floor_ptr + row * num_tiles + t, mask=t < num_tiles, other=float("-inf"))
+    return tl.max(floors, axis=0)
+
+
+@triton.jit
+def _thresholds_kernel(
+    cand_ptr, floor_ptr, num_tiles, top_ptr, m_ptr, s_ptr, slots_ptr, fparams_ptr, iparams_ptr,
+    tau_k_ptr, tau_p_ptr, tau_min_ptr, need_ptr, vocab,
+    CAP: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    num_cands = num_tiles * CAP
+    offs = tl.arange(0, BLOCK)
+    merged = tl.load(cand_ptr + row * num_cands + offs, mask=offs < num_cands, other=float("-inf"))
+    idx = tl.arange(0, CAP)
+    # The union's CAP largest through memory (top_ptr: [rows, CAP]), then sorted.
+    store_largest(merged, top_ptr + row * CAP, CAP)
+    tl.debug_barrier()  # every thread's stores, before any thread reads them back
+    values = tl.sort(tl.load(top_ptr + row * CAP + idx), descending=True)
+    # values[i] is the row's (i+1)-th largest while it is above c.
+    exact = tl.sum((values > _row_floor(floor_ptr, row, num_tiles, TILES)).to(tl.int32), axis=0)
+    slot = tl.load(slots_ptr + row)
+    top_k = tl.load(iparams_ptr + slot * NUM_I + I_TOP_K)
+    top_p = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P)
+    min_p = tl.load(fparams_ptr + slot * NUM_F + F_MIN_P)
+    m = tl.load(m_ptr + row)
+    k_on = top_k < vocab
+    k_inside = k_on & (top_k <= exact)
+    tau_k = tl.where(k_inside, _at(values, idx, top_k - 1), float("-inf"))
+    # top-p over the top-k survivors, renormalised (HF); without top-k, over the row.
+    e = tl.where(values >= tau_k, tl.exp(values - m), 0.0)
+    total = tl.where(k_inside, tl.sum(e, axis=0), tl.load(s_ptr + row))
+    probs = e / total
+    cum = tl.cumsum(probs, 0)
+    before = cum - probs
+    p_on = top_p < 1.0
+    kept = tl.maximum(tl.sum((before < top_p).to(tl.int32), axis=0), 1)
+    tau_p = tl.where(p_on, _at(values, idx, kept - 1), float("-inf"))
+    # Past what the exact values tell: a larger top-k; a top-p whose mass they do not reach
+    # (the mass before value `exact` depends on exact values only); ties with the k-th
+    # beyond the CAP values.
+    k_past = k_on & (top_k > exact)
+    tie_past = k_inside & (_at(values, idx, CAP - 1) >= tau_k) & (vocab > CAP)
+    p_short = (top_k >= vocab) & (_at(cum, idx, exact - 1) < top_p)
+    p_past = p_on & (p_short | k_past | tie_past)
+    tl.store(tau_k_ptr + row, tau_k)
+    tl.store(tau_p_ptr + row, tau_p)
+    tl.store(
+        tau_min_ptr + row, tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+    )
+    tl.store(need_ptr + row, k_past.to(tl.int32) | (p_past.to(tl.int32) << 1))
+
+
+@triton.jit
+def _values(ptr, start, n, floor, bound, BLOCK: tl.constexpr):
+    """ptr[start:start + BLOCK], with -inf for what is past n, at most floor or below bound.
+    The loops below load the next block before they use this one: one program reads a
+    whole row, so it would otherwise wait out a memory latency per block."""
+    offs = start + tl.arange(0, BLOCK)
+    x = tl.load(ptr + offs, mask=offs < n, other=float("-inf"))
+    return tl.where((x > floor) & (x >= bound), x, float("-inf"))
+
+
+@triton.jit
+def _total(ptr, n, floor, bound, m, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Over the values x of ptr[:n] with x > floor and x >= bound: the sum of exp(x - m)
+    (MASS) or their count."""
+    total = tl.zeros([BLOCK], dtype=tl.float32)  # summed across threads once, at the end
+    ahead = _values(ptr, 0, n, floor, bound, BLOCK)
+    for start in range(0, n, BLOCK):
+        x = ahead
+        ahead = _values(ptr, start + BLOCK, n, floor, bound, BLOCK)
+        if MASS:
+            total += tl.exp(x - m)
+        else:
+            total += (x > float("-inf")).to(tl.float32)
+    return tl.sum(total, axis=0)
+
+
+@triton.jit
+def _search(
+    ptr, n, floor, bound, lo_key, hi_key, m, target,
+    MASS: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The largest v in [lo_key, hi_key) (float order keys) with measure(x >= v) >= target,
+    measure as _total's; lo_key when none. Each pass over the values measures PROBES evenly
+    spaced keys at once and keeps the piece between the last that reaches the target and the
+    next: ~32 / log2(PROBES) passes. The measure only changes at values, so the answer keeps
+    exactly the values the sorted rule keeps, ties included."""
+    j = tl.arange(0, PROBES).to(tl.int64)
+    while hi_key - lo_key > 1:
+        step = (hi_key - lo_key + PROBES - 1) // PROBES
+        keys = lo_key + j * step
+        probes = from_ordered_key(keys)
+        acc = tl.zeros([PROBES, BLOCK], dtype=tl.float32)
+        ahead = _values(ptr, 0, n, floor, bound, BLOCK)
+        for start in range(0, n, BLOCK):
+            x = ahead
+            ahead = _values(ptr, start + BLOCK, n, floor, bound, BLOCK)
+            keep = (x[None, :] >= probes[:, None]) & (x[None, :] > float("-inf"))
+            if MASS:
+                acc += tl.where(keep, tl.exp(x - m)[None, :], 0.0)
+            else:
+                acc += keep.to(tl.float32)
+        measure = tl.sum(acc, axis=1)  # across threads once a pass, not once a block
+        reached = (measure >= target) & (keys < hi_key)
+        lo_key = tl.max(tl.where(reached, keys, lo_key), axis=0)
+        hi_key = tl.minimum(lo_key + step, hi_key)
+    return from_ordered_key(lo_key)
+
+
+@triton.jit
+def _finish_kernel(
+    z_ptr, cand_ptr, floor_ptr, num_tiles, need_ptr, slots_ptr, fparams_ptr, iparams_ptr,
+    tau_k_ptr, tau_p_ptr, tau_min_ptr, m_ptr, s_ptr, tau_ptr, vocab,
+    CAP: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """Each row's threshold: the largest of its three, after a search for a flagged row (need
+    bit 1: top-k, bit 2: top-p). The search runs over the union of the tiles' candidates where
+    that holds the answer: every token above c, the largest of the tiles' floors, is a
+    candidate, so a threshold above c is found among them (a top-p nucleus of hundreds or
+    thousands of tokens, as a trained model's flatter rows have). Otherwise, over the row."""
+    row = tl.program_id(0).to(tl.int64)
+    need = tl.load(need_ptr + row)
+    tau_k = tl.load(tau_k_ptr + row)
+    tau_p = tl.load(tau_p_ptr + row)
+    if need != 0:
+        z_row = z_ptr + row * vocab
+        num_cands = num_tiles * CAP
+        union = cand_ptr + row * num_cands
+        c = _row_floor(floor_ptr, row, num_tiles, TILES)
+        above_c = ordered_key(c) + 1
+        m = tl.load(m_ptr + row)
+        top_key = ordered_key(m) + 1
+        no_bound = tl.full((), float("-inf"), tl.float32)
+        slot = tl.load(slots_ptr + row)
+        if (need & 1) != 0:  # count instead of sort
+            k = tl.load(iparams_ptr + slot * NUM_I + I_TOP_K).to(tl.float32)
+            if _total(union, num_cands, c, no_bound, m, False, BLOCK) >= k:
+                tau_k = _search(union, num_cands, c, no_bound, above_c, top_key, m, k, False,
+                                PROBES, BLOCK)  # fmt: skip
+            else:
+                below_c = tl.minimum(above_c, top_key)  # the k-th value is c or less
+                tau_k = _search(z_row, vocab, no_bound, no_bound, ordered_key(no_bound), below_c,
+                                m, k, False, PROBES, BLOCK)  # fmt: skip
+        if (need & 2) != 0:
+            # top-p over the top-k survivors, renormalised: their mass
+            union_mass = _total(union, num_cands, c, tau_k, m, True, BLOCK)
+            if tau_k > c:
+                kept = union_mass  # every survivor is in the union
+            elif tau_k == float("-inf"):
+                kept = tl.load(s_ptr + row)
+            else:
+                kept = _total(z_row, vocab, no_bound, tau_k, m, True, BLOCK)
+            target = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P) * kept
+            lo_key = ordered_key(tau_k)
+            if union_mass >= target:
+                tau_p = _search(union, num_cands, c, tau_k, tl.maximum(lo_key, above_c),
+                                top_key, m, target, True, PROBES, BLOCK)  # fmt: skip
+            else:
+                below_c = tl.minimum(above_c, top_key)
+                tau_p = _search(z_row, vocab, no_bound, tau_k, lo_key, below_c, m, target, True,
+                                PROBES, BLOCK)  # fmt: skip
+    tau = tl.maximum(tl.maximum(tau_k, tau_p), tl.load(tau_min_ptr + row))
+    tl.store(tau_ptr + row, tau)
+
+
+def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: int):
+    """tau [rows] from z and the sampling._Partials of its prepare and first reduce passes:
+    the tile maxima, the row max m, the sum of exp(z - m) and the candidates' bound."""
+    rows, vocab = z.shape
+    tiles = parts.tiles
+    _candidates_kernel[(rows, tiles)](
+        z, parts.max, parts.bound, parts.cand, parts.floor, vocab, tiles, CAP=candidates,
+        BLOCK=parts.tile, num_warps=4,
+    )  # fmt: skip
+    num_cands = tiles * candidates
+    f32 = dict(dtype=torch.float32, device=z.device)
+    tau_k, tau_p, tau_min, tau = (torch.empty(rows, **f32) for _ in range(4))
+    need = torch.empty(rows, dtype=torch.int32, device=z.device)
+    top = torch.empty(rows, candidates, **f32)
+    pow2 = triton.next_power_of_2(tiles)
+    _thresholds_kernel[(rows,)](
+        parts.cand, parts.floor, tiles, top, parts.m, parts.s, slots, state.fparams,
+        state.iparams, tau_k, tau_p, tau_min, need, vocab, CAP=candidates,
+        BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, num_warps=8,
+    )  # fmt: skip
+    _finish_kernel[(rows,)](
+        z, parts.cand, parts.floor, tiles, need, slots, state.fparams, state.iparams, tau_k,
+        tau_p, tau_min, parts.m, parts.s, tau, vocab, CAP=candidates, PROBES=PROBES,
+        BLOCK=SEARCH_BLOCK, TILES=pow2, num_warps=SEARCH_WARPS,
+    )  # fmt: skip
+    return tau

@@ -1,8 +1,0 @@
-import argparse
-import sys
-
-from nanoqwen.runtime.bench import add_arguments, run
-
-parser = argparse.ArgumentParser(prog="python -m nanoqwen.runtime.bench")
-add_arguments(parser)
-sys.exit(run(parser.parse_args()))

@@ -1,0 +1,134 @@
+"""The tensor-core int4 GEMV (kernels/quant_gemv_mma.py) in Triton's CPU interpreter, against
+x @ dequantized(w).T in float64: its plain shift-and-mask unpacking and the K order the PTX
+unpacking shares with it. tests/kernels/triton/test_quant_matmul_gpu.py runs the PTX on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
+)
+from nanoqwen.kernels.triton import quant_gemv_mma  # noqa: E402
+from nanoqwen.kernels.triton.quant_gemv_mma import MmaGemvConfig, mma_gemv_fits  # noqa: E402
+from nanoqwen.kernels.triton.quant_matmul import (  # noqa: E402
+    pack_for_triton,
+    quant_linear,
+    quant_linear_silu_mul,
+)
+
+N = 37  # a partial block of output rows at 16 and 32 rows a program
+
+
+def make_weight(n: int, k: int, group: int, offset: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=gen) + 0.5) * 0.04
+    o = torch.randn(n, k // group, generator=gen) * 0.1 if offset else None
+    w = q.double() * s.double().repeat_interleave(group, 1)
+    if o is not None:
+        w += o.double().repeat_interleave(group, 1)
+    return pack_for_triton(q, s, o, group, 4), w
+
+
+def reference(x, w, bias=None):
+    return F.linear(x.double(), w, None if bias is None else bias.double())
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The tensor-core GEMV's launches (their silu_mul flags), so a test knows what ran."""
+    calls = []
+    launch = quant_gemv_mma.launch_mma_gemv
+
+    def recorded(x, w, bias, silu_mul, config):
+        calls.append(silu_mul)
+        return launch(x, w, bias, silu_mul, config)
+
+    monkeypatch.setattr("nanoqwen.kernels.triton.quant_matmul.launch_mma_gemv", recorded)
+    return calls
+
+
+# (K, group): one group a panel, two panels a group, one scale per row at a K that leaves a
+# partial panel, and 5 panels (a partial step at 2 and 4 panels a step).
+SHAPES = [(384, 128), (512, 256), (320, 320), (640, 128)]
+
+
+@pytest.mark.parametrize(("k", "group"), SHAPES)
+@pytest.mark.parametrize("offset", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        MmaGemvConfig(16, 1),
+        MmaGemvConfig(32, 2),
+        MmaGemvConfig(16, 4, num_stages=2),
+        MmaGemvConfig(64, 4, num_warps=8),
+    ],
+    ids=["default", "16x1", "32x2", "16x4", "64x4-8warps"],
+)
+def test_one_row_equals_the_dequantized_product(k, group, offset, config, launches):
+    packed, w = make_weight(N, k, group, offset, seed=k + group)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    y = quant_linear(x, packed, bias, config=config)
+    assert launches == [False] and y.shape == (1, N) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_fused_gate_up_equals_silu_of_gate_times_up(launches):
+    packed, w = make_weight(2 * N, 256, 128, True)
+    x = torch.randn(1, 256)
+    gate, up = reference(x, w).float().chunk(2, dim=-1)
+    y = quant_linear_silu_mul(x, packed)
+    assert launches == [True]
+    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_activations_round_once_to_float16(launches):
+    packed, w = make_weight(N, 256, 128, True)
+    x = torch.randn(1, 256).half()
+    y = quant_linear(x, packed)
+    assert launches == [False] and y.dtype == torch.float16
+    torch.testing.assert_close(y.double(), reference(x, w), rtol=1e-3, atol=1e-3)
+
+
+def test_which_weights_take_the_tensor_cores():
+    x_gpu_bf16 = torch.empty(1, 256, dtype=torch.bfloat16, device="meta")
+    x_gpu_fp32 = torch.empty(1, 256, dtype=torch.float32, device="meta")
+    g128, _ = make_weight(4, 256, 128, False)
+    g64, _ = make_weight(4, 256, 64, False)
+    per_channel, _ = make_weight(4, 256, 256, False)
+    q8 = pack_for_triton(torch.zeros(4, 256, dtype=torch.int8), torch.ones(4, 2), None, 128, 8)
+    assert mma_gemv_fits(x_gpu_bf16, g128) and mma_gemv_fits(x_gpu_bf16, per_channel)
+    assert not mma_gemv_fits(x_gpu_bf16, g64)  # a group smaller than a panel
+    assert not mma_gemv_fits(x_gpu_bf16, q8)
+    # float32 stays on the exact CUDA-core kernel on a GPU (tf32 tensor cores would round x)
+    assert not mma_gemv_fits(x_gpu_fp32, g128)
+
+
+def test_mlp_runs_one_row_of_a_quantized_gate_up_through_the_fused_gemv(launches):
+    """MLP.forward at one row takes the GEMV with SiLU·up in its epilogue when gate_up is a
+    QuantizedLinear on the Triton kernels (the CUDA layout, packed here for the interpreter),
+    and gives what the unfused path gives."""
+    from nanoqwen.model.layers import MLP
+    from nanoqwen.quant.format import dequantize, quantize_int4
+    from nanoqwen.quant.linear import QuantizedLinear, cuda_pack
+
+    gen = torch.Generator().manual_seed(0)
+    mlp = MLP(256, 64, torch.float32, "cpu")
+    mlp.down_proj.weight.data.copy_(torch.randn(256, 64, generator=gen) * 0.1)
+    gate_up = QuantizedLinear(quantize_int4(torch.randn(128, 256, generator=gen) * 0.1, 128), None)
+    gate_up._decode, gate_up.kind = (cuda_pack(gate_up.weight),), "triton"
+    mlp.gate_up_proj = gate_up
+    x = torch.randn(1, 256, generator=gen)
+    fused = mlp(x)
+    assert launches == [True]  # the fused GEMV, not quant_linear then SiLU·up
+    gate, up = reference(x, dequantize(gate_up.weight).double()).float().chunk(2, dim=-1)
+    torch.testing.assert_close(fused, mlp.down_proj(F.silu(gate) * up), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,73 @@
+"""kernels/select.py, the sampler's candidate selection: store_largest's K largest values of
+a block as a multiset, store_above's values above a floor (at most K); ties, -0.0, -inf
+padding and K equal to the block included. In Triton's CPU interpreter without a GPU,
+compiled for it with one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from nanoqwen.kernels.triton.select import store_above, store_largest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _largest_kernel(x_ptr, n, out_ptr, kth_ptr, BLOCK: tl.constexpr, K: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=float("-inf"))
+    tl.store(kth_ptr, store_largest(x, out_ptr, K))
+
+
+@triton.jit
+def _above_kernel(x_ptr, n, out_ptr, floor_ptr, BLOCK: tl.constexpr, K: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=float("-inf"))
+    tl.store(floor_ptr, store_above(x, tl.max(x, axis=0), out_ptr, K))
+
+
+def run(kernel, x: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    out = torch.full((k,), float("nan"), device=DEVICE)
+    scalar = torch.empty(1, device=DEVICE)
+    block = triton.next_power_of_2(max(x.numel(), k))
+    kernel[(1,)](x.to(DEVICE), x.numel(), out, scalar, BLOCK=block, K=k)
+    return out.cpu(), float(scalar)
+
+
+CASES = {
+    "distinct": torch.randn(2048, generator=torch.Generator().manual_seed(0)),
+    "ties at the k-th": torch.randint(-6, 6, (2048,), generator=torch.Generator().manual_seed(1))
+    .float()
+    .div(2),
+    "all equal": torch.full((300,), 1.5),
+    "signed zeros": torch.tensor([0.0, -0.0, -1.0, 2.0, -0.0, 0.0, -3.0, 0.5] * 8),
+    "fewer finite than k": torch.tensor([3.0, 1.0, float("-inf"), 2.0] + [float("-inf")] * 60),
+    "k is the block": torch.randn(64, generator=torch.Generator().manual_seed(2)),
+}
+
+
+@pytest.mark.parametrize("k", [1, 8, 64])
+@pytest.mark.parametrize("name", CASES)
+def test_the_k_largest_as_a_multiset_with_the_kth_last(name, k):
+    x = CASES[name]
+    out, kth = run(_largest_kernel, x, k)
+    want = x.topk(k).values  # sorted, largest first
+    assert torch.equal(out.sort(descending=True).values, want), name
+    assert kth == float(want[-1]) and float(out[-1]) == kth
+
+
+@pytest.mark.parametrize("k", [1, 8, 64])
+@pytest.mark.parametrize("name", CASES)
+def test_every_value_above_the_floor_and_at_most_k(name, k):
+    x = CASES[name]
+    out, floor = run(_above_kernel, x, k)
+    above = x[x > floor]
+    assert above.numel() <= k
+    assert torch.equal(out[: above.numel()].sort().values, above.sort().values), name
+    assert bool((out[above.numel() :] == float("-inf")).all())
+    if name == "distinct":  # near the k-th largest: most of the k places used
+        assert above.numel() >= k // 2, (above.numel(), k)
