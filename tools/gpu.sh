@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# The GPU checks, one mode per device call (device tool, carry .whl: the flash-attn wheel).
+# Usage: bash tools/gpu.sh MODE [ARGS...]
+#   check [tests|bench|all|kernels|profile|prefill|workload] [ARGS...]
+#       the GPU tests, then the 0.5B and 7B benchmarks (default all); kernels, profile and
+#       prefill run tools/kernel_bench.py, tools/profile_decode.py and tools/prefill_bench.py
+#       with ARGS (prefill kernels [--sweep] | prefill engine --shape 7B); workload [SHAPE]
+#       [WORKLOAD] runs tools/profile_workload.py for nanoqwen and nano-vllm (carry .peer too),
+#       7B throughput by default.
+#   kv-cache [tests|bench|all] [0.5B|7B]
+#       the swap / host-tier tests, then swap vs recompute under a pool a quarter of the batch
+#       needs, host tier on vs off for prefixes that fit the host pool but not the GPU pool,
+#       and the shared-prefix workload with prefix caching on vs off.
+#   tp [custom|tests|allreduce|ncclenv|batch1|big|all]
+#       tensor parallelism on a two-GPU machine (device kind nvidia-h200-x2): the custom
+#       all-reduce's GPU tests, the GPU tests at tp=2, the all-reduce cost per shape, NCCL's
+#       small all-reduce under protocol/algorithm settings, batch-1 decode of 7B at tp=1 and
+#       tp=2 (the bar: >= 1.6x), 32B at tp=2. One part per call keeps each under the 10-minute
+#       command limit; all runs every part but ncclenv.
+#   serve-bench [SHAPE ...]
+#       the serving benchmark per shape of random weights (carry .serve-wheels too): see
+#       serve_bench below.
+# FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
+set -uo pipefail
+
+usage() {
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench [ARGS...]" >&2
+  exit 2
+}
+
+# Unbuffered output, $OUT, and the flash-attn wheel from .whl installed onto PYTHONPATH.
+# gpu_env: the wheel must install; gpu_env optional: installed when .whl holds one.
+gpu_env() {
+  export PYTHONUNBUFFERED=1
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+  if [[ ${FLASH_ATTN:-1} != 0 ]]; then
+    if [[ ${1:-} != optional ]] || compgen -G ".whl/*.whl" > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl \
+        2>/dev/null || exit 1
+    fi
+  fi
+  export PYTHONPATH=/tmp/site:$PWD
+}
+
+check() {
+  gpu_env
+  local what=${1:-all}; shift || true
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null || echo "flash_attn: not installed"
+  if [[ $what == tests || $what == all ]]; then
+    python3 -m pytest tests/gpu -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  fi
+  if [[ $what == bench || $what == all ]]; then
+    for shape in 0.5B 7B; do
+      python3 -m nanoqwen.bench --shape "$shape" --json "$OUT/bench_${shape}.json" "$@" 2>&1 \
+        | grep -v '\r' | tee "$OUT/bench_${shape}.log"
+    done
+  fi
+  if [[ $what == kernels ]]; then
+    python3 tools/kernel_bench.py "$@" 2>&1 | tee "$OUT/kernels.log"
+  fi
+  if [[ $what == profile ]]; then
+    for shape in 0.5B 7B; do
+      python3 tools/profile_decode.py --shape "$shape" --kernels "$@" 2>&1 | tee "$OUT/profile_${shape}.log"
+      python3 tools/profile_decode.py --shape "$shape" --max-model-len 4096 "$@" 2>&1 | tee -a "$OUT/profile_${shape}.log"
+    done
+  fi
+  if [[ $what == prefill ]]; then  # prefill kernels [--sweep] | prefill engine --shape 7B
+    python3 tools/prefill_bench.py "$@" --json "$OUT/prefill_$1.json" 2>&1 | grep -v '\r' \
+      | tee -a "$OUT/prefill_$1.log"
+  fi
+  if [[ $what == workload ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
+    for engine in nanoqwen nano-vllm; do
+      python3 tools/profile_workload.py --engine "$engine" --shape "${1:-7B}" \
+        --workload "${2:-throughput}" 2>&1 | grep --line-buffered -v $'\r' \
+        | tee "$OUT/profile_workload_$engine.log"
+    done
+  fi
+}
+
+kv_cache() {
+  gpu_env optional
+  local what=${1:-all} shape=${2:-0.5B}
+  kv_bench() {  # name, then bench flags
+    local name=$1; shift
+    python3 -m nanoqwen.bench --shape "$shape" --mode throughput \
+      --json "$OUT/kv_${shape}_${name}.json" "$@" 2>&1 | grep -v $'\r' | tee "$OUT/kv_${shape}_${name}.log"
+  }
+  if [[ $what == tests || $what == all ]]; then
+    python3 -m pytest tests/gpu/test_swap_gpu.py tests/gpu/test_prefix_cache_gpu.py -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/kv_tests.log"
+  fi
+  if [[ $what == bench || $what == all ]]; then
+    # 1. 256 requests of ~1,124 tokens (prompt and output uniform in [100, 1024]) need ~288k
+    #    tokens at full batch; 280 blocks of 256 hold 72k, a quarter. Swap vs recompute, with
+    #    prefix caching off (recompute then really recomputes) and on (the default).
+    for mode in swap recompute; do
+      kv_bench "quarter_${mode}_nocache" --num-kv-blocks 280 --preemption-mode "$mode" --swap-space 16 --no-prefix-caching
+      kv_bench "quarter_${mode}" --num-kv-blocks 280 --preemption-mode "$mode" --swap-space 16
+    done
+    # 2. 64 prefixes of 2,048 tokens (131k tokens) asked round-robin: 256 GPU blocks (65k
+    #    tokens) cannot keep them, 16 GiB of host memory can. Host tier on vs off.
+    for swap in 16 0; do
+      kv_bench "host_tier_swap${swap}" --workload prefix --num-requests 512 --num-prefixes 64 \
+        --prefix-len 2048 --suffix-len 128 --output-len 64 --num-kv-blocks 256 \
+        --preemption-mode recompute --swap-space "$swap"
+    done
+    # 3. pair.py's prefix workload: 256 requests share one 2,048-token prefix, 128 own tokens,
+    #    256 new. Prefix caching on vs off.
+    kv_bench prefix_cache_on --workload prefix --num-requests 256 --prefix-len 2048 --suffix-len 128 --output-len 256
+    kv_bench prefix_cache_off --workload prefix --num-requests 256 --prefix-len 2048 --suffix-len 128 --output-len 256 --no-prefix-caching
+    # 4. The plain throughput workload with the defaults and with swap space 0 (host tier off):
+    #    the host tier's copies of evicted blocks must not slow it down.
+    kv_bench throughput_default
+    kv_bench throughput_swap0 --swap-space 0
+  fi
+}
+
+tp() {
+  gpu_env
+  local what=${1:-all}
+  export NANOQWEN_ALL_REDUCE_TIMEOUT_S=${NANOQWEN_ALL_REDUCE_TIMEOUT_S:-30}
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  nvidia-smi topo -m | head -4
+  env | grep -E 'NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS'
+  tp_bench() {  # tp_bench TP NAME ARGS...: one run, its log and JSON under $OUT
+    # SIGABRT on a hang: faulthandler prints every thread's stack, so a tp=2 run that prints
+    # its results and then does not exit shows where it waits.
+    local tp=$1 name=$2; shift 2
+    timeout -s ABRT "${BENCH_TIMEOUT_S:-300}" python3 -X faulthandler -m nanoqwen.bench \
+      --tensor-parallel-size "$tp" --json "$OUT/$name.json" "$@" \
+      2>&1 | grep --line-buffered -v $'\r' | tee "$OUT/$name.log"
+  }
+  if [[ $what == custom || $what == all ]]; then
+    # Run these first: every wait in the custom all-reduce kernel gives up after
+    # NANOQWEN_ALL_REDUCE_TIMEOUT_S, pytest after 9 minutes.
+    timeout "${CUSTOM_TIMEOUT_S:-540}" python3 -m pytest tests/gpu/test_custom_all_reduce_gpu.py -v -rs -x \
+      -p no:cacheprovider 2>&1 | tee "$OUT/custom_all_reduce_tests.log"
+  fi
+  if [[ $what == tests || $what == all ]]; then
+    # The custom collectives on (CUSTOM=0: the NCCL default); the exit tests set both.
+    NANOQWEN_CUSTOM_ALL_REDUCE=${CUSTOM:-1} timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest \
+      tests/gpu/test_tensor_parallel_gpu.py -v -rs -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tp_tests.log"
+  fi
+  if [[ $what == allreduce || $what == all ]]; then
+    # The custom all-reduce's cost next to NCCL's per shape and over message sizes. SHAPES and
+    # SWEEP (=0: no sweep over sizes) narrow it to fit one call with other parts.
+    timeout "${ALLREDUCE_TIMEOUT_S:-540}" python3 tools/allreduce_bench.py --tp 2 \
+      --shapes "${SHAPES:-7B,14B,32B,72B}" $([[ ${SWEEP:-1} == 0 ]] || echo --sweep) 2>&1 \
+      | tee "$OUT/allreduce.log"
+  fi
+  if [[ $what == ncclenv ]]; then
+    # NCCL's small-message all-reduce in a graph takes ~16 µs: does forcing its low-latency
+    # protocol or one algorithm cut that? (Set before the communicator exists.)
+    for env in "" "NCCL_PROTO=LL" "NCCL_PROTO=LL NCCL_ALGO=Ring" "NCCL_PROTO=LL128"; do
+      echo "== ${env:-NCCL defaults}" | tee -a "$OUT/allreduce_ncclenv.log"
+      env $env timeout 120 python3 tools/allreduce_bench.py --tp 2 --shapes 7B 2>&1 \
+        | tee -a "$OUT/allreduce_ncclenv.log"
+    done
+  fi
+  if [[ $what == batch1 || $what == all ]]; then
+    for tp in 1 2; do
+      tp_bench "$tp" "7B_batch1_tp$tp" --shape 7B --mode latency --batch-sizes 1 --sampling greedy \
+        --max-num-seqs 16
+    done
+    # tp=2 with the custom all-reduce switched on: what it gains over NCCL
+    NANOQWEN_CUSTOM_ALL_REDUCE=1 tp_bench 2 "7B_batch1_tp2_custom" --shape 7B --mode latency \
+      --batch-sizes 1 --sampling greedy --max-num-seqs 16
+    python3 - "$OUT" <<'PY'
+import json, sys
+runs = {"tp1": "tp=1", "tp2": "tp=2 (NCCL)", "tp2_custom": "tp=2, custom all-reduce"}
+rate = {k: json.load(open(f"{sys.argv[1]}/7B_batch1_{k}.json"))["latency"][0] for k in runs}
+for k, row in rate.items():
+    print(f"7B batch 1, {runs[k]}: {row['decode_tok_s']:.1f} tok/s, {row['step_ms_p50']:.3f} ms/step")
+for k in ("tp2", "tp2_custom"):
+    print(f"{runs[k]} / tp=1: {rate[k]['decode_tok_s'] / rate['tp1']['decode_tok_s']:.3f}x (bar: >= 1.6x)")
+PY
+  fi
+  if [[ $what == big || $what == all ]]; then
+    tp_bench 2 "32B_tp2" --shape 32B --mode all --batch-sizes 1,64 --sampling greedy
+  fi
+}
+
+# The serving benchmark, per shape of random weights:
+#   1. the offline engine on the workload (LLM.generate, same engine flags): the reference;
+#   2. `nanoqwen serve --random-shape SHAPE`, then the serving benchmark against it at a
+#      saturating rate (all requests at once; compared with 1.) and at a moderate Poisson rate.
+# Environment: SERVE_ARGS (extra server flags, e.g. "--stream-interval 4"), NUM_REQUESTS (256),
+# RATE_0_5B / RATE_7B (moderate rates in requests/s, default 20 and 6), BENCH_ARGS (extra
+# workload flags for both runs), DEVICE (cuda).
+serve_bench() {
+  # flash-attn as the other modes install it, so the engine runs as in BENCHMARKS.md.
+  gpu_env optional
+  bash tools/serve_wheels.sh install || exit 1
+  export PYTHONPATH=/tmp/serve-site:$PYTHONPATH
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" || echo "no flash-attn"
+  local shapes=("$@"); [[ ${#shapes[@]} -eq 0 ]] && shapes=(0.5B 7B)
+  local n=${NUM_REQUESTS:-256}
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  for shape in "${shapes[@]}"; do
+    engine=(--random-shape "$shape" --device "${DEVICE:-cuda}" -q)
+    rate_var="RATE_${shape//./_}"; rate=${!rate_var:-$([[ $shape == 0.5B ]] && echo 20 || echo 6)}
+    # shellcheck disable=SC2086
+    python3 -m nanoqwen.bench.serve --offline "${engine[@]}" --num-requests "$n" ${BENCH_ARGS:-} \
+      --json "$OUT/offline_$shape.json" 2>&1 | tee "$OUT/offline_$shape.log"
+    # shellcheck disable=SC2086
+    python3 -m nanoqwen serve "${engine[@]}" --port 8000 ${SERVE_ARGS:-} \
+      > "$OUT/server_$shape.log" 2>&1 &
+    server=$!
+    python3 - <<'PY' || { cat "$OUT/server_$shape.log"; kill $server; exit 1; }
+import time, urllib.request
+for _ in range(600):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=2); break
+    except OSError:
+        time.sleep(1)
+else:
+    raise SystemExit("the server did not come up in 10 minutes")
+PY
+    # shellcheck disable=SC2086
+    python3 -m nanoqwen.bench.serve --num-requests "$n" --request-rate inf ${BENCH_ARGS:-} \
+      --compare "$OUT/offline_$shape.json" --json "$OUT/burst_$shape.json" \
+      2>&1 | tee "$OUT/burst_$shape.log"
+    # shellcheck disable=SC2086
+    python3 -m nanoqwen.bench.serve --num-requests "$n" --request-rate "$rate" ${BENCH_ARGS:-} \
+      --json "$OUT/rate${rate}_$shape.json" 2>&1 | tee "$OUT/rate${rate}_$shape.log"
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+      > "$OUT/metrics_$shape.txt"
+    kill $server; wait $server
+  done
+}
+
+mode=${1:-}; shift || true
+case $mode in
+  check) check "$@" ;;
+  kv-cache) kv_cache "$@" ;;
+  tp) tp "$@" ;;
+  serve-bench) serve_bench "$@" ;;
+  *) usage ;;
+esac
