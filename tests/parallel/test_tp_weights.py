@@ -11,16 +11,16 @@ from conftest import write_tiny_model
 
 from nanoqwen import LLM
 from nanoqwen.errors import InvalidInputError
+from nanoqwen.model import load_checkpoint
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.model.tensor_parallel import TensorParallel
-from nanoqwen.weights import loader
 
 
 def load_rank(path, rank: int, size: int) -> Qwen2ForCausalLM:
     cfg = ModelConfig.from_file(path / "config.json")
     model = Qwen2ForCausalLM(cfg, torch.float32, "cpu", TensorParallel(rank, size))
-    loader.load_weights(model, path, progress=False)
+    load_checkpoint.load_weights(model, path, progress=False)
     return model
 
 
@@ -74,7 +74,7 @@ def test_split_tensors_are_read_as_slices(tmp_path, monkeypatch):
     """get_tensor (a whole tensor) only for what every rank holds whole: the norms."""
     write_tiny_model(tmp_path, tie_word_embeddings=False)
     whole: list[str] = []
-    real_open = loader._open
+    real_open = load_checkpoint._open
 
     class Recording:
         def __init__(self, f):
@@ -99,7 +99,7 @@ def test_split_tensors_are_read_as_slices(tmp_path, monkeypatch):
 
         return Wrap()
 
-    monkeypatch.setattr(loader, "_open", recording_open)
+    monkeypatch.setattr(load_checkpoint, "_open", recording_open)
     load_rank(tmp_path, 1, 2)
     assert whole and all(name.endswith("layernorm.weight") or name == "model.norm.weight"
                          for name in whole), whole  # fmt: skip

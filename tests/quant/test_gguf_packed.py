@@ -22,6 +22,7 @@ from nanoqwen.kernels.cpu.gguf import (
     requantize_packed,
     requantize_rows,
 )
+from nanoqwen.model import load_gguf
 from nanoqwen.quant.format import cat_rows, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
@@ -36,7 +37,6 @@ from nanoqwen.quant.gguf_packed import (
 )
 from nanoqwen.quant.linear import QuantizedLinear
 from nanoqwen.quant.scheme import SCHEMES
-from nanoqwen.weights import gguf_loader
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(
@@ -180,7 +180,7 @@ def test_k_quants_load_as_the_files_superblocks(type_name):
     assert _same(layer._int8, (want.q, want.scale.view(-1)))
     # In a fused projection beside another layout each keeps its own blocks (PackedParts).
     q5 = from_file("Q5_0", _random_blocks("Q5_0", 16, 512, seed=5, small=True))
-    fused = gguf_loader._fuse([q5, packed])
+    fused = load_gguf._fuse([q5, packed])
     assert isinstance(fused, PackedParts) and fused.kind == f"q5_0+{packed.kind}"
 
 
@@ -192,10 +192,10 @@ def test_a_fused_projection_keeps_each_parts_kernel_where_layouts_differ():
     types = ["Q4_K", "Q4_K", "Q6_K"]
     raws = [random_blocks(t, n, 512, seed=20 + n) for t, n in zip(types, (32, 16, 16))]
     parts = [from_file(t, raw) for t, raw in zip(types, raws)]
-    fused = gguf_loader._fuse(parts)
+    fused = load_gguf._fuse(parts)
     assert isinstance(fused, PackedParts) and fused.shape == (64, 512)
     assert [p.kind for p in fused.parts] == ["q4_k", "q6_k"]
-    gate_up = gguf_loader._fuse(parts[:2])  # two Q4_K parts stack into one
+    gate_up = load_gguf._fuse(parts[:2])  # two Q4_K parts stack into one
     assert isinstance(gate_up, PackedBlocks) and gate_up.kind == "q4_k"
     bias = (torch.randn(64) * 0.1).to(torch.bfloat16)
     layer = QuantizedLinear(fused, bias)
@@ -270,17 +270,17 @@ def _engine(path) -> LLM:
 def test_model_loads_the_same_layers_and_tokens_either_way(tmp_path, monkeypatch, tied):
     path = write_gguf(tmp_path, tied, TYPES)
     packed: list[str] = []
-    direct_from_file = gguf_loader.from_file
+    direct_from_file = load_gguf.from_file
 
     def spy(type_name, data):
         found = direct_from_file(type_name, data)
         packed.extend([type_name] if isinstance(found, PackedBlocks) else [])
         return found
 
-    monkeypatch.setattr(gguf_loader, "from_file", spy)
+    monkeypatch.setattr(load_gguf, "from_file", spy)
     new = _engine(path)
     assert sorted(set(packed)) == ["Q5_0", "Q8_0"]  # the direct path ran for both types
-    monkeypatch.setattr(gguf_loader, "keeps_file_blocks", lambda *args: False)
+    monkeypatch.setattr(load_gguf, "keeps_file_blocks", lambda *args: False)
     old = _engine(path)
     # Teacher-forced logits of every position: the lm_head's first many-row call, which
     # makes its int8 copy (prepare left it out) and must equal the canonical route's.

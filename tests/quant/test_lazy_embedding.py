@@ -1,4 +1,4 @@
-"""A GGUF model's CPU embedding kept as the file's blocks (gguf_loader._embedding): loaded
+"""A GGUF model's CPU embedding kept as the file's blocks (load_gguf._embedding): loaded
 without decoding them, it looks up every token as the embedding decoded at load did, the tied
 lm_head built from it is the same layer, and greedy tokens are unchanged; types gguf_blocks
 does not read exactly (float ones, Q4_0) and GPUs keep the decoded weight."""
@@ -11,22 +11,22 @@ import torch
 from tiny_gguf import write_gguf
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.model import load_gguf
 from nanoqwen.quant.format import QuantizedWeight
 from nanoqwen.quant.gguf_blocks import EXACT_TYPES
 from nanoqwen.quant.gguf_rows import GGUFRows
 from nanoqwen.quant.linear import QuantizedLinear
-from nanoqwen.weights import gguf_loader
 from nanoqwen.weights.gguf import GGUFCheckpoint
 
 gguf = pytest.importorskip("gguf")
-EMBEDDING = gguf_loader.EMBEDDING
+EMBEDDING = load_gguf.EMBEDDING
 CPU = torch.device("cpu")
 
 
 def _eager(t, device) -> QuantizedWeight:
-    """The embedding as load_gguf made it before: every row decoded at load."""
-    value = gguf_loader._canonical(t)
-    return value if isinstance(value, QuantizedWeight) else gguf_loader.quantize_int8(value, 32)
+    """The embedding decoded in full at load (every row as int8), the reference for the lazy one."""
+    value = load_gguf._canonical(t)
+    return value if isinstance(value, QuantizedWeight) else load_gguf.quantize_int8(value, 32)
 
 
 def _engine(path, dtype: str, **kw) -> LLM:
@@ -59,15 +59,15 @@ CONFIGS = [("bfloat16", False), ("bfloat16", True), ("float32", True)]
 def test_model_embeds_and_generates_as_before(tmp_path, monkeypatch, type_name, dtype, tied):
     path = write_gguf(tmp_path, tied, {EMBEDDING: type_name}, hidden_size=256)
     decoded: list[str] = []
-    canonical = gguf_loader._canonical
-    monkeypatch.setattr(gguf_loader, "_canonical", lambda t: decoded.append(t.name) or canonical(t))
+    canonical = load_gguf._canonical
+    monkeypatch.setattr(load_gguf, "_canonical", lambda t: decoded.append(t.name) or canonical(t))
     new = _engine(path, dtype)
     lazy = type_name in EXACT_TYPES
     emb = new.runner.model.embed_tokens
     assert isinstance(emb.weight, GGUFRows if lazy else QuantizedWeight)
     assert (EMBEDDING in decoded) == (not lazy)  # nothing decoded at load for the lazy rows
 
-    monkeypatch.setattr(gguf_loader, "_embedding", _eager)
+    monkeypatch.setattr(load_gguf, "_embedding", _eager)
     old = _engine(path, dtype)
     before = old.runner.model.embed_tokens
     assert (emb.shape, emb.device, emb.dtype) == (before.shape, before.device, before.dtype)
@@ -85,8 +85,8 @@ def test_gpus_keep_the_decoded_weight(tmp_path):
     """On a GPU the loader decodes at load as before (no GPU needed: the move comes later)."""
     path = write_gguf(tmp_path, False, {})
     t = next(t for t in GGUFCheckpoint(path).tensors() if t.name == EMBEDDING)
-    assert isinstance(gguf_loader._embedding(t, CPU), GGUFRows)
-    on_gpu = gguf_loader._embedding(t, torch.device("cuda", 0))
+    assert isinstance(load_gguf._embedding(t, CPU), GGUFRows)
+    on_gpu = load_gguf._embedding(t, torch.device("cuda", 0))
     want = _eager(t, None)
     assert isinstance(on_gpu, QuantizedWeight)
     assert _same(on_gpu.q, want.q) and _same(on_gpu.scale, want.scale)
@@ -110,7 +110,7 @@ def test_default_model_embeds_and_generates_as_before(gguf_path, monkeypatch):
     new = _engine(gguf_path, "bfloat16")
     emb = new.runner.model.embed_tokens
     assert isinstance(emb.weight, GGUFRows)
-    monkeypatch.setattr(gguf_loader, "_embedding", _eager)
+    monkeypatch.setattr(load_gguf, "_embedding", _eager)
     old = _engine(gguf_path, "bfloat16")
     every = torch.arange(emb.shape[0])
     assert _same(emb[every], old.runner.model.embed_tokens[every])
