@@ -273,11 +273,6 @@ class CUDAGraphRunner:
             ids.copy_(runner.fill_placeholders(ids, self.fields.sources[:n]))
         return key
 
-    @torch.inference_mode()
-    def run(self, runner, seqs, filtering: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replays the step; returns the (padded) logits and sampled tokens."""
-        return self.replay(self.prepare(runner, seqs, filtering))
-
     def replay(self, key) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replays the graph of key over what the static buffers hold now."""
         graph, logits, tokens = self.graphs[key]

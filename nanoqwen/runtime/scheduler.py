@@ -37,11 +37,6 @@ class Batch:
     # Tokens each sequence feeds this step: a prompt chunk in prefill, always 1 in decode.
     num_new_tokens: list[int]
 
-    def drop_finished(self) -> None:
-        keep = [i for i, s in enumerate(self.seqs) if not s.is_finished]
-        self.seqs = [self.seqs[i] for i in keep]
-        self.num_new_tokens = [self.num_new_tokens[i] for i in keep]
-
     def completes(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, and so samples a new one."""
         seq = self.seqs[i]

@@ -56,9 +56,6 @@ class BlockPool:
             return None  # a hash collision is a miss
         return block
 
-    def key_of(self, block: int) -> tuple[int, bytes] | None:
-        return self._key.get(block)
-
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
 

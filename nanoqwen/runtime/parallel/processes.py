@@ -11,8 +11,6 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from nanoqwen.runtime.parallel.group import TensorParallelError
-
 
 class WorkerProcesses:
     """Ranks 1..size-1 as spawned processes (daemonic: they end with this process, and each
@@ -63,11 +61,6 @@ class WorkerProcesses:
                 )
                 return f"tensor-parallel rank {rank} (pid {p.pid}) {how}"
         return None
-
-    def check(self) -> None:
-        reason = self.dead()
-        if reason is not None:
-            raise TensorParallelError(f"{reason}; the engine is shut down")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Waits for the workers to leave (after a shutdown message), then ends stragglers."""
