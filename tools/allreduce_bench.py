@@ -122,7 +122,7 @@ def measure(rank: int, size: int, port: int, shapes: list[str], batch: int, swee
         custom_broadcast_us = graph_us(lambda i=inputs: custom.broadcast(i))
         count = 2 * cfg.num_hidden_layers + 1
         if fused and custom_gather_us is not None and rank == 0:
-            # A step's collectives and norms as the engine now runs them, and with NCCL.
+            # A step's collectives and norms as the engine runs them, and with NCCL.
             steps = {
                 "nccl_step_ms": count * (reduce_us + fused["norm_us"]) + gather_us + broadcast_us,
                 "custom_step_ms": count * fused["fused_us"] + custom_gather_us

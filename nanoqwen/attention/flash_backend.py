@@ -36,19 +36,19 @@ class FlashAttention:
         return [(SHORT_CONTEXT, 1), (max_model_len, 0)]
 
     cascade_from = CASCADE_FROM
-    # Its varlen forward, captured over the prefill graphs' padded layout (prefill_graph.py),
-    # once wrote NaN into the KV cache and the model's buffers: every bucket's capture
-    # warm-up ran over the largest bucket's layout, past the end of a smaller bucket's
-    # tensors (BENCHMARKS.md, sessions 15 to 17). A graph's max_seqlen_k is the model's
-    # length, so flash-attn may split the keys where the eager step does not: the same
-    # logits to bf16 rounding, not bit for bit.
+    # Its varlen forward is captured over the prefill graphs' padded layout
+    # (prefill_graph.py); each bucket's capture warm-up must run over that bucket's own
+    # layout, since the largest bucket's reads past the end of a smaller bucket's tensors
+    # and writes NaN into the KV cache. A graph's max_seqlen_k is the model's length, so
+    # flash-attn may split the keys where the eager step does not: the same logits to bf16
+    # rounding, not bit for bit.
     captures_prefill = True
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, _ = split_qkv(qkv, k_cache)
         # Not flash_attn_with_kvcache's own rotary and K/V append in decode: profiled over
-        # the 7B throughput workload, its calls with them took 119 µs each against 90 µs for
-        # nano-vllm's calls without them (BENCHMARKS.md, session 6).
+        # the 7B throughput workload, its calls with them take 119 µs each against 90 µs
+        # without them (tools/profile_workload.py).
         rope_and_store(
             q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
             meta.slot_mapping, k_cache, v_cache,
@@ -68,8 +68,8 @@ class FlashAttention:
 def varlen_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """What flash_attn_varlen_func(..., causal=True, block_table=...) returns, from its C++
     op: the autograd Function and torch custom-op layers around it took ~70 of its ~85 µs
-    of CPU a call, ~2 ms of a 128-token prefill's 10 (eager, CPU-bound; BENCHMARKS.md,
-    session 10). q's last dimension is contiguous (split_qkv), as the op requires."""
+    of CPU a call, ~2 ms of a 128-token prefill's 10 (eager, CPU-bound). q's last dimension
+    is contiguous (split_qkv), as the op requires."""
     out, *_ = flash_attn_gpu.varlen_fwd(
         q, k_cache, v_cache, None, meta.cu_seqlens_q, meta.cu_seqlens_k,
         None, None, meta.block_tables, None,  # seqused_k, leftpad_k, block table, alibi

@@ -212,7 +212,7 @@ class CUDAGraphRunner:
     def release(self) -> None:
         """Frees every graph and its memory pool; later steps run eagerly. NCCL cannot
         destroy or abort a communicator while a graph that captured its collectives lives
-        (both hung on two H200s): tensor-parallel ranks release their graphs first."""
+        (both hang): tensor-parallel ranks release their graphs first."""
         for graph, _, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()

@@ -1,9 +1,9 @@
 """Short prefills of one sequence captured as CUDA graphs, for the time to first token.
 
 Eagerly, a prefill of a few hundred tokens is bound by the CPU: some 200 kernel launches
-through torch's dispatcher take 8-12 ms of CPU for 1-5 ms of GPU work (BENCHMARKS.md,
-session 10), and that is most of a short request's time to first token. One graph per
-token bucket replays the model, lm_head and the sampler in one launch.
+through torch's dispatcher take 8-12 ms of CPU for 1-5 ms of GPU work (on an H200), and
+that is most of a short request's time to first token. One graph per token bucket replays
+the model, lm_head and the sampler in one launch.
 
 A chunk of L new tokens runs in the smallest bucket of T > L rows. Rows [0, L) are the
 sequence's; rows [L, T) are a second sequence of T - L padding tokens whose keys go to the

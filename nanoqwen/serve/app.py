@@ -64,7 +64,7 @@ def body_schema(model: type[BaseModel]) -> dict:
 def freeze_heap() -> None:
     """Moves everything allocated so far (modules, torch, FastAPI's routes: ~200,000 objects)
     out of the garbage collector's sight: a full collection then walks only what requests
-    made instead of taking ~100-150 ms, which used to stall the burst it fell into."""
+    made instead of taking ~100-150 ms, which would stall the burst it fell into."""
     gc.collect()
     gc.freeze()
 

@@ -137,7 +137,7 @@ def sampling_params(
             )
             for j in range(req.n)
         ]
-    except ValueError as e:  # issue 13's validation error subclasses ValueError too
+    except ValueError as e:  # InvalidInputError subclasses ValueError too
         raise bad_request(e) from None
 
 

@@ -5,8 +5,8 @@ GPU, so the ranks build CustomAllReduce themselves, over gloo, with no NCCL).
 Without MPS the GPU runs one process's kernel at a time and switches on its time slice, so a
 rank's kernel spins until its peer's context gets the GPU: every call costs about a time
 slice (~2 ms) and nothing here is timed. What it shows on every GPU check, two GPUs or not:
-the barriers and epochs hold for calls queued back to back and for CUDA-graph replays (the
-case that hung on two H200s in session 7), with exact sums and no wait given up.
+the barriers and epochs hold for calls queued back to back and for CUDA-graph replays (where
+warps that disagree on leaving a wait loop would hang), with exact sums and no wait given up.
 """
 
 from __future__ import annotations

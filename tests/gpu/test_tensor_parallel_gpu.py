@@ -170,8 +170,8 @@ if {how!r} != "atexit":
 def test_tp2_engine_with_graphs_exits_after_close_exit_or_a_killed_rank(
     model_dir, custom, how, expected
 ):
-    """Every tp=2 engine of session 11 hung on exit: NCCL neither destroys nor aborts a
-    communicator that a live CUDA graph captured."""
+    """A tp=2 engine exits: NCCL neither destroys nor aborts a communicator that a live CUDA
+    graph captured, so the ranks free their graphs first."""
     script = EXIT_SCRIPT.format(path=str(model_dir), how=how)
     env = {**os.environ, "NANOQWEN_CUSTOM_ALL_REDUCE": custom, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(

@@ -56,7 +56,7 @@ def _ask(*args, **kwargs):
 
 
 def test_switched_on_between_gpus_off_on_the_cpu_alone_or_switched_off(monkeypatch):
-    assert custom_all_reduce.DEFAULT_SWITCH == "0"  # off until run on two GPUs (#12)
+    assert custom_all_reduce.DEFAULT_SWITCH == "0"  # off until run on two GPUs
     # Switched on, creating starts by asking this GPU what it is: stopped there, before any
     # collective or CUDA call.
     monkeypatch.setattr(RankInfo, "local", _ask)

@@ -218,9 +218,9 @@ def test_a_fused_projection_keeps_each_parts_kernel_where_layouts_differ():
 @pytest.mark.parametrize("type_name", K_QUANTS + WITH_MINS)
 @pytest.mark.parametrize(("n", "k"), [(3, 256), (33, 4864)])
 def test_k_quant_prefill_copies_from_the_superblocks_equal_the_canonical_routes(type_name, n, k):
-    """requantize_packed reads the superblocks in C; linear.py used to decode them in numpy
-    and requantize in torch (Q4_K; Q5_K's canonical route does the same) or C (Q6_K). Bit
-    for bit the same, a row whose scales are all zero included (row scale 0, codes 0)."""
+    """requantize_packed reads the superblocks in C; the canonical route decodes them in
+    numpy and requantizes in torch (Q4_K, Q5_K) or C (Q6_K). Bit for bit the same, a row
+    whose scales are all zero included (row scale 0, codes 0)."""
     raw = random_blocks(type_name, n, k, seed=n)
     zero = raw.reshape(n, k // BLOCK_SIZES[type_name][0], -1)
     scales = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}  # d (and dmin) of row 1

@@ -26,9 +26,9 @@ from nanoqwen.kernels.triton.rope import _rotate
 TILE = 64  # keys per inner step
 # From LARGE_BATCH (sequence, KV head) pairs up: longer tiles and fewer splits. With uneven
 # contexts (the throughput workload's U[100, 2048], 7B shape, sequences launched longest
-# first) the best split count was 4 at 128 pairs, 2 at 256-384 and 1 from 512
-# (tools/kernel_bench.py --balance, BENCHMARKS.md, session 9); flash-attn's decode ran
-# 8-25% slower at every one of those batches.
+# first) the best split count is 4 at 128 pairs, 2 at 256-384 and 1 from 512
+# (tools/kernel_bench.py --balance); flash-attn's decode runs 8-25% slower at every one of
+# those batches.
 LARGE_TILE = 128
 LARGE_BATCH = 128
 NUM_WARPS = 4

@@ -14,11 +14,11 @@ machines, no peer access) keep NCCL.
 
 NANOQWEN_CUSTOM_ALL_REDUCE=1 switches it on, =0 off; unset, DEFAULT_SWITCH decides: off
 until the low-latency kernels have run on two GPUs (they have on one, shared by two
-processes: tests/gpu/*_shared_gpu.py). History on two H200s: handles opened in the peers'
-device contexts were an illegal address (session 6, hence peer_memory.PeerUnpickler); warps
-that disagreed on leaving a wait loop hung a graph replay (session 7, fixed in session 8);
-the graph test and every tp=2 engine then hung on exit, which was NCCL's, not this kernel's
-(session 12: CUDAGraphRunner.release says why).
+processes: tests/gpu/*_shared_gpu.py). Each peer's handles are opened in this rank's
+device context (peer_memory.PeerUnpickler says why); every wait loop's exit is one
+thread's result broadcast to all warps, so no warp leaves a loop the others stay in (a graph
+replay would hang); and a tensor-parallel engine frees its graphs before NCCL's
+communicator (CUDAGraphRunner.release says why).
 """
 
 from __future__ import annotations
