@@ -6,8 +6,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from nanoqwen.serve.protocol import ErrorInfo, ErrorResponse
 
@@ -91,6 +92,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        # The client left while its body was being read: nobody reads an answer, and it is
+        # no server error (the soak test's clients do it).
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
