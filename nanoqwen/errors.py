@@ -1,6 +1,13 @@
-"""InvalidInputError: the one error type for bad input at every boundary of nanoqwen."""
+"""How nanoqwen fails: InvalidInputError for bad input at every boundary, EngineError for a
+failure while running, and each failure as one line with an exit status (what the CLI prints
+and the serving engine process reports)."""
 
 from __future__ import annotations
+
+import os
+
+import torch
+from jinja2.exceptions import TemplateError
 
 
 class InvalidInputError(ValueError):
@@ -20,3 +27,33 @@ class InvalidInputError(ValueError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class EngineError(RuntimeError):
+    """The engine failed while loading or running (exit status 1); the message is one line."""
+
+
+def debug() -> bool:
+    """NANOQWEN_DEBUG=1 (or true, yes, on) shows tracebacks; 0, false or empty does not."""
+    return os.environ.get("NANOQWEN_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def exit_code(e: BaseException) -> int:
+    """2 for bad input (argparse's convention), 1 for a failure while running."""
+    code = getattr(e, "code", None)
+    if isinstance(code, int):
+        return code
+    return 2 if isinstance(e, InvalidInputError) else 1
+
+
+def one_line(e: BaseException) -> str:
+    """The failure as one line: the message itself for the errors nanoqwen words, else the
+    exception's type and the start of its message."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, TemplateError):
+        return f"chat template error: {text}"
+    if isinstance(e, torch.OutOfMemoryError):
+        return f"out of device memory ({text[:200]}): try --num-kv-blocks or fewer prompts"
+    if not isinstance(e, (InvalidInputError, EngineError, OSError)):
+        return f"{type(e).__name__}: {text[:300]}"
+    return text

@@ -193,52 +193,6 @@ def split_sampling_params(params: Any, num_prompts: int, params_type: type) -> l
     return list(params)
 
 
-# ---- engine arguments ------------------------------------------------------------------------
-def check_engine_args(
-    *,
-    model: Any,
-    device: Any,
-    dtype: Any,
-    dtypes: Sequence[str],
-    block_size: Any,
-    num_kv_blocks: Any,
-    max_num_seqs: Any,
-    max_num_batched_tokens: Any,
-    max_model_len: Any,
-    attention_backend: Any,
-    backends: Sequence[str],
-    enforce_eager: Any,
-    gpu_memory_utilization: Any,
-    random_shape: Any,
-    shapes: Sequence[str],
-    progress: Any,
-) -> None:
-    """LLM(...)'s arguments, before anything is loaded."""
-    if model is not None and not isinstance(model, (str, os.PathLike)):
-        raise invalid("model", model, "is not a path", "None, a checkpoint directory or a hub id")
-    if not isinstance(device, str):
-        raise invalid("device", device, "is not a string", "cpu, cuda, cuda:N")
-    choice("dtype", dtype, ["auto", *dtypes])
-    integer(
-        "block_size",
-        block_size,
-        lambda v: 1 <= v <= 1 << 16 and not v & (v - 1),
-        "a power of two from 1 to 65536",
-    )
-    optional_integer("num_kv_blocks", num_kv_blocks, lambda v: v >= 1, "an integer >= 1")
-    integer("max_num_seqs", max_num_seqs, lambda v: v >= 1, "an integer >= 1")
-    integer("max_num_batched_tokens", max_num_batched_tokens, lambda v: v >= 1, "an integer >= 1")
-    optional_integer("max_model_len", max_model_len, lambda v: v >= 2, "an integer >= 2")
-    choice("attention_backend", attention_backend, backends)
-    boolean("enforce_eager", enforce_eager)
-    number(
-        "gpu_memory_utilization", gpu_memory_utilization, lambda v: 0 < v <= 1, "a number in (0, 1]"
-    )
-    if random_shape is not None:
-        choice("random_shape", random_shape, shapes)
-    boolean("progress", progress)
-
-
 # ---- files -----------------------------------------------------------------------------------
 def read_text(path: os.PathLike | str, what: str = "") -> str:
     """A UTF-8 text file; InvalidInputError naming it when it cannot be read or decoded."""

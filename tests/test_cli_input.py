@@ -93,7 +93,10 @@ ERRORS = {
     "not a number": (["--temperature", "hot"], "argument --temperature: invalid float value"),
     "top-k 2.5": (["--top-k", "2.5"], "argument --top-k: invalid int value: '2.5'"),
     "dtype int8": (["--dtype", "int8"], "invalid choice: 'int8'"),
-    "device tpu": (["--device", "tpu"], "--device 'tpu' is unknown: allowed cpu, cuda, cuda:N"),
+    "device tpu": (
+        ["--device", "tpu"],
+        "--device 'tpu' is unknown: allowed auto, cpu, cuda, cuda:N",
+    ),
     "device cuda": (["--device", "cuda"], "--device 'cuda' but CUDA is not available"),
     # API spelling (block_size=3) was shown for a flag before
     "block size": (["--block-size", "3"], "--block-size 3 is out of range: allowed a power of"),
@@ -333,8 +336,8 @@ def test_engine_flags_reach_the_engine(model, llm):
     ]
 
 
-# ---- help, README ------------------------------------------------------------------------------
-README = Path(__file__).resolve().parents[1] / "README.md"
+# ---- help, the CLI reference -------------------------------------------------------------
+CLI_REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
 def subcommand(name: str):
@@ -348,20 +351,21 @@ def test_help_shows_every_default(command):
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
     for action in subcommand(command)._actions:
+        switch = action.nargs == 0  # --enforce-eager, --no-prefix-caching: no value to show
         if action.default not in (None, False, [], "==SUPPRESS==") and action.option_strings:
-            assert f"(default: {action.default})" in text, action.option_strings
+            assert switch or f"(default: {action.default})" in text, action.option_strings
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
-def test_readme_names_every_flag_with_its_default(command):
-    readme = " ".join(README.read_text().split())
+def test_the_cli_reference_names_every_flag_with_its_default(command):
+    reference = " ".join(CLI_REFERENCE.read_text().split())
     for action in subcommand(command)._actions:
         if not action.option_strings or action.dest == "help":
             continue
         flag = action.option_strings[-1]
-        assert f"`{flag}" in readme, f"README does not mention {flag}"
-        if action.default not in (None, False, [], "==SUPPRESS=="):
-            assert f"`{flag} {action.default}`" in readme, f"README's default for {flag}"
+        assert f"`{flag}" in reference, f"docs/cli.md does not mention {flag}"
+        if action.default not in (None, False, [], "==SUPPRESS==") and action.nargs != 0:
+            assert f"`{flag} {action.default}`" in reference, f"docs/cli.md's default for {flag}"
 
 
 def test_attention_backend_help_says_what_auto_picks():

@@ -1,6 +1,6 @@
 """GPU time of one decode-attention call, captured 20 times in a CUDA graph.
 
-The Triton decode kernel (kernels/decode_attention.py) over tile sizes, warps and split
+The Triton decode kernel (kernels/triton/decode_attention.py) over tile sizes, warps and split
 counts, next to flash_attn_with_kvcache as the flash-attn backend calls it. The same K/V is
 read 20 times, so small contexts sit in L2: compare kernels here, and confirm a choice with
 tools/profile_decode.py, which times the kernels inside the real decode graph.
@@ -17,7 +17,7 @@ import torch
 from gpu_timing import graph_us
 
 import nanoqwen.kernels.triton.decode_attention as da
-from nanoqwen.model.layers import RotaryEmbedding
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.model.shapes import shape_config
 
 PAGE = 256

@@ -31,8 +31,8 @@ import gpu_timing
 import torch
 
 import nanoqwen.kernels.triton.prefill_attention as pa
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.kernels.triton.rope import rope_and_store
-from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.model.shapes import shape_config
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)

@@ -1,9 +1,10 @@
 """SASS instructions a weight in the main loop of the quant GEMVs, without a GPU.
 
-Compiles kernels/quant_gemv.py (CUDA cores) and kernels/quant_gemv_mma.py (tensor cores)
-for sm_90 with Triton's bundled ptxas (arguments specialized as a launch on 16-byte aligned
-tensors would be), disassembles them with its nvdisasm and counts the instructions between
-the loop's label and its backward branch, per weight a thread handles in one loop step.
+Compiles kernels/triton/quant_gemv.py (CUDA cores) and kernels/triton/quant_gemv_mma.py
+(tensor cores) for sm_90 with Triton's bundled ptxas (arguments specialized as a launch on
+16-byte aligned tensors would be), disassembles them with its nvdisasm and counts the
+instructions between the loop's label and its backward branch, per weight a thread handles in
+one loop step.
 The figures in those modules' docstrings come from here; the opcode histogram says where
 the rest goes.
 

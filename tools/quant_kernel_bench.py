@@ -1,5 +1,5 @@
-"""GPU time of the weight-only quantized linear kernels (kernels/quant_matmul.py) against bf16,
-at the Qwen2.5 0.5B and 7B projection shapes (fused qkv and gate_up).
+"""GPU time of the weight-only quantized linear kernels (kernels/triton/quant_matmul.py)
+against bf16, at the Qwen2.5 0.5B and 7B projection shapes (fused qkv and gate_up).
 
 Each timing is a CUDA graph of calls (tools/gpu_timing.py) that rotate over enough copies of
 the weight (>= 192 MB in all) that none is still in L2 when its turn comes back, as in decode,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from nanoqwen.attention.metadata import AttentionBackend, AttentionMetadata
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.attention.torch_backend import TorchAttention
-from nanoqwen.model.layers import RotaryEmbedding
 from nanoqwen.validation import choice, invalid
 
 BACKENDS = ("auto", "triton", "flash-attn", "native", "torch")

@@ -13,8 +13,8 @@ from flash_attn.flash_attn_interface import flash_attn_gpu  # the C++ ops under 
 
 from nanoqwen.attention.cascade import CASCADE_FROM, cascade_decode
 from nanoqwen.attention.metadata import AttentionMetadata, split_qkv
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.kernels.triton.rope import rope_and_store
-from nanoqwen.model.layers import RotaryEmbedding
 
 # Decode graphs for contexts up to here use a narrow block table and one KV split.
 # flash-attn sizes its split count from the table width, so a graph captured for the full

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.attention.metadata import AttentionMetadata, split_qkv
-from nanoqwen.model.layers import RotaryEmbedding, apply_rotary
+from nanoqwen.attention.rotary import RotaryEmbedding, apply_rotary
 
 
 def store_kv(

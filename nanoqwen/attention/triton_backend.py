@@ -1,8 +1,8 @@
 """Triton attention over the paged cache, at any block size, with flash-attn where it helps.
 
-Prefill: rope_and_store (kernels/rope.py) rotates q and writes the rotated K and V to their
-slots, then the paged prefill kernel (kernels/prefill_attention.py) attends over the cache,
-which holds the cached context too. Decode: one launch of kernels/decode_attention.py rotates
+Prefill: rope_and_store (kernels/triton/rope.py) rotates q and writes the rotated K and V to their
+slots, then the paged prefill kernel (kernels/triton/prefill_attention.py) attends over the cache,
+which holds the cached context too. Decode: one launch of kernels/triton/decode_attention.py rotates
 q and the new key, writes the new K/V and attends, each context split over up to 16 programs
 per KV head (4 from 128 (sequence, KV head) pairs, 2 from 256, one from 512), the sequences
 launched longest context first (the decode graphs pass that order).
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from nanoqwen.attention.metadata import AttentionMetadata, split_qkv
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.kernels.triton.decode_attention import decode_attention
 from nanoqwen.kernels.triton.prefill_attention import prefill_attention
 from nanoqwen.kernels.triton.rope import rope_and_store
-from nanoqwen.model.layers import RotaryEmbedding
 
 PREFILL_WITH_FLASH_ATTN = True
 

@@ -4,17 +4,27 @@ from __future__ import annotations
 
 import argparse
 
-from nanoqwen.attention.backends import BACKENDS
 from nanoqwen.bench.workloads import PRESET_HELP, preset
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.model.shapes import SHAPES
-from nanoqwen.quant.scheme import QUANTIZATIONS
-from nanoqwen.runtime.device_choice import DTYPES, resolve_device
+from nanoqwen.runtime.config_flags import add_engine_flags
+from nanoqwen.runtime.device_choice import resolve_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", help="checkpoint dir, .gguf file or hub id (default: random weights of --shape)"
+    add_engine_flags(
+        p.add_argument_group("model and engine"),
+        defaults={
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "max_num_batched_tokens": 16384,
+            "gpu_memory_utilization": None,
+        },
+        helps={
+            "model": "checkpoint dir, .gguf file or hub id (default: random weights of --shape)",
+            "gpu_memory_utilization": "fraction of GPU memory (default: 0.9, or 0.45 with "
+            "--compare hf)",
+        },
     )
     p.add_argument("--shape", choices=SHAPES, default="0.5B", help="random-weight Qwen2.5 shape")
     p.add_argument(
@@ -22,16 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("latency", "throughput", "all"),
         default="all",
         help="which benchmark to run",
-    )
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    p.add_argument(
-        "--dtype", choices=("auto", *DTYPES), default="bfloat16", help="activations and KV"
-    )
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="auto",
-        help="weight-only quantized linear layers (auto: a GGUF stays quantized, else none)",
     )
     p.add_argument(
         "--batch-sizes",
@@ -43,8 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=256, help="latency mode new tokens")
     p.add_argument("--num-requests", type=int, default=256, help="throughput mode requests")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and output lengths")
-    p.add_argument("--attention-backend", choices=BACKENDS, default="auto", help="as for generate")
-    p.add_argument("--block-size", type=int, default=256, help="KV cache block size (tokens)")
     p.add_argument("--workload", choices=("random", "prefix"), default="random",
                    help="throughput mode: random prompts and outputs in [100, 1024], or "
                    "prompts that share one of --num-prefixes prefixes")  # fmt: skip
@@ -52,22 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=2048, help="prefix workload: prefix tokens")
     p.add_argument("--suffix-len", type=int, default=128, help="prefix workload: own tokens")
     p.add_argument("--output-len", type=int, default=256, help="prefix workload: new tokens")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized to memory")
-    p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
-    p.add_argument("--preemption-mode", choices=("swap", "recompute"), default="swap",
-                   help="as for generate")  # fmt: skip
-    p.add_argument("--swap-space", type=float, default=4.0, help="host KV pool, GiB; 0 = none")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="split the model over N GPUs")  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens in one step")
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="fraction of GPU memory (default: 0.9, or 0.45 with --compare hf)",
-    )
     p.add_argument(
         "--compare",
         choices=("hf",),

@@ -19,29 +19,14 @@ from nanoqwen.bench.runs import (
     weight_bytes,
 )
 from nanoqwen.bench.workloads import prefix_workload, preset, throughput_workload
+from nanoqwen.runtime.config_flags import engine_config
 from nanoqwen.runtime.engine import LLM
 
 
 def _engine(args: argparse.Namespace) -> LLM:
     util = args.gpu_memory_utilization or (0.45 if args.compare else 0.9)
-    return LLM(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        random_shape=None if args.model else args.shape,
-        attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        enforce_eager=args.enforce_eager,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=util,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        tensor_parallel_size=args.tensor_parallel_size,
-        quantization=args.quantization,
-    )
+    shape = None if args.model else args.shape
+    return LLM(config=engine_config(args, random_shape=shape, gpu_memory_utilization=util))
 
 
 def _setup(args: argparse.Namespace, llm: LLM) -> dict:
@@ -55,7 +40,7 @@ def _setup(args: argparse.Namespace, llm: LLM) -> dict:
         "block_size": args.block_size,
         "cuda_graphs": llm.runner.graphs is not None,
         "num_kv_blocks": llm.scheduler.blocks.num_blocks,
-        "prefix_caching": not args.no_prefix_caching,
+        "prefix_caching": args.enable_prefix_caching,
         "preemption_mode": args.preemption_mode,
         "swap_space_gib": args.swap_space,
         "tensor_parallel_size": args.tensor_parallel_size,

@@ -29,7 +29,9 @@ from nanoqwen.bench.serve_client import (
     one_request,
     send_requests,
 )
-from nanoqwen.cli import serve_flags as serve_args
+from nanoqwen.runtime.config_flags import add_engine_flags, engine_config
+from nanoqwen.runtime.engine import LLM
+from nanoqwen.runtime.sampling_params import SamplingParams
 
 
 @dataclass
@@ -135,10 +137,8 @@ def summarize(
 
 def run_offline(args: argparse.Namespace, work: Workload) -> dict:
     """The same requests through LLM.generate in this process: the ceiling to compare with."""
-    from nanoqwen.cli import load_llm
-    from nanoqwen.runtime.sampling_params import SamplingParams
-
-    llm = load_llm(args)
+    model = None if args.random_shape else args.model
+    llm = LLM(config=engine_config(args, model=model, progress=not args.quiet))
     params = [
         SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
         for n in work.output_lens
@@ -177,15 +177,15 @@ def _span(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanoqwen.cli.flags import engine_flags
-
     p = argparse.ArgumentParser(
         prog="python -m nanoqwen.bench.serve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[engine_flags()],
-        conflict_handler="resolve",
     )
+    engine = p.add_argument_group("engine (--offline)")
+    add_engine_flags(engine)
+    add_engine_flags(engine, names=("random_shape",))
+    engine.add_argument("-q", "--quiet", action="store_true", help="no engine log")
     g = p.add_argument_group("benchmark")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
     g.add_argument("--api-key", help="the server's --api-key")
@@ -222,7 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OFFLINE_JSON",
         help="an --offline result: print the online/offline ratio",
     )
-    serve_args.add_engine_arguments(p)
     return p
 
 

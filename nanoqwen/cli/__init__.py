@@ -7,10 +7,12 @@ import importlib
 import os
 import sys
 
-from nanoqwen.cli.engine import chat_template, load_llm, sampling_params
-from nanoqwen.cli.errors import ArgumentError, CLIError, UsageError, debug, error_line
+from nanoqwen.cli.engine import chat_template, cli_engine_config, load_llm, sampling_params
+from nanoqwen.cli.errors import ArgumentError, CLIError, UsageError
+from nanoqwen.cli.flags import flag_spelling
 from nanoqwen.cli.generate import cmd_generate
 from nanoqwen.cli.parser import BENCH_MODULE, COMMANDS, PROG, build_parser
+from nanoqwen.errors import InvalidInputError, debug, exit_code, one_line
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -39,7 +41,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"`{PROG} serve` needs the serve extra ({e.name or e} is missing): "
             "pip install 'nanoqwen[serve]'"
         ) from None
-    return run_server(args)
+    template = chat_template(args)  # checked before anything loads
+    return run_server(args, cli_engine_config(args), template)
+
+
+def error_line(e: BaseException) -> tuple[int, str]:
+    """The exit status and one-line message for a failure, bad input in flag spelling."""
+    message = one_line(e)
+    if isinstance(e, InvalidInputError):
+        message = flag_spelling(message)
+    return exit_code(e), message
 
 
 def main(argv: list[str] | None = None) -> int:

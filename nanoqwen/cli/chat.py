@@ -6,7 +6,7 @@ import contextlib
 import sys
 import time
 
-from nanoqwen.cli.errors import flag_spelling
+from nanoqwen.cli.flags import flag_spelling
 from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
+from nanoqwen.runtime.config import EngineConfig
+from nanoqwen.runtime.config_flags import engine_config
 from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.validation import read_text
@@ -57,30 +57,14 @@ def chat_template(args: argparse.Namespace) -> str | None:
 
 def load_llm(args: argparse.Namespace, template: str | None = None) -> LLM:
     """The engine the flags describe (`serve` and its benchmark add --random-shape)."""
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    random_shape = getattr(args, "random_shape", None)
-    llm = LLM(
-        None if random_shape else args.model,
-        device=device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        random_shape=random_shape,
-        progress=not args.quiet,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        quantization=getattr(args, "quantization", "auto"),
-    )
+    llm = LLM(config=cli_engine_config(args))
     if template is not None:
         llm.tokenizer.set_chat_template(template, "--chat-template")
     return llm
+
+
+def cli_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """--quiet also silences the engine's log; --random-shape stands for --model."""
+    random_shape = getattr(args, "random_shape", None)
+    model = None if random_shape else args.model
+    return engine_config(args, model=model, random_shape=random_shape, progress=not args.quiet)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import re
 
-from nanoqwen.attention.backends import BACKENDS
 from nanoqwen.cli.errors import ArgumentError
-from nanoqwen.runtime.device_choice import DTYPES
+from nanoqwen.runtime.config_flags import add_engine_flags
 
 
 class Parser(argparse.ArgumentParser):
@@ -19,99 +20,7 @@ class Parser(argparse.ArgumentParser):
 def engine_flags() -> argparse.ArgumentParser:
     p = Parser(add_help=False)
     g = p.add_argument_group("model and engine")
-    g.add_argument(
-        "--model",
-        help="checkpoint directory, a Qwen2 .gguf file, or a Hugging Face repo id (from the "
-        "local HF cache, else downloaded unless HF_HUB_OFFLINE is set); default: "
-        "weights/Qwen2.5-Coder-0.5B-Instruct (built by tools/make_qwen_coder.py)",
-    )
-    g.add_argument(
-        "--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N"
-    )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *DTYPES],
-        help="auto: the checkpoint's dtype on GPU; on CPU bfloat16 where the CPU has bf16 "
-        "instructions (float32 for float32 checkpoints)",
-    )
-    g.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8", "int4"],
-        help="weight-only quantized linear layers; auto: a .gguf stays quantized (its Q4_K "
-        "tensors int4; Q5_0/Q8_0 as they are on an AVX512-VNNI CPU with bf16 activations, "
-        "else int8 per channel), and without --model the CPU runs the default model's GGUF "
-        "unless --dtype is float32; other checkpoints load as they are; none: float weights",
-    )
-    g.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=BACKENDS,
-        help="auto: triton on a CUDA GPU (Ampere+, float16/bfloat16, head_dim 64/128; with "
-        "flash-attn's prefill where it imports and --block-size is a multiple of 256), native "
-        "(C decode kernels) on a CPU in bfloat16, else torch",
-    )
-    g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model over N processes: N GPUs (NCCL), or CPU processes (gloo)",
-    )
-    g.add_argument(
-        "--block-size", type=int, default=256, metavar="N", help="KV cache block size (tokens)"
-    )
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        metavar="N",
-        help="KV cache blocks (default: 1 GiB on CPU; on GPU what --gpu-memory-utilization leaves)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        metavar="N",
-        help="longest sequence, prompt plus answer (default: the model's "
-        "max_position_embeddings, or what the KV cache holds if less)",
-    )
-    g.add_argument(
-        "--max-num-seqs", type=int, default=256, metavar="N", help="sequences in one batch, at most"
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=8192,
-        metavar="N",
-        help="tokens in one step, at most (longer prompts prefill in chunks)",
-    )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        metavar="F",
-        help="GPU: fraction of the GPU's memory for weights, activations and KV cache",
-    )
-    g.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="recompute every prompt instead of reusing cached KV blocks of earlier prompts",
-    )
-    g.add_argument(
-        "--preemption-mode",
-        default="swap",
-        choices=["swap", "recompute"],
-        help="when the KV cache runs short: copy a sequence's blocks to host memory and back, "
-        "or drop them and recompute (swap falls back to recompute when the host pool is full)",
-    )
-    g.add_argument(
-        "--swap-space",
-        type=float,
-        default=4.0,
-        metavar="GIB",
-        help="host memory for swapped-out and evicted cached KV blocks (pinned on CUDA); 0 = none",
-    )
+    add_engine_flags(g)
     g.add_argument(
         "--chat-template",
         metavar="FILE",
@@ -184,3 +93,25 @@ def sampling_flags() -> argparse.ArgumentParser:
     )
     g.add_argument("--system", metavar="PROMPT", help="system prompt (chat template only)")
     return p
+
+
+@functools.cache
+def _flag_params() -> tuple[str, ...]:
+    """The API names that a flag of the same name sets (block_size: --block-size)."""
+    names = []
+    for parser in (engine_flags(), sampling_flags()):
+        for action in parser._actions:
+            if "--" + action.dest.replace("_", "-") in action.option_strings:
+                names.append(action.dest)
+    return tuple(sorted(names, key=len, reverse=True))
+
+
+def flag_spelling(message: str) -> str:
+    """The library's parameter names as the CLI's flags: 'block_size=3 is ...' becomes
+    '--block-size 3 is ...', a bare 'max_model_len' becomes '--max-model-len'."""
+    for name in _flag_params():
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"(?<![\w./-]){name}=", f"{flag} ", message)
+        if "_" in name:  # a plain word like "stop" or "seed" is left alone
+            message = re.sub(rf"(?<![\w./-]){name}\b", flag, message)
+    return message

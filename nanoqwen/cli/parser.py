@@ -1,5 +1,5 @@
 """The `nanoqwen` command line: its commands, their own flags and help texts (the flags
-they share are cli_flags.py's)."""
+they share are cli/flags.py's)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ DESCRIPTION = (
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    def _get_help_string(self, action):  # no "(default: None/False/[])" noise
-        if action.default is None or action.default is False or action.default == []:
+    def _get_help_string(self, action):  # no "(default: None/False/[])" noise, nor a switch's
+        if action.default is None or action.default == [] or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanoqwen.model.shapes import SHAPES
+from nanoqwen.runtime.config_flags import add_engine_flags
 
 SERVE_HELP = """\
 Serves the model over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
@@ -57,9 +57,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Beyond the engine flags shared with `generate` (also used by the serving benchmark's
     --offline)."""
-    p.add_argument_group("engine").add_argument(
-        "--random-shape",
-        choices=SHAPES,
-        help="random weights of this Qwen2.5 shape instead of a checkpoint (for benchmarks; "
-        "no tokenizer: prompts must be token ids)",
-    )
+    add_engine_flags(p.add_argument_group("engine"), names=("random_shape",))

@@ -6,8 +6,10 @@ import torch
 from torch import nn
 
 from nanoqwen.attention.metadata import AttentionBackend, AttentionMetadata
+from nanoqwen.attention.rotary import RotaryEmbedding
+from nanoqwen.kernels.layer_ops import LayerOps
 from nanoqwen.model.config import ModelConfig
-from nanoqwen.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from nanoqwen.model.layers import MLP, Linear, RMSNorm
 from nanoqwen.model.tensor_parallel import (
     ReducingRMSNorm,
     TensorParallel,
@@ -91,24 +93,18 @@ class Qwen2ForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device
         )
 
-    def use_fused_kernels(self, enabled: bool) -> None:
-        """Triton add+norm and SiLU*up kernels, and GEMVs for single rows through small
-        weights, for bf16/fp16 on CUDA."""
-        if enabled:
-            from nanoqwen.kernels.triton.gemv import gemv_pays
+    def set_ops(self, ops: LayerOps) -> None:
+        """The device's kernels for every norm and MLP, and its single-row GEMV for the
+        weights small enough for it to pay (kernels/layer_ops.py). Before quantization swaps
+        in layers with kernels of their own."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
-                module.fused = enabled
+            if isinstance(module, (RMSNorm, MLP, Linear)):
+                module.ops = ops
             if isinstance(module, Linear):
-                module.gemv = enabled and gemv_pays(module.weight)
+                module.gemv = ops.gemv is not None and ops.gemv_pays(module.weight)
             if isinstance(module, MLP):
-                module.gemv = enabled and gemv_pays(module.gate_up_proj.weight)
-
-    def use_native_kernels(self, enabled: bool) -> None:
-        """The C add + norm and SiLU·up (nanoqwen/kernels/cpu/cpu_ops.c), for bf16 on the CPU."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
-                module.native = enabled
+                weight = module.gate_up_proj.weight
+                module.gemv = ops.gemv_silu_mul is not None and ops.gemv_pays(weight)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:

@@ -110,7 +110,7 @@ class ReducingRMSNorm(RMSNorm):
             x = x.clone()
         custom = self.tp.custom_all_reduce
         # fused: the Triton add + norm (bf16/fp16 on CUDA), whose numerics the one kernel has.
-        if self.fused and custom is not None and custom.takes_rms_norm(x, residual):
+        if self.ops.name == "triton" and custom is not None and custom.takes_rms_norm(x, residual):
             return custom.all_reduce_rms_norm(x, residual, self.weight, self.eps)
         self.tp.all_reduce(x)
         return super().forward(x, residual)

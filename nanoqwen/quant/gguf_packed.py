@@ -3,11 +3,11 @@ CPU kernels' layouts.
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
 activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
-every 5-bit code unpacked to int8, then packed back by native.pack_q5_0 (with Q8_0's round
+every 5-bit code unpacked to int8, then packed back by gguf_forms.pack_q5_0 (with Q8_0's round
 trip, over a second of the default model's CPU start on two cores). A Q5_0 block is d (2
 bytes), qh (4) and qs (16), which are pack_q5_0's three arrays already, so each is one strided
 copy out of the memory-mapped file (the kernels read them apart, not interleaved); a Q8_0
-block's codes get pack_q8_0's +128 in one pass. The result equals native.pack_q5_0 /
+block's codes get pack_q8_0's +128 in one pass. The result equals gguf_forms.pack_q5_0 /
 pack_q8_0 of the canonical weight bit for bit (tests/quant/test_gguf_packed.py), and the
 choice between the two follows QuantizedLinear.prepare's: Q5_0 exactly when every code is
 in -16..15. Q4_0, Q5_1, Q4_1 and the K-quants, for which the canonical route has no packing
@@ -44,7 +44,7 @@ _Q5_IN_Q8 = 112  # a Q5_0 value v (0..31, code v - 16) as pack_q8_0's byte: v - 
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """A weight as native.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
+    """A weight as kernels.cpu.gguf.gguf_matmul takes it: Q5_0 (qs uint8 [N, K/32, 16], qh int32
     [N, K/32], d float16 [N, K/32]), Q4_0 (Q5_0's qs and d, no qh), Q5_1 and Q4_1 (Q5_0's and
     Q4_0's with a float16 min m [N, K/32] last), Q8_0 (qs uint8 [N, K/32,
     32] = code + 128, d), Q6_K (the file's superblocks in four arrays: ql uint8 [N, K/256,
@@ -316,7 +316,7 @@ def to_canonical(p: PackedBlocks) -> QuantizedWeight:
 
 
 def _fits_q5_0(qs: np.ndarray) -> bool:
-    """Whether every code of Q8_0 bytes qs is in -16..15 (native.is_q5_0). A real Q8_0 block
+    """Whether every code of Q8_0 bytes qs is in -16..15 (gguf_forms.is_q5_0). A real Q8_0 block
     has a code of +-127 (its scale is max|w| / 127), so the first row nearly always answers."""
     return all(int(part.min()) >= 128 - 16 and int(part.max()) <= 128 + 15 for part in (qs[:1], qs))
 

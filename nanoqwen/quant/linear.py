@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.kernels.cpu.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
-from nanoqwen.kernels.cpu.gguf import (
-    gguf_kernel,
-    gguf_matmul,
+from nanoqwen.kernels.cpu.gguf import gguf_kernel, gguf_matmul
+from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
+from nanoqwen.quant.gguf_forms import (
     is_q5_0,
     is_q8_0,
     pack_q5_0,
@@ -34,14 +34,13 @@ from nanoqwen.kernels.cpu.gguf import (
     requantize_packed,
     requantize_rows,
 )
-from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_packed import PackedBlocks, PackedParts
 from nanoqwen.quant.gguf_rows import GGUFRows
 
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
 CPU_PACKED_MAX_ROWS = 4
-# What native.gguf_matmul reads.
+# What kernels.cpu.gguf.gguf_matmul reads.
 GGUF_KINDS = ("q5_0", "q4_0", "q5_1", "q4_1", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 _INT4_GROUPS = (32, 64, 128, 256)
 
@@ -81,7 +80,7 @@ class QuantizedLinear(nn.Module):
 
     @property
     def _file_blocks(self) -> bool:
-        """Whether the layer runs GGUF blocks through native.gguf_matmul."""
+        """Whether the layer runs GGUF blocks through kernels.cpu.gguf.gguf_matmul."""
         return self._parts or self.kind in GGUF_KINDS
 
     def extra_repr(self) -> str:
@@ -202,7 +201,7 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _gguf_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """native.gguf_matmul, of each part for PackedParts (with its slice of the bias),
+        """kernels.cpu.gguf.gguf_matmul, of each part for PackedParts (with its slice of the bias),
         their outputs side by side."""
         if not self._parts:
             return gguf_matmul(x, self.kind, self._decode, bias)

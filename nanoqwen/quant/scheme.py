@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoqwen.kernels.cpu.gguf import is_q8_0
 from nanoqwen.quant.format import QuantizedWeight, dequantize, quantize_int4, quantize_int8
+from nanoqwen.quant.gguf_forms import is_q8_0
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -57,13 +57,13 @@ SCHEMES = {
 # What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4; where the
 # CPU's GGUF kernels run (bf16/fp16 activations on an AVX512-VNNI CPU) Q5_0, Q4_0, Q8_0 and
 # the K-quants kept as they are instead (gguf_packed.from_file; a fused projection whose
-# parts differ in layout as gguf_packed.PackedParts, gguf_loader._fuse).
+# parts differ in layout as gguf_packed.PackedParts, load_gguf._fuse).
 # All-int4 (Q5_0/Q6_K/Q8_0 requantized to int4) agreed with the float32 dequantized model's
 # argmax at only 93% of the fidelity test's positions (BENCHMARKS.md).
 AUTO_GGUF, AUTO_GGUF_BLOCKS = "gguf", "gguf-blocks"
 
 
-# On a GPU, int4 comes in groups of 128: the tensor-core GEMV (kernels/quant_gemv_mma.py)
+# On a GPU, int4 comes in groups of 128: the tensor-core GEMV (kernels/triton/quant_gemv_mma.py)
 # takes groups of whole 128-column panels, and groups of 32 with offsets read 1.5x the bytes
 # of the codes alone (BENCHMARKS.md, "int4 batch-1 decode on the tensor cores").
 CUDA_SCHEMES = {"int4": Scheme(4, 128)}

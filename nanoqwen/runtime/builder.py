@@ -1,39 +1,44 @@
-"""Assembles an engine: config, weights, attention backend, KV pool, scheduler, runner."""
+"""Assembles an engine from an EngineConfig: model config, weights, attention backend, KV
+pool, scheduler and runner."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from nanoqwen.attention.backends import BACKENDS, create_backend, native_problem
+from nanoqwen.attention.backends import create_backend, native_problem
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.kernels.cpu.gguf import gguf_kernel
+from nanoqwen.kernels.layer_ops import cpu_ops, triton_ops
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.load_checkpoint import checkpoint_dtype, load_weights
 from nanoqwen.model.load_gguf import load_gguf, open_gguf
 from nanoqwen.model.quantize import describe, quantize_loaded
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
-from nanoqwen.model.shapes import SHAPES, fill_random, shape_config
+from nanoqwen.model.shapes import fill_random, shape_config
 from nanoqwen.model.tensor_parallel import check_tensor_parallel
-from nanoqwen.quant.scheme import QUANTIZATIONS, resolve_scheme
-from nanoqwen.runtime.device_choice import (
-    DTYPES,
-    default_is_quantized,
-    resolve_device,
-    resolve_dtype,
-)
+from nanoqwen.quant.scheme import Scheme, resolve_scheme
+from nanoqwen.runtime.config import EngineConfig
+from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
+from nanoqwen.runtime.device_choice import default_is_quantized, resolve_device, resolve_dtype
 from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.kv.host_pool import HostKVCache
 from nanoqwen.runtime.kv.sizing import agree_on_fewest, fitting_num_blocks
 from nanoqwen.runtime.model_runner import ModelRunner
 from nanoqwen.runtime.parallel.group import ParallelContext, leave_group
+from nanoqwen.runtime.parallel.launch import start_group
+from nanoqwen.runtime.parallel.message import StepChannel
+from nanoqwen.runtime.parallel.runner import ParallelModelRunner, RecordingHostKVCache
+from nanoqwen.runtime.parallel.worker import WorkerRunner
+from nanoqwen.runtime.prefill_graph import PrefillGraphRunner
 from nanoqwen.runtime.sampling.sampler import Sampler
-from nanoqwen.runtime.scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
-from nanoqwen.validation import boolean, check_engine_args, choice, integer, invalid, number
-from nanoqwen.weights.gguf import is_gguf
+from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
+from nanoqwen.validation import invalid
+from nanoqwen.weights.gguf import GGUFCheckpoint, is_gguf
 from nanoqwen.weights.hub import default_tokenizer_dir, resolve_default_gguf, resolve_model
 from nanoqwen.weights.tokenizer import Tokenizer
 
@@ -49,120 +54,96 @@ class EngineParts:
     eos_token_ids: frozenset[int]
 
 
+@dataclass
+class _Source:
+    """Where the weights come from: a checkpoint directory, a GGUF file, or neither (random)."""
+
+    cfg: ModelConfig
+    tokenizer: Tokenizer | None
+    stored: torch.dtype
+    path: Path | None = None
+    gguf: GGUFCheckpoint | None = None
+
+
 def log(message: str) -> None:
     print(f"[nanoqwen] {message}", file=sys.stderr, flush=True)
 
 
-def build_engine(
-    model: str | None,
-    device: str,
-    dtype: str,
-    block_size: int,
-    num_kv_blocks: int | None,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_model_len: int | None,
-    attention_backend: str,
-    enforce_eager: bool,
-    gpu_memory_utilization: float,
-    enable_prefix_caching: bool,
-    preemption_mode: str,
-    swap_space: float,
-    random_shape: str | None,
-    progress: bool,
-    tensor_parallel_size: int = 1,
-    quantization: str = "auto",
-    parallel: ParallelContext | None = None,
-) -> EngineParts:
-    """With tensor_parallel_size N > 1 this also starts the other N - 1 ranks; on those
-    (parallel given, rank > 0) it returns their WorkerRunner instead."""
-    engine_kwargs = {k: v for k, v in locals().items() if k != "parallel"}
-    check_engine_args(
-        model=model,
-        device=device,
-        dtype=dtype,
-        dtypes=list(DTYPES),
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        attention_backend=attention_backend,
-        backends=BACKENDS,
-        enforce_eager=enforce_eager,
-        gpu_memory_utilization=gpu_memory_utilization,
-        random_shape=random_shape,
-        shapes=SHAPES,
-        progress=progress,
-    )
-    boolean("enable_prefix_caching", enable_prefix_caching)
-    choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
-    number("swap_space", swap_space, lambda v: v >= 0, "a number of GiB >= 0")
-    integer("tensor_parallel_size", tensor_parallel_size, lambda v: v >= 1, "an integer >= 1")
-    sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode)
-    choice("quantization", quantization, QUANTIZATIONS)
-    worker = parallel is not None and parallel.tp.rank > 0
-    dev = parallel.device if parallel is not None else resolve_device(device)
-    path = gguf = None
-    if random_shape is not None:
-        cfg, tokenizer, stored = shape_config(random_shape), None, torch.bfloat16
-    elif model is None and default_is_quantized(dev, dtype, quantization, tensor_parallel_size):
+def _open_source(c: EngineConfig, dev: torch.device, worker: bool) -> _Source:
+    if c.random_shape is not None:
+        return _Source(shape_config(c.random_shape), None, torch.bfloat16)
+    if c.model is None and default_is_quantized(
+        dev, c.dtype, c.quantization, c.tensor_parallel_size
+    ):
         gguf, cfg, tokenizer = open_gguf(resolve_default_gguf(), default_tokenizer_dir())
-        stored = torch.bfloat16
-        if progress:
+        if c.progress:
             log(f"model: {gguf.path} (quantized; --quantization none: the float checkpoint)")
-    elif is_gguf(model):
-        gguf, cfg, tokenizer = open_gguf(model)
-        stored = torch.bfloat16
-    else:
-        path = resolve_model(model)
-        cfg = ModelConfig.from_file(path / "config.json")
-        tokenizer = None if worker else Tokenizer(path)
-        stored = checkpoint_dtype(path)
-    torch_dtype = resolve_dtype(dtype, dev, stored)
-    blocks = dev.type == "cpu" and torch_dtype != torch.float32 and gguf is not None
-    scheme = resolve_scheme(
-        quantization, gguf is not None, dev.type, blocks and gguf_kernel() is not None
-    )
+        return _Source(cfg, tokenizer, torch.bfloat16, gguf=gguf)
+    if is_gguf(c.model):
+        gguf, cfg, tokenizer = open_gguf(c.model)
+        return _Source(cfg, tokenizer, torch.bfloat16, gguf=gguf)
+    path = resolve_model(c.model)
+    cfg = ModelConfig.from_file(path / "config.json")
+    tokenizer = None if worker else Tokenizer(path)
+    return _Source(cfg, tokenizer, checkpoint_dtype(path), path=path)
+
+
+def build_engine(config: EngineConfig, parallel: ParallelContext | None = None):
+    """The engine's parts. With config.tensor_parallel_size N > 1 this also starts the other
+    N - 1 ranks; on those (parallel given, rank > 0) it returns their WorkerRunner instead."""
+    c = config
+    worker = parallel is not None and parallel.tp.rank > 0
+    dev = parallel.device if parallel is not None else resolve_device(c.device)
+    src = _open_source(c, dev, worker)
+    torch_dtype = resolve_dtype(c.dtype, dev, src.stored)
+    gguf = src.gguf is not None
+    blocks = dev.type == "cpu" and torch_dtype != torch.float32 and gguf
+    scheme = resolve_scheme(c.quantization, gguf, dev.type, blocks and gguf_kernel() is not None)
     workers = None
-    if tensor_parallel_size > 1:
-        check_tensor_parallel(cfg, tensor_parallel_size)  # before any process starts
+    if c.tensor_parallel_size > 1:
+        check_tensor_parallel(src.cfg, c.tensor_parallel_size)  # before any process starts
         if scheme is not None:
             raise InvalidInputError(
-                f"tensor_parallel_size={tensor_parallel_size} with quantized weights "
-                f"(quantization={quantization!r}{', a GGUF model' if gguf else ''}) is not "
+                f"tensor_parallel_size={c.tensor_parallel_size} with quantized weights "
+                f"(quantization={c.quantization!r}{', a GGUF model' if gguf else ''}) is not "
                 "supported: allowed tensor_parallel_size=1, or a safetensors checkpoint with "
                 "quantization='none' or 'auto'",
                 param="tensor_parallel_size",
             )
         if parallel is None:
-            from nanoqwen.runtime.parallel.launch import start_group
-
-            parallel, workers = start_group(engine_kwargs, tensor_parallel_size)
+            # The workers build their engines with this same function, handed to them.
+            parallel, workers = start_group(c, build_engine)
             dev = parallel.device
     try:
-        return _assemble(
-            cfg, path, gguf, scheme, tokenizer, torch_dtype, dev, parallel, workers,
-            engine_kwargs, sched_config,
-        )  # fmt: skip
-    except BaseException:
-        if workers is not None:
-            workers.stop(timeout=0)
-            leave_group()
-        raise
+        return _assemble(c, src, scheme, torch_dtype, dev, parallel, workers)
+    except BaseException as e:
+        if workers is None:
+            raise
+        error = workers.stop_after(e)  # a dead rank's own error, if one died
+        leave_group()
+        if error is e:
+            raise
+        raise error from e
 
 
 def _assemble(
-    cfg, path, gguf, scheme, tokenizer, torch_dtype, dev, parallel, workers, kw, sched_config
+    c: EngineConfig,
+    src: _Source,
+    scheme: Scheme | None,
+    torch_dtype: torch.dtype,
+    dev: torch.device,
+    parallel: ParallelContext | None,
+    workers,
 ):
-    """The model, KV pool, scheduler and runner of build_engine()'s checked arguments."""
-    block_size, max_num_seqs, progress = kw["block_size"], kw["max_num_seqs"], kw["progress"]
-    num_kv_blocks, max_model_len = kw["num_kv_blocks"], kw["max_model_len"]
+    """The model, KV pool, scheduler and runner of build_engine()'s checked settings."""
+    cfg, tokenizer, progress = src.cfg, src.tokenizer, c.progress
+    block_size, max_num_seqs = c.block_size, c.max_num_seqs
+    num_kv_blocks, max_model_len = c.num_kv_blocks, c.max_model_len
     worker = parallel is not None and parallel.tp.rank > 0
     net = Qwen2ForCausalLM(cfg, torch_dtype, dev, parallel.tp if parallel else None)
     # Before the weights load, so an impossible backend choice fails at once.
     backend = create_backend(
-        kw["attention_backend"],
+        c.attention_backend,
         net.rotary,
         cfg.head_dim**-0.5,
         dev,
@@ -173,16 +154,16 @@ def _assemble(
     net.set_attention_backend(backend)
     # Before loading: quantization swaps in layers that keep their own kernels.
     if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
-        net.use_fused_kernels(True)
+        net.set_ops(triton_ops())
     elif native_problem(dev, torch_dtype) is None:
-        net.use_native_kernels(True)
-    if path is None and gguf is None:
+        net.set_ops(cpu_ops())
+    if src.path is None and src.gguf is None:
         fill_random(net, seed=parallel.tp.rank if parallel else 0)
-    elif gguf is not None:
-        load_gguf(net, gguf, scheme, torch_dtype, progress=progress)
+    elif src.gguf is not None:
+        load_gguf(net, src.gguf, scheme, torch_dtype, progress=progress)
     else:
-        load_weights(net, path, progress=progress)
-    if scheme is not None and gguf is None:
+        load_weights(net, src.path, progress=progress)
+    if scheme is not None and src.gguf is None:
         quantize_loaded(net, scheme, torch_dtype)
     if progress and scheme is not None:
         log(f"quantized linear layers: {describe(net)}")
@@ -194,9 +175,9 @@ def _assemble(
     sampler = None if worker else Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
     per_block = KVCache.bytes_per_block(net.config, block_size, torch_dtype)
     if num_kv_blocks is None:
-        tokens = min(kw["max_num_batched_tokens"], max_model_len or cfg.max_position_embeddings)
+        tokens = min(c.max_num_batched_tokens, max_model_len or cfg.max_position_embeddings)
         num_kv_blocks = fitting_num_blocks(
-            net, per_block, block_size, tokens, max_num_seqs, kw["gpu_memory_utilization"]
+            net, per_block, block_size, tokens, max_num_seqs, c.gpu_memory_utilization
         )
     if parallel is not None:  # every rank holds the same blocks: the fewest any can
         num_kv_blocks = agree_on_fewest(num_kv_blocks, parallel.control)
@@ -217,41 +198,35 @@ def _assemble(
             f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
         )
     host = None
-    num_host_blocks = int(kw["swap_space"] * 2**30) // per_block
+    num_host_blocks = int(c.swap_space * 2**30) // per_block
     if num_host_blocks > 0:
         host_class = HostKVCache
         if parallel is not None and not worker:
-            from nanoqwen.runtime.parallel.runner import RecordingHostKVCache as host_class
+            host_class = RecordingHostKVCache
         host = host_class(kv, num_host_blocks)
         if progress:
             log(
                 f"host KV pool: {num_host_blocks} blocks ({num_host_blocks * per_block / 2**30:.2f}"
                 f" GiB{', pinned' if dev.type == 'cuda' else ''}); "
-                f"preemption: {kw['preemption_mode']}"
+                f"preemption: {c.preemption_mode}"
             )
     graphs = None
     variants = backend.graph_variants(max_len)
-    if dev.type == "cuda" and not kw["enforce_eager"] and variants:
-        from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
-
+    if dev.type == "cuda" and not c.enforce_eager and variants:
         graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch if sampler else 0)
     # The longest chunk there can be; every rank computes the same, so all capture alike.
-    longest = min(kw["max_num_batched_tokens"], max_len)
+    longest = min(c.max_num_batched_tokens, max_len)
     prefill_graphs = _prefill_graphs(graphs, backend, kv, longest)
     if worker:
-        from nanoqwen.runtime.parallel.worker import WorkerRunner
-
         runner = WorkerRunner(net, kv, host, graphs, prefill_graphs, parallel)
         _capture(runner, max_len, variants, backend.cascade_from, progress=False)
         return runner
-    blocks = BlockManager(num_kv_blocks, block_size, kw["enable_prefix_caching"], host)
+    blocks = BlockManager(num_kv_blocks, block_size, c.enable_prefix_caching, host)
+    sched_config = SchedulerConfig(max_num_seqs, c.max_num_batched_tokens, c.preemption_mode)
     scheduler = Scheduler(sched_config, blocks, sampler.release)
     if parallel is None:
         runner = ModelRunner(net, kv, blocks, sampler, graphs, prefill_graphs)
     else:
-        from nanoqwen.runtime.parallel.message import StepChannel
-        from nanoqwen.runtime.parallel.runner import ParallelModelRunner
-
         channel = StepChannel(parallel)
         runner = ParallelModelRunner(
             net, kv, blocks, sampler, graphs, prefill_graphs, channel, workers
@@ -265,8 +240,6 @@ def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int):
     can capture a prefill."""
     if graphs is None or not backend.captures_prefill:
         return None
-    from nanoqwen.runtime.prefill_graph import PrefillGraphRunner
-
     return PrefillGraphRunner(max_tokens, kv, graphs.sampler_scratch)
 
 

@@ -11,7 +11,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device: str) -> torch.device:
-    allowed = "cpu, cuda, cuda:N"
+    """auto: cuda when this machine has it, else cpu."""
+    allowed = "auto, cpu, cuda, cuda:N"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

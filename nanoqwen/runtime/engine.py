@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
+from dataclasses import fields
 
 from tqdm import tqdm
 
 from nanoqwen.runtime.builder import EngineParts, build_engine
+from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep, logprob_entries
 from nanoqwen.runtime.logprobs import TokenLogprobs
@@ -37,48 +40,22 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
-        device: str = "cpu",
-        dtype: str = "auto",
-        block_size: int = 256,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "swap",
-        swap_space: float = 4.0,
-        random_shape: str | None = None,
-        progress: bool = True,
-        tensor_parallel_size: int = 1,
-        quantization: str = "auto",
+        model: str | os.PathLike | None = None,
+        config: EngineConfig | None = None,
+        **options,
     ) -> None:
-        """tensor_parallel_size N > 1 splits the model over N processes (one GPU each, or
-        CPU processes with gloo) that this call starts; close() stops them. Under torchrun
+        """Every option is a field of EngineConfig (runtime/config.py), given here by name
+        or as a whole config; options override the config's fields.
+
+        tensor_parallel_size N > 1 splits the model over N processes (one GPU each, or CPU
+        processes with gloo) that this call starts; close() stops them. Under torchrun
         (N ranks), rank 0 returns from here and the other ranks serve it until it closes."""
-        parts: EngineParts = build_engine(
-            model=model,
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode,
-            swap_space=swap_space,
-            random_shape=random_shape,
-            progress=progress,
-            tensor_parallel_size=tensor_parallel_size,
-            quantization=quantization,
-        )
+        if config is not None:
+            options = {f.name: getattr(config, f.name) for f in fields(config)} | options
+        if model is not None:
+            options["model"] = model
+        self.engine_config = EngineConfig.of(**options)
+        parts: EngineParts = build_engine(self.engine_config)
         self.parts = parts
         self.config = parts.config
         self.tokenizer = parts.tokenizer

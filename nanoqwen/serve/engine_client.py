@@ -9,7 +9,6 @@ touches the model or the device."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -17,12 +16,14 @@ import logging
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
-from nanoqwen.cli.errors import CLIError, UsageError
+from nanoqwen.errors import EngineError, InvalidInputError
+from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.batch_sender import BatchSender, receive
@@ -102,17 +103,20 @@ class EngineClient:
         self._closing = False
         self._shut_down = False
         self.exit_message: str | None = None  # why the engine is gone, once it is
+        # Called on the event loop once the engine is gone and its requests have failed:
+        # the server then stops, so that a supervisor starts a new one.
+        self.on_exit: Callable[[], None] | None = None
 
     # ---- the engine process's life ------------------------------------------------------------
     @classmethod
-    def launch(cls, args: argparse.Namespace, stream_interval: int) -> EngineClient:
+    def launch(cls, config: EngineConfig, stream_interval: int) -> EngineClient:
         """Starts the engine process (spawn: a fresh interpreter, safe for CUDA)."""
         ctx = multiprocessing.get_context("spawn")
         in_recv, in_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=engine_main,
-            args=(args, stream_interval, in_recv, out_send),
+            args=(config, stream_interval, in_recv, out_send),
             name="nanoqwen-engine",
         )
         process.start()
@@ -128,10 +132,12 @@ class EngineClient:
         except EOFError:
             self.process.join(5)
             code = self.process.exitcode
-            raise CLIError(f"the engine process exited while loading (exit code {code})") from None
+            raise EngineError(
+                f"the engine process exited while loading (exit code {code})"
+            ) from None
         if isinstance(first, EngineStartupError):
             self.process.join(10)
-            raise (UsageError if first.exit_code == 2 else CLIError)(first.message)
+            raise (InvalidInputError if first.exit_code == 2 else EngineError)(first.message)
         assert isinstance(first, EngineReady), first
         return first
 
@@ -295,3 +301,5 @@ class EngineClient:
         for r in requests:
             with contextlib.suppress(Exception):
                 r.sink.push(r.index, EngineDeadError(self.exit_message))
+        if self.on_exit is not None:
+            self.on_exit()

@@ -13,16 +13,21 @@ to write."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import logging
 import os
 import signal
+import sys
 import traceback
 from multiprocessing.connection import Connection
 
+import torch
+
+from nanoqwen.errors import debug, exit_code, one_line
+from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.engine import LLM
+from nanoqwen.runtime.parallel.group import TensorParallelError
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.batch_sender import BatchSender, receive
 from nanoqwen.serve.messages import (
@@ -49,6 +54,9 @@ class EngineCore:
         self._seqs: dict[int, object] = {}  # request id -> Sequence
         self.num_added = 0
         self.steps = 0
+        # A failure no later step can get past (a tensor-parallel rank died): the loop ends
+        # and the process exits 1, so the server stops and its supervisor starts anew.
+        self.fatal: Exception | None = None
 
     @property
     def has_work(self) -> bool:
@@ -86,6 +94,8 @@ class EngineCore:
         except Exception as e:
             log.exception("engine step failed")
             self._fail_all(e, out)
+            if isinstance(e, TensorParallelError):
+                self.fatal = e
             return
         live, ids, tokens, texts = self._live, out.request_ids, out.token_ids, out.texts
         for seq, token in resolved:
@@ -179,6 +189,8 @@ class EngineCore:
                     self.step(out)
                 out.stats = last_stats = self.stats()
                 sender.put(out)
+                if self.fatal is not None:
+                    return
         except (EOFError, OSError):  # the HTTP process is gone
             return
         finally:
@@ -186,17 +198,13 @@ class EngineCore:
 
 
 def engine_main(
-    args: argparse.Namespace, stream_interval: int, inputs: Connection, outputs: Connection
+    config: EngineConfig, stream_interval: int, inputs: Connection, outputs: Connection
 ) -> None:
     """The engine process's entry point (started with the spawn context)."""
     # Ctrl-C in a terminal reaches the whole process group: the HTTP process handles it and
     # ends this process by closing the pipe, so this one must not die of it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(format="%(levelname)s:     %(message)s")
-    import torch
-
-    from nanoqwen.cli import debug, error_line, load_llm
-
     if "OMP_NUM_THREADS" not in os.environ:
         # A core for the HTTP process, busy while clients stream: torch's CPU threads wait
         # for each other at every op, so one of them descheduled stalls them all (a model on
@@ -204,12 +212,12 @@ def engine_main(
         torch.set_num_threads(max(1, torch.get_num_threads() - 1))
 
     try:
-        llm = load_llm(args)
+        llm = LLM(config=config)
         core = EngineCore(llm, stream_interval)
     except Exception as e:
         if debug():
             traceback.print_exc()
-        code, message = error_line(e)
+        code, message = exit_code(e), one_line(e)
         with contextlib.suppress(OSError):  # unless the HTTP process is gone already
             outputs.send(EngineStartupError(message, code))
         return
@@ -223,3 +231,5 @@ def engine_main(
     except OSError:  # the HTTP process is gone already
         return
     core.serve(inputs, outputs)
+    if core.fatal is not None:
+        sys.exit(1)

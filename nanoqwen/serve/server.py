@@ -13,6 +13,8 @@ import sys
 
 import uvicorn
 
+from nanoqwen.errors import EngineError
+from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.serve.app import ServerConfig, build_app
 from nanoqwen.serve.engine_client import EngineClient
 from nanoqwen.serve.model_info import ModelInfo
@@ -28,14 +30,11 @@ def served_model_name(args: argparse.Namespace) -> str:
     return args.model or DEFAULT_MODEL_NAME
 
 
-def load_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
+def load_tokenizer(config: EngineConfig, template: str | None) -> Tokenizer | None:
     """This process's own tokenizer (None with random weights), chat template included."""
-    from nanoqwen.cli import chat_template
-
-    template = chat_template(args)  # checked before anything loads
-    if args.random_shape:
+    if config.random_shape:
         return None
-    tokenizer = Tokenizer(resolve_model(args.model))
+    tokenizer = Tokenizer(resolve_model(config.model))
     if template is not None:
         tokenizer.set_chat_template(template, "--chat-template")
     return tokenizer
@@ -55,15 +54,17 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_engine(args: argparse.Namespace) -> tuple[EngineClient, ModelInfo]:
+def start_engine(
+    args: argparse.Namespace, config: EngineConfig, template: str | None
+) -> tuple[EngineClient, ModelInfo]:
     """The tokenizer here, then the engine process; returns once the model is loaded.
     A load failure raises the error `nanoqwen generate` would give for the same flags."""
-    tokenizer = load_tokenizer(args)
+    tokenizer = load_tokenizer(config, template)
 
     def terminated(signum, frame):
         raise SystemExit(128 + signum)  # unwinds to the clean-up below, as Ctrl-C does
 
-    engine = EngineClient.launch(args, args.stream_interval)
+    engine = EngineClient.launch(config, args.stream_interval)
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         ready = engine.wait_ready()
@@ -75,7 +76,9 @@ def start_engine(args: argparse.Namespace) -> tuple[EngineClient, ModelInfo]:
     return engine, ModelInfo(tokenizer, ready.max_model_len, ready.vocab_size)
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, config: EngineConfig, template: str | None) -> int:
+    """args: the serve flags (cli/serve_flags.py); config: the engine's; template: the
+    --chat-template text, already checked."""
     checks = [
         ("--max-waiting", args.max_waiting, args.max_waiting >= 0, ">= 0"),
         ("--max-request-bytes", args.max_request_bytes, args.max_request_bytes >= 1, ">= 1"),
@@ -85,7 +88,7 @@ def run_server(args: argparse.Namespace) -> int:
         if not ok:
             raise ValueError(f"{flag} {value} is out of range: allowed {allowed}")
     sock = bind(args.host, args.port)  # first, so a taken port fails before the model loads
-    engine, info = start_engine(args)
+    engine, info = start_engine(args, config, template)
     try:
         name = served_model_name(args)
         config = ServerConfig(name, args.api_key, args.max_waiting, args.max_request_bytes)
@@ -96,7 +99,12 @@ def run_server(args: argparse.Namespace) -> int:
         level = "warning" if args.quiet else args.log_level
         logging.getLogger("nanoqwen.serve").setLevel(logging.INFO)
         server = uvicorn.Server(uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=5))
+        # The engine gone: uvicorn stops taking connections, lets the failed requests'
+        # responses finish, and this process exits 1 for its supervisor to restart it.
+        engine.on_exit = lambda: setattr(server, "should_exit", True)
         server.run(sockets=[sock])
     finally:
         engine.shutdown()  # the app's lifespan did it already, unless uvicorn failed first
+    if engine.exit_message is not None:
+        raise EngineError(engine.exit_message)
     return 0

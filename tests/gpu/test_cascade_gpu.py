@@ -1,4 +1,4 @@
-"""Cascade decode (runtime/attention/cascade.py) on the GPU: attention over a prefix every
+"""Cascade decode (attention/cascade.py) on the GPU: attention over a prefix every
 sequence shares plus each one's own keys equals attention over the whole context."""
 
 from __future__ import annotations

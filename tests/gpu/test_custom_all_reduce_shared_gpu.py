@@ -99,7 +99,7 @@ def protocol_rank(rank: int, port: int) -> None:
 def fused_norm_replays(custom: CustomAllReduce, rand) -> None:
     """A 7B decode step's collectives as the graph runs them: the broadcast of rank 0's
     inputs, the all-reduces each fused with the residual add and RMSNorm after it
-    (kernels/all_reduce_norm.py), then the logits' all-gather, replayed over new inputs: the
+    (kernels/triton/all_reduce_norm.py), then the logits' all-gather, replayed over new inputs: the
     inputs rank 0's, the residual stream exact, the normalized rows within an ulp of HF's
     order, every rank's logits in rank order."""
     device, eps = custom.device, 1e-6

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.attention.torch_backend import TorchAttention
-from nanoqwen.model.layers import RotaryEmbedding
 
 HEADS, KV_HEADS = 14, 2
 

@@ -112,7 +112,7 @@ def prefill_rank_main(rank: int, port: int, path: str) -> None:
     gives the eager engine's tokens. Both prefill with the Triton kernel on both ranks
     (the graphs' own; flash-attn's differs by a bf16 step here and there)."""
     from nanoqwen import SamplingParams
-    from nanoqwen.attention.backends import triton_backend
+    from nanoqwen.attention import triton_backend
 
     on_one_gpu(rank, port)
     triton_backend.PREFILL_WITH_FLASH_ATTN = False

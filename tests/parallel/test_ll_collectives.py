@@ -1,6 +1,6 @@
 """What else rides on the low-latency all-reduce's packets, run by Triton's interpreter in 2
 and 3 processes as test_custom_all_reduce.py runs the all-reduces: the all-reduce fused with
-the residual add and RMSNorm (kernels/all_reduce_norm.py) against HF's numerics in torch and
+the residual add and RMSNorm (kernels/triton/all_reduce_norm.py) against HF's numerics in torch and
 behind ReducingRMSNorm against the unfused pair, the all-gather of the logits and the
 broadcast of a graph's inputs; all interleaved with plain all-reduces, whose programs and
 epochs they share."""
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanoqwen.kernels.layer_ops import triton_ops
 from nanoqwen.model.tensor_parallel import ReducingRMSNorm, TensorParallel, gather_vocab
 from nanoqwen.runtime.parallel.group import spawn_store
 
@@ -102,7 +103,7 @@ def norm_rank(rank: int, world: int, port: int) -> None:
     tp, tp_nccl = TensorParallel(rank, world, None, reducer), TensorParallel(rank, world)
     fused = ReducingRMSNorm(96, EPS, torch.float16, "cpu", tp)
     unfused = ReducingRMSNorm(96, EPS, torch.float16, "cpu", tp_nccl)
-    fused.fused = unfused.fused = True  # the Triton add + norm, as on a GPU
+    fused.ops = unfused.ops = triton_ops()  # the Triton add + norm, as on a GPU
     xs, residual, weight = case_inputs(0, 2, 96, torch.float16, world)
     fused.weight.copy_(weight)
     unfused.weight.copy_(weight)

@@ -4,11 +4,14 @@ Q4_K's own layout)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nanoqwen.kernels.triton.quant_gemv_mma import mma_gemv_fits
-from nanoqwen.kernels.triton.quant_matmul import pack_for_triton
 from nanoqwen.quant.scheme import Scheme, resolve_scheme
+
+pytest.importorskip("triton", reason="the GPU layouts are the Triton kernels'")
+from nanoqwen.kernels.triton.quant_gemv_mma import mma_gemv_fits  # noqa: E402
+from nanoqwen.kernels.triton.quant_matmul import pack_for_triton  # noqa: E402
 
 
 def test_int4_groups_per_device():

@@ -12,18 +12,10 @@ import torch.nn.functional as F
 from conftest import run_without_a_compiler
 from tiny_gguf import random_blocks
 
-from nanoqwen.kernels.cpu.gguf import (
-    MAX_ROWS,
-    gguf_kernel,
-    gguf_matmul,
-    is_q5_0,
-    is_q8_0,
-    pack_q5_0,
-    pack_q8_0,
-    requantize_rows,
-)
+from nanoqwen.kernels.cpu.gguf import MAX_ROWS, gguf_kernel, gguf_matmul
 from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
+from nanoqwen.quant.gguf_forms import is_q5_0, is_q8_0, pack_q5_0, pack_q8_0, requantize_rows
 from nanoqwen.quant.gguf_packed import from_file
 from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
 

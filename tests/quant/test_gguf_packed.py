@@ -1,7 +1,7 @@
 """GGUF Q5_0/Q8_0 (and Q4_0) tensors loaded straight into the CPU kernels' layout
 (quant/gguf_packed.py)
 give exactly what the canonical route gives (unpacked to int8 codes, then packed by
-native.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
+gguf_forms.pack_q5_0 / pack_q8_0): the same packed bytes, the same per-channel int8 copy for
 prefill, the same kernel choice per layer, fused projections included, and so the same
 greedy tokens. The K-quants load as their file's superblocks, which the canonical route has
 no packing for."""
@@ -14,17 +14,17 @@ import torch
 from tiny_gguf import K_QUANTS, WITH_MINS, random_blocks, write_gguf
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.kernels.cpu.gguf import (
-    gguf_kernel,
+from nanoqwen.kernels.cpu.gguf import gguf_kernel
+from nanoqwen.model import load_gguf
+from nanoqwen.quant.format import cat_rows, dequantize, requantize_per_channel
+from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
+from nanoqwen.quant.gguf_forms import (
     is_q5_0,
     pack_q5_0,
     pack_q8_0,
     requantize_packed,
     requantize_rows,
 )
-from nanoqwen.model import load_gguf
-from nanoqwen.quant.format import cat_rows, dequantize, requantize_per_channel
-from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
 from nanoqwen.quant.gguf_packed import (
     PackedBlocks,
     PackedParts,

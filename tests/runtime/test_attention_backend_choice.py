@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nanoqwen.attention.backends import create_backend
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.model.layers import RotaryEmbedding
 
 pytest.importorskip("triton")
 CUDA = torch.device("cuda", 0)

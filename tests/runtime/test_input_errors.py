@@ -4,12 +4,13 @@ traceback, a silently accepted value or a wrong result before the validation lay
 
 from __future__ import annotations
 
-import inspect
+from dataclasses import fields
 
 import pytest
 from conftest import readme_signature
 
 from nanoqwen import LLM, InvalidInputError, SamplingParams
+from nanoqwen.runtime.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -33,9 +34,21 @@ def assert_idle(llm: LLM) -> None:
 
 
 # ---- LLM(...) arguments ----------------------------------------------------------------------
-def test_llm_defaults_are_the_ones_the_readme_documents():
-    params = inspect.signature(LLM).parameters
-    assert readme_signature("LLM") == {name: p.default for name, p in params.items()}
+def test_engine_defaults_are_the_ones_the_readme_documents():
+    assert readme_signature("EngineConfig") == {f.name: f.default for f in fields(EngineConfig)}
+
+
+def test_llm_takes_every_engine_setting_by_name():
+    llm = LLM(None, random_shape="0.5B", device="cpu", num_kv_blocks=3, block_size=16,
+              progress=False, max_num_seqs=2, swap_space=0)  # fmt: skip
+    assert llm.engine_config == EngineConfig(
+        random_shape="0.5B", num_kv_blocks=3, block_size=16, progress=False, max_num_seqs=2,
+        swap_space=0,
+    )  # fmt: skip
+    base = EngineConfig(random_shape="0.5B", num_kv_blocks=3, block_size=16, progress=False)
+    assert LLM(config=base, max_num_seqs=2).engine_config.max_num_seqs == 2
+    error = refusal(LLM, None, blocksize=16)
+    assert str(error).startswith("unknown engine option 'blocksize': allowed attention_backend")
 
 
 ENGINE_ARGS = [
@@ -52,10 +65,10 @@ ENGINE_ARGS = [
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization='0.5' is not a number"),
     (dict(dtype="int8"), "dtype='int8' is unknown: allowed auto, float32, bfloat16, float16"),
     (dict(dtype=None), "dtype=None is not a string"),
-    (dict(device=0), "device=0 is not a string: allowed cpu, cuda, cuda:N"),
-    (dict(device="meta"), "device='meta' is not supported: allowed cpu, cuda, cuda:N"),
-    (dict(device="tpu"), "device='tpu' is unknown: allowed cpu, cuda, cuda:N"),
-    (dict(device="gpu!"), "device='gpu!' is unknown: allowed cpu, cuda, cuda:N"),
+    (dict(device=0), "device=0 is not a string: allowed auto, cpu, cuda, cuda:N"),
+    (dict(device="meta"), "device='meta' is not supported: allowed auto, cpu, cuda, cuda:N"),
+    (dict(device="tpu"), "device='tpu' is unknown: allowed auto, cpu, cuda, cuda:N"),
+    (dict(device="gpu!"), "device='gpu!' is unknown: allowed auto, cpu, cuda, cuda:N"),
     (dict(attention_backend="flash"), "attention_backend='flash' is unknown"),
     (dict(attention_backend="triton"), "attention_backend='triton' is unavailable"),
     (dict(enforce_eager="no"), "enforce_eager='no' is not a bool: allowed True or False"),

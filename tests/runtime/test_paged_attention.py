@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.attention.torch_backend import TorchAttention, paged_attention, store_kv
-from nanoqwen.model.layers import RotaryEmbedding
 
 BLOCK_SIZE = 8
 HEAD_DIM = 16

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import h11
@@ -20,12 +21,16 @@ from openai import AsyncOpenAI
 from nanoqwen import LLM, SamplingParams
 
 from .conftest import TINY_ENGINE
-from .serve_harness import Server, process_gone, wait_for
+from .serve_harness import Server, child_pids, process_gone, wait_for
 
 LONG = {"prompt": "def fib(n):", "max_tokens": 2000, "ignore_eos": True}
+BOUND_S = 20  # the server exits within a second of its engine
 
 
-def test_engine_process_death_fails_requests_in_flight_and_health(tiny_model, tmp_path):
+def test_engine_process_death_fails_requests_in_flight_and_stops_the_server(tiny_model, tmp_path):
+    """Killed mid-stream: the stream ends with an error event, the waiting request gets a 500,
+    and the server exits 1 within seconds for its supervisor to restart it (/health's 503 in
+    between: test_serve_engine_failure.py)."""
     server = Server(["--model", str(tiny_model[0]), *TINY_ENGINE], tmp_path / "server.log")
     url = f"{server.url}/v1/completions"
     try:
@@ -36,24 +41,25 @@ def test_engine_process_death_fails_requests_in_flight_and_health(tiny_model, tm
             assert next(lines).startswith("data: {")
             waiter.start()
             wait_for(server, lambda m: m["nanoqwen:num_requests_running"] == 2, "two running")
-            os.kill(server.engine_pid(), signal.SIGKILL)
+            engine = server.engine_pid()
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
             events = [line for line in lines if line.startswith("data: ")]
         waiter.join(30)
-        why = "the engine process exited (exit code -9)"
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][6:])["error"]["message"] == f"the engine failed: {why}"
-        assert whole[0].status_code == 500
-        assert whole[0].json()["error"]["message"] == f"the engine failed: {why}"
-        health = httpx.get(f"{server.url}/health")
-        assert (health.status_code, health.json()) == (503, {"status": why})
-        for stream in (False, True):  # new requests fail at once, with the same error
-            after = httpx.post(url, json={"prompt": "Hello", "max_tokens": 3, "stream": stream})
-            assert after.status_code == 500
-            assert after.json()["error"]["message"] == f"the engine failed: {why}"
+        server.proc.wait(timeout=BOUND_S)
+        took = time.monotonic() - killed
     finally:
         server.close()
-    assert server.proc.returncode in (0, -signal.SIGTERM)
+    why = "the engine process exited (exit code -9)"
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["message"] == f"the engine failed: {why}"
+    assert whole[0].status_code == 500
+    assert whole[0].json()["error"]["message"] == f"the engine failed: {why}"
+    assert took < BOUND_S
+    assert server.proc.returncode == 1
+    assert f"nanoqwen: error: {why}" in server.log()
     assert "Traceback" not in server.log()
+    assert process_gone(engine, timeout=5)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
@@ -155,3 +161,42 @@ def test_stalled_client_does_not_hold_up_the_engine_or_other_streams(tiny_server
         tokens[choice["index"]] += choice["token_ids"]
     assert tokens == {i: want_stalled.token_ids for i in range(4)}
     assert "Traceback" not in tiny_server.log()
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = child_pids(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def test_a_dead_tensor_parallel_rank_stops_the_server(tiny_model, tmp_path):
+    """The engine process's rank 1 killed mid-stream: the stream ends with an error naming
+    it, the engine process exits 1 (no later step could run), and so does the server;
+    no process of it is left."""
+    args = ["--model", str(tiny_model[0]), *TINY_ENGINE, "--tensor-parallel-size", "2"]
+    server = Server(args, tmp_path / "server.log")
+    url = f"{server.url}/v1/completions"
+    try:
+        everything = descendants(server.proc.pid)
+        (rank,) = [pid for pid in child_pids(server.engine_pid())
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(rank, signal.SIGKILL)
+            killed = time.monotonic()
+            events = [line for line in lines if line.startswith("data: ")]
+        server.proc.wait(timeout=BOUND_S)
+        took = time.monotonic() - killed
+    finally:
+        server.close()
+    assert events[-1] == "data: [DONE]"
+    message = json.loads(events[-2][6:])["error"]["message"]
+    assert f"tensor-parallel rank 1 (pid {rank}) was killed by signal 9" in message
+    assert took < BOUND_S
+    assert server.proc.returncode == 1
+    assert "nanoqwen: error: the engine process exited (exit code 1)" in server.log()
+    assert all(process_gone(pid, timeout=5) for pid in everything)

@@ -85,7 +85,7 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """A decode step's attention (one token a sequence), bf16, with the arguments of the
-    Triton kernel's decode_attention (kernels/decode_attention.py): [seqs, heads, dim], the
+    Triton kernel's decode_attention (kernels/triton/decode_attention.py): [seqs, heads, dim], the
     rotated k and v written to the caches at slot_mapping."""
     _, block_size, kv_heads, dim = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.dtype == torch.bfloat16

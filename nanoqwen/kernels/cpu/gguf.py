@@ -18,11 +18,9 @@ import ctypes
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from nanoqwen.kernels.cpu.build import load_library
-from nanoqwen.quant.format import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("gguf_gemv.c")
 KQUANT_SOURCE = Path(__file__).with_name("gguf_kquants.c")
@@ -88,45 +86,6 @@ def kquant_kernel() -> ctypes.CDLL | None:
     })  # fmt: skip
 
 
-def _blocks_of_32(w: QuantizedWeight) -> bool:
-    """int8 codes in groups of 32, one float16-representable scale each, no offset: the form
-    GGUF's Q8_0 and Q5_0 blocks take (nanoqwen.quant.gguf_blocks)."""
-    if w.bits != 8 or w.group_size != 32 or w.offset is not None or w.q.device.type != "cpu":
-        return False
-    return bool(torch.equal(w.scale.half().float(), w.scale))
-
-
-def is_q5_0(w: QuantizedWeight) -> bool:
-    """Whether w is exactly a Q5_0 tensor: blocks of 32 with codes in -16..15."""
-    return _blocks_of_32(w) and int(w.q.min()) >= -16 and int(w.q.max()) <= 15
-
-
-def is_q8_0(w: QuantizedWeight) -> bool:
-    """Whether w is exactly a Q8_0 tensor (which every Q5_0 tensor also is)."""
-    return _blocks_of_32(w)
-
-
-def pack_q5_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
-    """(qs uint8 [N, K/32, 16], qh int32 [N, K/32], d float16 [N, K/32]): Q5_0's own bytes."""
-    n, k = w.shape
-    codes = (w.q.numpy().astype(np.int16) + 16).astype(np.uint8).reshape(n, k // 32, 32)
-    low = codes & 15
-    qs = low[..., :16] | (low[..., 16:] << 4)
-    qh = np.packbits((codes >> 4) & 1, axis=-1, bitorder="little").view(np.int32)[..., 0]
-    return (
-        torch.from_numpy(np.ascontiguousarray(qs)),
-        torch.from_numpy(np.ascontiguousarray(qh)),
-        w.scale.half().contiguous(),
-    )
-
-
-def pack_q8_0(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
-    """(qs uint8 [N, K/32, 32] = code + 128, d float16 [N, K/32])."""
-    n, k = w.shape
-    qs = (w.q.to(torch.int16) + 128).to(torch.uint8).view(n, k // 32, 32)
-    return qs.contiguous(), w.scale.half().contiguous()
-
-
 # By kind: (library, few-row matmul, per-channel int8 copy); SUPERBLOCK_KINDS' blocks hold
 # 256 values, the others 32.
 _KERNELS = {
@@ -169,24 +128,28 @@ def gguf_matmul(
     return out
 
 
-def requantize_rows(w: QuantizedWeight) -> QuantizedWeight:
-    """format.requantize_per_channel of a symmetric int8 weight, in C (a pass over the codes,
-    where torch takes several over float32 copies: seconds at load for the 0.5B model)."""
-    n, k = w.shape
-    q, s = w.q.contiguous(), w.scale.contiguous()
+def requantize_rows(
+    q: torch.Tensor, scale: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes q [N, K] with a scale per group as per-channel int8: (codes int8
+    [N, K], row scales float32 [N, 1]), in C (one pass over the codes, where torch takes
+    several over float32 copies: seconds at load for the 0.5B model)."""
+    n, k = q.shape
+    q, s = q.contiguous(), scale.contiguous()
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
     gguf_kernel().requantize_rows(
-        q.data_ptr(), s.data_ptr(), n, k, w.group_size, out.data_ptr(), row.data_ptr(),
+        q.data_ptr(), s.data_ptr(), n, k, group_size, out.data_ptr(), row.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    return QuantizedWeight(out, row, None, k, 8)
+    return out, row
 
 
-def requantize_packed(kind: str, packed: tuple[torch.Tensor, ...]) -> QuantizedWeight:
-    """The per-channel int8 copy that linear.py makes of the canonical weight packed holds,
-    computed from the packed blocks (GGUF tensors loaded straight into the kernels' layouts,
-    nanoqwen.quant.gguf_packed, never have the canonical codes): Q8_0, Q5_0 and Q4_0 as
-    requantize_rows, Q5_1 and Q4_1 as gguf_gemv.c says, the K-quants as gguf_kquants.c."""
+def requantize_packed(
+    kind: str, packed: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel int8 codes and row scales of the weight that packed blocks of `kind`
+    hold, read from the blocks themselves: Q8_0, Q5_0 and Q4_0 as requantize_rows, Q5_1 and
+    Q4_1 as gguf_gemv.c says, the K-quants as gguf_kquants.c."""
     n, blocks = packed[-1].shape
     k = blocks * (256 if kind in SUPERBLOCK_KINDS else 32)
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
@@ -196,4 +159,4 @@ def requantize_packed(kind: str, packed: tuple[torch.Tensor, ...]) -> QuantizedW
         *[t.data_ptr() for t in tensors], n, k, out.data_ptr(), row.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    return QuantizedWeight(out, row, None, k, 8)
+    return out, row

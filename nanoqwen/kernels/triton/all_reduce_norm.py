@@ -1,6 +1,6 @@
 """The low-latency all-reduce (all_reduce_ll.py) of a row-parallel layer's partial sums, fused
 with the residual add and RMSNorm that follow it: one kernel where a tensor-parallel decode
-step otherwise runs two (the all-reduce, then kernels/rms_norm.py), 2 x layers times a step.
+step otherwise runs two (the all-reduce, then kernels/triton/rms_norm.py), 2 x layers times a step.
 
 Each program owns one whole row (a token's hidden state): it sends the row's packets to every
 rank, sums what arrives as all_reduce_ll.py does (float32, rank order, rounded once: the

@@ -8,7 +8,7 @@ tile's own tokens apply the causal mask. Tiles are issued last-first, so the lon
 (the end of a long prompt) start before the short ones. GQA maps query head h to KV head
 h // group; the K/V tiles of one KV head are shared by its group through L2.
 
-RoPE and the K/V write run before, in rope_and_store (kernels/rope.py), and this kernel
+RoPE and the K/V write run before, in rope_and_store (kernels/triton/rope.py), and this kernel
 reads every key, the new tokens' included, from the cache. Fusing them in was the other
 choice and a worse one: a new token's key is read by every later query tile and by every head
 of its group, so either every reader would rotate it again (4 products and roundings per key

@@ -1,7 +1,7 @@
 """Weight-only quantized matrix products for more than one row, on the tensor cores.
 
 A program steps through K one panel at a time (PANEL packed words a row: 128 int4 or 64 int8
-columns, kernels/quant_matmul.py): it dequantizes the panel for its BN rows into x's dtype
+columns, kernels/triton/quant_matmul.py): it dequantizes the panel for its BN rows into x's dtype
 in registers, value slot j of the words giving columns j * PANEL.., so a reshape lines them up
 with a [BM, panel] tile of x for tl.dot; the weight is read from HBM packed, each word once.
 Decode batches are a handful of rows and a projection has few BN-column tiles, so a small

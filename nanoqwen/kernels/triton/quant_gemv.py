@@ -4,7 +4,7 @@ At one token a projection is a pure weight stream, so the kernel reads each pack
 once (a program holds `rows` output rows and walks K `panels` panels at a time, the next
 steps' loads in flight through cp.async) and spends as few instructions per weight as it can,
 since at int4 the H200 delivers ~10 G weights per ms:
-- the packed layout (kernels/quant_matmul.py) puts value j of a panel's 16 words on 16
+- the packed layout (kernels/triton/quant_matmul.py) puts value j of a panel's 16 words on 16
   consecutive columns, so x for value j of every word is one contiguous vector load;
 - a value becomes a float by OR-ing it into the mantissa of 2^23 and subtracting 2^23 (exact,
   and full-rate ALU work where an int-to-float conversion is quarter rate), masked where it
@@ -17,8 +17,9 @@ Compiled for sm_90 (Triton 3.6, read from the SASS), the loop issues ~5.4 instru
 weight at int4 groups of 128 and ~7.2 at groups of 32 with offsets. The H200 issues ~33 T
 thread-instructions a second, so int4 tops out near 4.6-6 G weights a ms where full HBM
 bandwidth would feed ~10 G: at int4 the kernel is bound by instruction issue, not memory.
-int4 in groups of 128 or more therefore takes the tensor-core GEMV (kernels/quant_gemv_mma.py)
-instead; this kernel serves int8, smaller groups (GGUF's Q4_K) and float32 activations.
+int4 in groups of 128 or more therefore takes the tensor-core GEMV
+(kernels/triton/quant_gemv_mma.py) instead; this kernel serves int8, smaller groups (GGUF's
+Q4_K) and float32 activations.
 Accumulation is in float32; the result rounds once to x's dtype.
 """
 

@@ -1,6 +1,6 @@
 """Batch-1 int4 GEMV on the tensor cores, for groups of 128 columns or more.
 
-The CUDA-core GEMV (kernels/quant_gemv.py) spends ~5.2 instructions a weight (a LOP3 and an
+The CUDA-core GEMV (kernels/triton/quant_gemv.py) spends ~5.2 instructions a weight (a LOP3 and an
 FADD to turn a value into a float, an FFMA to multiply it, and overhead), so at int4 the H200
 runs out of instruction issue long before HBM bandwidth. Here the multiply-adds go to the
 tensor cores, which have plenty to spare at one token: a program dequantizes a [rows, 128]

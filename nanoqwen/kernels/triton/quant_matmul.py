@@ -8,9 +8,9 @@ word i holds column j * PANEL + i of the panel (so the GEMV loads x for value j 
 as one contiguous vector), and the group scales and offsets as [N, K // g] float32 matrices
 (float16 on request, where exact). `quant_linear` picks the
 kernel from the number of rows alone (so a CUDA graph can capture it): one row, the GEMV of
-kernels/quant_gemv_mma.py (int4 in groups of 128 or more) or kernels/quant_gemv.py; up to
-DEQUANT_MIN_M rows, the tensor-core GEMM of kernels/quant_gemm.py; more (prefill), dequantize
-to x's dtype and let cuBLAS multiply.
+kernels/triton/quant_gemv_mma.py (int4 in groups of 128 or more) or
+kernels/triton/quant_gemv.py; up to DEQUANT_MIN_M rows, the tensor-core GEMM of
+kernels/triton/quant_gemm.py; more (prefill), dequantize to x's dtype and let cuBLAS multiply.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ Each rank allocates its buffers, shares their IPC handles over the gloo control 
 opens the others' in its own device's context (peer_memory.py). Two kernels: up to
 ll_max_bytes (64 KiB, a decode step's messages) the low-latency one (kernels/
 all_reduce_ll.py: data and flag in one packet, one link crossing a call), above it up to
-max_bytes the one-shot one (kernels/all_reduce.py: half the bytes, three crossings). The
+max_bytes the one-shot one (kernels/triton/all_reduce.py: half the bytes, three crossings). The
 low-latency one's packets also carry the logits' all-gather, a graph's broadcast of its
 inputs, and the all-reduce fused with the residual add and RMSNorm that read a row-parallel
-layer's sums (kernels/all_reduce_norm.py, called by model/parallel.py's ReducingRMSNorm).
+layer's sums (kernels/triton/all_reduce_norm.py, called by model/tensor_parallel.py's
+ReducingRMSNorm).
 Larger messages, other dtypes, and ranks that cannot map each other's memory (several
 machines, no peer access) keep NCCL.
 
@@ -41,7 +42,7 @@ MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_MAX_BYTES"  # the limit below, overr
 LL_MAX_BYTES_ENV = "NANOQWEN_CUSTOM_ALL_REDUCE_LL_MAX_BYTES"  # the low-latency kernel's
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # as NCCL's, for ranks that start far apart
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The status words (kernels/all_reduce.py writes the same numbers).
+# The status words (kernels/triton/all_reduce.py writes the same numbers).
 ABORT, ERROR = 0, 1
 TIMED_OUT, ABORTED = 1, 2
 

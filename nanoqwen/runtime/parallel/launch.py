@@ -5,28 +5,38 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.parallel.group import (
     ParallelContext,
     join_group,
     keep_multicast_off,
+    leave_group,
     rank_device,
     spawn_store,
     under_torchrun,
 )
 from nanoqwen.runtime.parallel.processes import WorkerProcesses
+from nanoqwen.runtime.parallel.rank_errors import refuse_spawn_while_bootstrapping
+from nanoqwen.runtime.parallel.watched_store import WatchedStore
+from nanoqwen.runtime.parallel.worker import run_worker
 
 
-def start_group(engine_kwargs: dict, size: int) -> tuple[ParallelContext, WorkerProcesses | None]:
+def start_group(
+    config: EngineConfig, build: Callable
+) -> tuple[ParallelContext, WorkerProcesses | None]:
     """Rank 0's context, and the worker processes it spawned (None under torchrun).
 
     Under torchrun every rank runs the user's script: on ranks other than 0 this call
     becomes the worker loop and ends the process when rank 0 shuts the engine down."""
     keep_multicast_off()
-    device = engine_kwargs["device"]
+    size, device = config.tensor_parallel_size, config.device
+    quiet = replace(config, progress=False)
     if under_torchrun():
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != size:
@@ -40,18 +50,21 @@ def start_group(engine_kwargs: dict, size: int) -> tuple[ParallelContext, Worker
         ctx = join_group(rank, size, dev, "env://")
         if rank == 0:
             return ctx, None
-        from nanoqwen.runtime.parallel.worker import run_worker
-
-        run_worker(ctx, {**engine_kwargs, "progress": False})
+        run_worker(ctx, quiet, build)
         sys.exit(0)
+    refuse_spawn_while_bootstrapping()  # before this rank would listen and spawn in turn
     dev = rank_device(device, 0, size)
     store = spawn_store(size)
-    workers = WorkerProcesses(size, store.port, {**engine_kwargs, "progress": False})
+    workers = WorkerProcesses(size, store.port, quiet, build)
     try:
-        ctx = join_group(0, size, dev, store)
-    except BaseException:
-        workers.stop(timeout=0)
-        raise
+        # A rank that dies before it joins fails this at once, not at the store's timeout.
+        ctx = join_group(0, size, dev, WatchedStore(store, workers.check_starting))
+    except BaseException as e:
+        error = workers.stop_after(e)
+        leave_group()
+        if error is e:
+            raise
+        raise error from e
     if dev.type == "cpu":  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     return ctx, workers

@@ -4,34 +4,50 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
+
+from nanoqwen.runtime.config import EngineConfig
+from nanoqwen.runtime.parallel.group import TensorParallelError
+from nanoqwen.runtime.parallel.rank_errors import ERROR_DIR_ENV, RANK_NAME, read_error
+from nanoqwen.runtime.parallel.worker import worker_main
 
 
 class WorkerProcesses:
     """Ranks 1..size-1 as spawned processes (daemonic: they end with this process, and each
     also watches this process and exits when it dies, so none is ever orphaned)."""
 
-    def __init__(self, size: int, port: int, engine_kwargs: dict) -> None:
-        """port: rank 0's rendezvous store (group.spawn_store)."""
-        from nanoqwen.runtime.parallel.worker import worker_main
-
+    def __init__(self, size: int, port: int, config: EngineConfig, build: Callable) -> None:
+        """port: rank 0's rendezvous store (group.spawn_store); build: the function each
+        worker builds its engine with (builder.build_engine)."""
         ctx = mp.get_context("spawn")
+        self.error_dir = tempfile.mkdtemp(prefix="nanoqwen-tp-")  # rank_errors.py
         self.procs = [
             ctx.Process(
                 target=worker_main,
-                args=(rank, size, port, engine_kwargs),
-                name=f"nanoqwen-tp-rank{rank}",
+                args=(rank, size, port, config, build),
+                name=f"{RANK_NAME}{rank}",
                 daemon=True,
             )
             for rank in range(1, size)
         ]
-        for p in self.procs:
-            p.start()
+        previous = os.environ.get(ERROR_DIR_ENV)
+        os.environ[ERROR_DIR_ENV] = self.error_dir  # the ranks inherit it as they start
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            if previous is None:
+                del os.environ[ERROR_DIR_ENV]
+            else:
+                os.environ[ERROR_DIR_ENV] = previous
 
     @property
     def pids(self) -> list[int]:
@@ -59,8 +75,19 @@ class WorkerProcesses:
                     if p.exitcode < 0
                     else f"exited with code {p.exitcode}"
                 )
-                return f"tensor-parallel rank {rank} (pid {p.pid}) {how}"
+                line = read_error(self.error_dir, rank)
+                why = f" ({line})" if line else ""
+                return f"tensor-parallel rank {rank} (pid {p.pid}) {how}{why}"
         return None
+
+    def check(self, outcome: str = "the engine is shut down") -> None:
+        """Raises TensorParallelError naming a rank that has exited."""
+        reason = self.dead()
+        if reason is not None:
+            raise TensorParallelError(f"{reason}; {outcome}")
+
+    def check_starting(self) -> None:
+        self.check("the engine did not start")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Waits for the workers to leave (after a shutdown message), then ends stragglers."""
@@ -76,20 +103,18 @@ class WorkerProcesses:
             if p.exitcode is None:
                 p.kill()
                 p.join()
+        shutil.rmtree(self.error_dir, ignore_errors=True)
 
-
-def exit_with_parent() -> None:
-    """In a worker: end this process as soon as the process that spawned it is gone (killed
-    or crashed), instead of waiting forever in a collective."""
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="nanoqwen-parent-watch", daemon=True).start()
+    def stop_after(self, error: BaseException) -> BaseException:
+        """Stops the ranks after start-up failed with error, and returns what to raise: a
+        dead rank's TensorParallelError (with its own error line) rather than the broken
+        collective its death left rank 0 with."""
+        # A collective fails as soon as a peer's socket closes, a moment before its exit.
+        reason = self.dead(timeout=2.0) if isinstance(error, RuntimeError) else None
+        self.stop(timeout=0)
+        if reason is None or isinstance(error, TensorParallelError):
+            return error
+        return TensorParallelError(f"{reason}; the engine did not start")
 
 
 @contextlib.contextmanager

@@ -6,10 +6,15 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
 
 import torch
+import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.kv.host_pool import HostKVCache
 from nanoqwen.runtime.parallel.group import (
@@ -21,7 +26,7 @@ from nanoqwen.runtime.parallel.group import (
     spawn_store,
 )
 from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, unpack
-from nanoqwen.runtime.parallel.processes import exit_with_parent
+from nanoqwen.runtime.parallel.rank_errors import report_error
 
 SYNC_DEBUG_ENV = "NANOQWEN_WORKER_SYNC_DEBUG"
 
@@ -90,14 +95,26 @@ class WorkerRunner:
         self.model.compute_logits((x, residual))
 
 
-def run_worker(ctx: ParallelContext, engine_kwargs: dict) -> None:
+def exit_with_parent() -> None:
+    """In a worker: end this process as soon as the process that spawned it is gone (killed
+    or crashed), instead of waiting forever in a collective."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanoqwen-parent-watch", daemon=True).start()
+
+
+def run_worker(ctx: ParallelContext, config: EngineConfig, build: Callable) -> None:
     """Builds this rank's engine and serves rank 0's steps; leaves the group at the end,
     with the other ranks after SHUTDOWN, alone after a failure."""
-    from nanoqwen.runtime.builder import build_engine
-
     worker, shut_down = None, False
     try:
-        worker = build_engine(**engine_kwargs, parallel=ctx)
+        worker = build(config, parallel=ctx)
         # The GPU tests' no-host-sync check, on this rank's steps (rank 0 checks its own).
         debug = ctx.device.type == "cuda" and os.environ.get(SYNC_DEBUG_ENV) == "error"
         if debug:
@@ -116,19 +133,26 @@ def run_worker(ctx: ParallelContext, engine_kwargs: dict) -> None:
         leave_group(ctx.control if shut_down else None)
 
 
-def worker_main(rank: int, size: int, port: int, engine_kwargs: dict) -> None:
+def worker_main(rank: int, size: int, port: int, config: EngineConfig, build: Callable) -> None:
     """Entry point of a spawned rank."""
     # Ctrl-C reaches the whole process group; rank 0 decides, and tells the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
-    device = torch.device(engine_kwargs["device"])
+    # tqdm (the loaders' progress bars, off here) makes a multiprocessing lock: a named
+    # semaphore in /dev/shm that a rank killed by a signal would leave behind.
+    tqdm.set_lock(threading.RLock())
+    device = torch.device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
     else:  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    ctx = join_group(rank, size, device, spawn_store(size, port))
     try:
-        run_worker(ctx, engine_kwargs)
+        ctx = join_group(rank, size, device, spawn_store(size, port))
+        run_worker(ctx, config, build)
     except InvalidInputError as e:  # rank 0 refuses the same arguments with the same error
+        report_error(rank, str(e))
         print(f"[nanoqwen] tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except BaseException as e:  # the traceback goes to stderr; rank 0 quotes its last line
+        report_error(rank, f"{type(e).__name__}: {e}")
+        raise

@@ -1,4 +1,4 @@
-"""Counter-based sampling noise in torch, bit for bit the hash of kernels/sampling.py.
+"""Counter-based sampling noise in torch, bit for bit the hash of kernels/triton/sample.py.
 
 Token t of a request at output position n draws Gumbel noise from hash(seed, n, t), so a
 request's draws depend on nothing else in the batch and need no generator state.

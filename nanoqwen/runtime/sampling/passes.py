@@ -1,5 +1,5 @@
 """The sampler's full-vocabulary passes, in three implementations with one interface: Triton
-kernels on CUDA (kernels/sampling.py), C on the CPU (native/sampling.c) and torch ops
+kernels on CUDA (kernels/triton/sample.py), C on the CPU (kernels/cpu/sample.c) and torch ops
 (anywhere; the CPU's where the C library cannot be built). All compute the same function:
 the tests compare them against each other and against the reference sampler."""
 
@@ -153,7 +153,7 @@ class TorchPasses:
 
 
 class TritonPasses:
-    """The same function in Triton kernels (kernels/sampling.py, sampling_thresholds.py)."""
+    """The same function in Triton kernels (kernels/triton/sample.py, sampling_thresholds.py)."""
 
     def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
         from nanoqwen.kernels.triton import sample as kernels
@@ -170,7 +170,7 @@ class TritonPasses:
 
 
 class NativePasses:
-    """The same function in C (native/sampling.c): one call a step on the CPU, where the
+    """The same function in C (kernels/cpu/sample.c): one call a step on the CPU, where the
     torch ops took 3.7 ms a row of 151,936 logits with the CLI's default settings."""
 
     @staticmethod

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.attention.native_backend import NativeAttention
+from nanoqwen.attention.rotary import RotaryEmbedding, apply_rotary
 from nanoqwen.attention.torch_backend import TorchAttention
 from nanoqwen.kernels.cpu.cpu_ops import (
     add_rms_norm,
@@ -22,7 +23,7 @@ from nanoqwen.kernels.cpu.cpu_ops import (
     quantize_rows_int8,
     silu_mul,
 )
-from nanoqwen.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from nanoqwen.model.layers import RMSNorm
 from nanoqwen.quant.linear import _int8_matmul
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler here")

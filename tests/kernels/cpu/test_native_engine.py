@@ -49,10 +49,11 @@ def test_bfloat16_decode_on_the_c_kernels_is_as_close_to_float32_as_torchs(model
     native = LLM(str(model_dir), dtype="bfloat16", **ENGINE)
     model = native.runner.model
     assert model.layers[0].self_attn.backend.name == "native"
-    assert all(m.native for m in model.modules() if isinstance(m, (RMSNorm, MLP)))
+    assert all(m.ops.name == "cpu" for m in model.modules() if isinstance(m, (RMSNorm, MLP)))
     monkeypatch.setattr(builder, "native_problem", lambda device, dtype: "switched off")
     torch_ops = LLM(str(model_dir), dtype="bfloat16", attention_backend="torch", **ENGINE)
-    assert not any(m.native for m in torch_ops.runner.model.modules() if isinstance(m, RMSNorm))
+    norms = [m for m in torch_ops.runner.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.ops.name == "torch" for m in norms)
     err_native = error_against_float32(native, reference)
     err_torch = error_against_float32(torch_ops, reference)
     assert err_native <= 1.5 * err_torch + 1e-3, (err_native, err_torch)
@@ -85,7 +86,7 @@ def test_two_ranks_on_the_c_kernels_are_as_close_to_float32_as_one(model_dir):
     two = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=2, **ENGINE)
     try:
         assert two.runner.model.layers[0].self_attn.backend.name == "native"
-        assert two.runner.model.layers[0].input_layernorm.native
+        assert two.runner.model.layers[0].input_layernorm.ops.name == "cpu"
         err_one = error_against_float32(one, reference)
         err_two = error_against_float32(two, reference)
     finally:

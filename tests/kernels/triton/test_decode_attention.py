@@ -13,8 +13,8 @@ import torch
 from conftest import shuffled_paged_cache
 
 from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.attention.torch_backend import TorchAttention
-from nanoqwen.model.layers import RotaryEmbedding
 
 pytest.importorskip("triton")
 # With a GPU the kernels compile for it and cannot take these CPU tensors; tests/gpu covers

@@ -1,5 +1,5 @@
 """The Triton paged prefill (the triton backend's prefill: rope_and_store, then the kernel of
-kernels/prefill_attention.py) against the torch reference backend and a float64 reference.
+kernels/triton/prefill_attention.py) against the torch reference backend and a float64 reference.
 
 On CPU the kernels run in Triton's interpreter (tests/conftest.py), in float32 and float16,
 with small tiles so that a few dozen tokens already span several query and key tiles;
@@ -15,8 +15,8 @@ import torch
 from conftest import shuffled_paged_cache
 
 from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.attention.torch_backend import TorchAttention, paged_attention
-from nanoqwen.model.layers import RotaryEmbedding
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(

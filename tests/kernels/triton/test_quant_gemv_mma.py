@@ -1,4 +1,4 @@
-"""The tensor-core int4 GEMV (kernels/quant_gemv_mma.py) in Triton's CPU interpreter, against
+"""The tensor-core int4 GEMV (kernels/triton/quant_gemv_mma.py) in Triton's CPU interpreter, against
 x @ dequantized(w).T in float64: its plain shift-and-mask unpacking and the K order the PTX
 unpacking shares with it. tests/kernels/triton/test_quant_matmul_gpu.py runs the PTX on a GPU."""
 

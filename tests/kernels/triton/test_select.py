@@ -1,4 +1,4 @@
-"""kernels/select.py, the sampler's candidate selection: store_largest's K largest values of
+"""kernels/triton/select.py, the sampler's candidate selection: store_largest's K largest values of
 a block as a multiset, store_above's values above a floor (at most K); ties, -0.0, -inf
 padding and K equal to the block included. In Triton's CPU interpreter without a GPU,
 compiled for it with one."""

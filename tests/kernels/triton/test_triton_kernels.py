@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
 )
+from nanoqwen.kernels.layer_ops import TORCH_OPS, triton_ops  # noqa: E402
 from nanoqwen.kernels.triton.gemv import gemv, gemv_silu_mul  # noqa: E402
 
 # (rows, columns): down_proj-like long rows, many short rows, and odd sizes that leave
@@ -55,7 +56,7 @@ def test_fused_model_generates_what_the_reference_layers_generate(tiny_model):
     tokens, logits = {}, {}
     for fused in (False, True):
         llm = LLM(str(path), dtype="float32", progress=False)
-        llm.runner.model.use_fused_kernels(fused)
+        llm.runner.model.set_ops(triton_ops() if fused else TORCH_OPS)
         tokens[fused] = llm.generate([prompt], params)[0].token_ids
         logits[fused] = llm.runner.prompt_logits(prompt + tokens[fused], last=1)
     assert tokens[True] == tokens[False]

@@ -1,0 +1,49 @@
+"""LayerOps: the kernels a decoder layer's norms, MLP and small projections run on one
+device, chosen once when the engine is built. Where an op is None the layer runs plain torch
+in HF's exact order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    name: str
+    # (x, weight, eps, residual or None) -> (norm(x + residual), x + residual)
+    add_rms_norm: Callable | None = None
+    # [rows, 2n] = [gate | up] -> silu(gate) * up
+    silu_mul: Callable | None = None
+    # one row through a dense weight, bias included: (x, weight, bias) -> x @ weight.T + bias
+    gemv: Callable | None = None
+    # one row through gate_up with SiLU·up in the epilogue: (x, weight) -> silu(gate) * up
+    gemv_silu_mul: Callable | None = None
+    # whether a weight is small enough for the GEMV to beat the library's matmul
+    gemv_pays: Callable[[torch.Tensor], bool] = lambda weight: False
+
+
+TORCH_OPS = LayerOps("torch")
+
+
+def triton_ops() -> LayerOps:
+    """bf16/fp16 on CUDA: the Triton add+norm, SiLU·up and single-row GEMVs."""
+    from nanoqwen.kernels.triton.gemv import gemv, gemv_pays, gemv_silu_mul
+    from nanoqwen.kernels.triton.rms_norm import rms_norm
+    from nanoqwen.kernels.triton.silu_mul import silu_mul
+
+    def add_rms_norm(x, weight, eps, residual):
+        if residual is None:
+            return rms_norm(x, weight, eps), x
+        return rms_norm(x, weight, eps, residual), residual  # residual summed in place
+
+    return LayerOps("triton", add_rms_norm, silu_mul, gemv, gemv_silu_mul, gemv_pays)
+
+
+def cpu_ops() -> LayerOps:
+    """bf16 on the CPU: the C add+norm and SiLU·up (kernels/cpu/cpu_ops.c), HF's roundings."""
+    from nanoqwen.kernels.cpu.cpu_ops import add_rms_norm, silu_mul
+
+    return LayerOps("cpu", add_rms_norm, silu_mul)
