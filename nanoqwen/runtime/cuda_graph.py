@@ -11,6 +11,7 @@ from tqdm import tqdm
 from nanoqwen.attention.cascade import shared_prefix_blocks
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.kv.cache import KVCache
+from nanoqwen.runtime.step_buffer import Layout, StepBuffer
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -19,36 +20,26 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def _fields(t64, t32, n: int, width: int) -> SimpleNamespace:
-    """The inputs' views of one buffer's two parts, numpy arrays (the host mirrors) or
-    tensors (the device buffer the graphs read) alike.
+def graph_layout(n: int, width: int) -> Layout:
+    """The decode graphs' buffer for batches of up to n rows and block tables width wide.
 
-    int64 part: ids, positions, slot_mapping, for a token still in flight the row of the
-    previous step's output that holds it, and each row's sampler slot. int32 part:
-    context_lens, the rows longest context first (the decode kernel's launch order), the
-    cascade's suffix_lens and prefix_len (attention/cascade.py), then the block tables and the
-    cascade's suffix tables: the wide ones last, so that what a graph of batch size bs reads
-    ends at row bs of its tables (used_entries).
-    """
-    tables = 3 * n + 1
-    return SimpleNamespace(
-        ids=t64[:n],
-        pos=t64[n : 2 * n],
-        slots=t64[2 * n : 3 * n],
-        sources=t64[3 * n : 4 * n],
-        sampler_slots=t64[4 * n : 5 * n],
-        ctx=t32[:n],
-        order=t32[n : 2 * n],
-        suffix_lens=t32[2 * n : 3 * n],
-        prefix_len=t32[3 * n : 3 * n + 1],
-        tables=t32[tables : tables + n * width].reshape(n, width),
-        suffix_tables=t32[tables + n * width : tables + 2 * n * width].reshape(n, width),
+    int64: ids, positions, KV slots, for a token still in flight the row of the previous
+    step's output that holds it, and each row's sampler slot. int32: context lengths, the rows
+    longest context first (the decode kernel's launch order), the cascade's suffix_lens and
+    prefix_len (attention/cascade.py), then the block tables and the cascade's suffix tables:
+    the wide ones last, so that what a graph of batch size bs reads ends at row bs of its
+    tables (used_entries)."""
+    return Layout.of(
+        int64={"ids": n, "pos": n, "slots": n, "sources": n, "sampler_slots": n},
+        int32={
+            "ctx": n,
+            "order": n,
+            "suffix_lens": n,
+            "prefix_len": 1,
+            "tables": (n, width),
+            "suffix_tables": (n, width),
+        },
     )
-
-
-def int32_entries(n: int, width: int) -> int:
-    """context_lens, order, suffix_lens, prefix_len, tables, suffix_tables."""
-    return 3 * n + 1 + 2 * n * width
 
 
 def used_entries(n: int, width: int, bs: int, cascade: bool) -> int:
@@ -58,27 +49,12 @@ def used_entries(n: int, width: int, bs: int, cascade: bool) -> int:
     return 5 * n + -(-int32 // 2)
 
 
-class _HostMirror:
-    """Pinned host copies of the graphs' input buffers (_fields's layout), with numpy views
-    to fill them. Both parts live in one buffer (t), so a step's inputs are one copy, and
-    with tensor parallelism one broadcast."""
-
-    def __init__(self, n: int, width: int) -> None:
-        self.t = torch.zeros(5 * n + -(-int32_entries(n, width) // 2), dtype=torch.int64)
-        if torch.cuda.is_available():  # the layout's tests run without a GPU
-            self.t = self.t.pin_memory()
-        host64, host32 = self.t[: 5 * n].numpy(), self.t[5 * n :].view(torch.int32).numpy()
-        self.fields = _fields(host64, host32, n, width)
-
-
 class CUDAGraphRunner:
     """Replays the decode step (embedding through lm_head, then the sampler) for a batch
     padded to the next captured size.
 
-    The graphs read static device buffers. Each step fills pinned host mirrors of them with
-    numpy and sends them in two asynchronous copies (one per dtype), so preparing a step
-    costs no allocation and no per-tensor launch. Two mirrors take turns: while step N's
-    copy may still be queued behind step N-1, step N+1 fills the other one.
+    The graphs read one StepBuffer (graph_layout's), which each step fills on the host and
+    sends in one asynchronous copy of the part its graph reads.
     """
 
     def __init__(self, max_num_seqs: int, kv: KVCache, sampler_scratch: int) -> None:
@@ -100,17 +76,17 @@ class CUDAGraphRunner:
         n = self.max_bs = self.sizes[-1]
         self.width = width = -(-max_model_len // self.kv.block_size)
         self.variants: list[tuple[int, int]] = variants
-        self.mirrors = [_HostMirror(n, width) for _ in range(2)]
-        for m in self.mirrors:
-            self._fill_padding(m.fields, 0, n)
+        self.buffer = StepBuffer(graph_layout(n, width), device)
+        for h in self.buffer.host_fields:
+            self._fill_padding(h, 0, n)
             # The capture warm-ups run on this; each step's prepare() sets its own order.
             # The decode kernel runs row order[i] as its i-th: a row the order leaves out
-            # keeps whatever its output buffer held, and NaN logits there once made the
-            # sampler count a token past the vocabulary, into memory past its tables.
-            m.fields.order[:] = np.arange(n)
-        self.turn = 0
-        self.dev = self.mirrors[0].t.to(device)  # what the graphs read; its layout is t's
-        self.fields = _fields(self.dev[: 5 * n], self.dev[5 * n :].view(torch.int32), n, width)
+            # keeps whatever its output buffer held, and NaN logits would make the sampler
+            # count a token past the vocabulary, into memory past its tables.
+            h.order[:] = np.arange(n)
+        self.buffer.send()
+        self.buffer.turn = 0
+        self.fields = self.buffer.fields
         self.ids, self.sampler_slots = self.fields.ids, self.fields.sampler_slots
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
 
@@ -152,7 +128,7 @@ class CUDAGraphRunner:
     def inputs(self, key) -> torch.Tensor:
         """The start of the device buffer that holds everything the graph of key reads."""
         bs, _, _, cascade = key
-        return self.dev[: used_entries(self.max_bs, self.width, bs, cascade)]
+        return self.buffer.dev[: used_entries(self.max_bs, self.width, bs, cascade)]
 
     @torch.inference_mode()
     def capture(
@@ -232,23 +208,23 @@ class CUDAGraphRunner:
         return self.padded_size(num_seqs), variant, filtering, cascade
 
     @torch.inference_mode()
-    def prepare(self, runner, seqs, filtering: bool = False) -> tuple[int, int, bool, bool]:
-        """Writes the decode inputs of seqs into the static buffers; returns the key of the
-        graph to replay.
-        Only host arithmetic and async device work: nothing here waits for the GPU."""
+    def prepare(
+        self, seqs, ids: list[int], sources: list[int], sampler_slots: list[int], filtering: bool
+    ) -> tuple[int, int, bool, bool]:
+        """Writes the decode inputs of seqs into the graphs' buffer and sends it; returns the
+        key of the graph to replay. ids: each one's newest token (PLACEHOLDER if in flight),
+        sources: the rows of the last step's tokens that hold those in flight (the runner
+        fills them in on the device). Nothing here waits for the GPU."""
         n = len(seqs)
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         bs, variant, _, _ = key = self.key_for(n, int(lens.max()), filtering)
         block_size = self.kv.block_size
-        ids, sources, pending = runner.token_sources(seqs)
         # This mirror was last copied from two steps ago, and the engine has read that
         # step's tokens back since, so the copy is done and the mirror free to refill.
-        m = self.mirrors[self.turn]
-        self.turn ^= 1
-        h = m.fields
+        h = self.buffer.host()
         h.ids[:n] = ids
         h.sources[:n] = sources
-        h.sampler_slots[:n] = runner.sampler.slots(seqs)
+        h.sampler_slots[:n] = sampler_slots
         h.pos[:n] = lens - 1
         h.ctx[:n] = lens
         # Columns past a sequence's own blocks keep stale ids; every kernel stops reading at
@@ -266,11 +242,7 @@ class CUDAGraphRunner:
                 h.suffix_tables[:n, : self.width - shared] = h.tables[:n, shared:]
         self._fill_padding(h, n, bs)
         h.order[:bs] = np.argsort(-h.ctx[:bs], kind="stable")
-        used = self.inputs(key)
-        used.copy_(m.t[: used.numel()], non_blocking=True)
-        if pending:
-            ids = self.fields.ids[:n]
-            ids.copy_(runner.fill_placeholders(ids, self.fields.sources[:n]))
+        self.buffer.send(used_entries(self.max_bs, self.width, bs, key[3]))
         return key
 
     def replay(self, key) -> tuple[torch.Tensor, torch.Tensor | None]:

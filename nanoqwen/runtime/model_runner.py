@@ -3,8 +3,9 @@
 Steps are launched without waiting for their result (LaunchedStep), so the engine can
 schedule and launch step N+1 while the GPU still runs step N. A token not yet read back
 sits in its sequence as PLACEHOLDER; the next decode step takes it straight from the
-device tensor that step N sampled into. The host-side layout of a step's inputs is
-step_inputs.py's.
+device tensor that step N sampled into. A step's inputs reach the device as one StepBuffer
+(step_buffer.py): laid out by step_inputs.py for an eager step, by the graph runners for a
+replay; the runner hands each graph what it fills its buffer with.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
-from nanoqwen.runtime.step_inputs import StepInputBuilder, StepInputs, prompt_logprob_plan
+from nanoqwen.runtime.step_buffer import StepBuffer
+from nanoqwen.runtime.step_inputs import (
+    StepInputBuilder,
+    StepInputs,
+    prompt_logprob_plan,
+    step_metadata,
+)
 
 
 @dataclass
@@ -79,24 +86,22 @@ class ModelRunner:
     def upload(
         self, inputs: StepInputs
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor | None]:
-        """The step's device tensors: (ids, metadata, prefill logit rows)."""
-        meta = AttentionMetadata(
-            is_prefill=inputs.is_prefill,
-            positions=self._tensor(inputs.positions, torch.int64),
-            slot_mapping=self._tensor(inputs.slots, torch.int64),
-            context_lens=self._tensor(inputs.context_lens, torch.int32),
-            block_tables=self._tensor(inputs.block_tables, torch.int32),
-            cu_seqlens_q=self._tensor(inputs.cu_seqlens_q, torch.int32),
-            max_seqlen_q=inputs.max_seqlen_q,
-            max_seqlen_k=inputs.max_seqlen_k,
-        )
-        if inputs.is_prefill:
-            meta.cu_seqlens_k = self._tensor(inputs.cu_seqlens_k, torch.int32)
-        ids = self._tensor(inputs.ids, torch.int64)
+        """The step's device tensors, (ids, metadata, prefill logit rows): views of one
+        StepBuffer, sent in one copy."""
+        buffer = StepBuffer(inputs.layout(), self.device, mirrors=1)
+        inputs.write(buffer.host())
+        buffer.send()
+        self._sent(buffer, inputs)
+        f = buffer.fields
+        meta = step_metadata(f, inputs.is_prefill, inputs.max_seqlen_q, inputs.max_seqlen_k)
+        return f.ids, meta, f.logit_rows if inputs.is_prefill else None
+
+    def _sent(self, buffer: StepBuffer, inputs: StepInputs) -> None:
+        """The step's buffer is on the device: its placeholder ids are filled in place (the
+        other tensor-parallel ranks, which have no sampled tokens, get them filled)."""
         if inputs.sources is not None:
-            ids = self.fill_placeholders(ids, self._tensor(inputs.sources, torch.int64))
-        rows = self._tensor(inputs.logit_rows, torch.int64) if inputs.is_prefill else None
-        return ids, meta, rows
+            f = buffer.fields
+            f.ids.copy_(self.fill_placeholders(f.ids, f.sources))
 
     def prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         return self.upload(self.inputs.prefill(batch))
@@ -130,7 +135,7 @@ class ModelRunner:
             and self.prefill_graphs is not None
             and self.prefill_graphs.can_run(batch)
         ):
-            key = self.prefill_graphs.prepare(self, batch, filtering)
+            key = self.prefill_graphs.prepare(batch, self.sampler.slots(batch.seqs)[0], filtering)
             self._announce_prefill_graph(key)
             logits, tokens = self.prefill_graphs.replay(key)
         elif batch.is_prefill:
@@ -140,7 +145,13 @@ class ModelRunner:
             logits = self.model.compute_logits((x[rows], residual[rows]))
             tokens = self._sample(logits, seqs, filtering) if seqs else None
         elif self.graphs is not None and self.graphs.can_run(n):
-            key = self.graphs.prepare(self, batch.seqs, filtering)
+            ids, sources, pending = self.token_sources(batch.seqs)
+            key = self.graphs.prepare(
+                batch.seqs, ids, sources, self.sampler.slots(batch.seqs), filtering
+            )
+            if pending:
+                f = self.graphs.fields
+                f.ids[:n].copy_(self.fill_placeholders(f.ids[:n], f.sources[:n]))
             self._announce_graph(key)
             logits, tokens = self.graphs.replay(key)
             logits, tokens = logits[:n], tokens[:n]

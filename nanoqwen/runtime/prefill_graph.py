@@ -17,8 +17,6 @@ buffer into the others', as the decode graphs do.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -26,6 +24,7 @@ from tqdm import tqdm
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.scheduler import Batch
+from nanoqwen.runtime.step_buffer import Layout, StepBuffer
 
 # Above this many tokens the GPU's work outlasts the CPU's launches, and eager costs little.
 MAX_BUCKET = 512
@@ -44,20 +43,13 @@ def buckets(max_tokens: int) -> list[int]:
     return sizes
 
 
-def _fields(t64, t32, rows: int, width: int) -> SimpleNamespace:
-    """The buffer's views, numpy (the host mirror) or tensors (what the graphs read) alike.
-    int64: ids, positions, KV slots per row, then the logit row and the sampler slot; int32:
-    cu_seqlens_q, cu_seqlens_k, context_lens (sequence and padding), the two block tables."""
-    return SimpleNamespace(
-        ids=t64[:rows],
-        pos=t64[rows : 2 * rows],
-        slots=t64[2 * rows : 3 * rows],
-        logit_row=t64[3 * rows : 3 * rows + 1],
-        sampler_slot=t64[3 * rows + 1 : 3 * rows + 2],
-        cu_q=t32[:3],
-        cu_k=t32[3:6],
-        ctx=t32[6:8],
-        tables=t32[8 : 8 + 2 * width].reshape(2, width),
+def prefill_layout(rows: int, width: int) -> Layout:
+    """The prefill graphs' buffer. int64: ids, positions, KV slots per row, then the logit
+    row and the sampler slot; int32: cu_seqlens_q, cu_seqlens_k, context_lens (sequence and
+    padding), the two block tables."""
+    return Layout.of(
+        int64={"ids": rows, "pos": rows, "slots": rows, "logit_row": 1, "sampler_slot": 1},
+        int32={"cu_q": 3, "cu_k": 3, "ctx": 2, "tables": (2, width)},
     )
 
 
@@ -78,16 +70,8 @@ class PrefillGraphRunner:
         # Wide enough for the padding sequence too, which may be longer than max_model_len.
         self.width = width = -(-max(max_model_len, rows) // self.kv.block_size)
         self.max_model_len = max_model_len
-        int64s = 3 * rows + 2 + -(-(8 + 2 * width) // 2)
-        # Two pinned mirrors take turns, as the decode graphs' do (cuda_graph.py): a step's
-        # copy may still be queued while the next step fills the other.
-        self.mirrors = [torch.zeros(int64s, dtype=torch.int64) for _ in range(2)]
-        if device.type == "cuda":  # the layout's tests run on the CPU
-            self.mirrors = [m.pin_memory() for m in self.mirrors]
-        self.host = [self._split(m.numpy(), m) for m in self.mirrors]
-        self.turn = 0
-        self.dev = self.mirrors[0].to(device)
-        self.fields = self._split(self.dev, self.dev)
+        self.buffer = StepBuffer(prefill_layout(rows, width), device)
+        self.fields = self.buffer.fields
 
     def _warm_up_inputs(self, bucket: int) -> None:
         """What the capture warm-ups of bucket run on: one token whose key goes to the
@@ -95,15 +79,8 @@ class PrefillGraphRunner:
         needs its own: over the largest bucket's layout, a smaller bucket's kernels read and
         wrote the rows that layout names past the end of their tensors."""
         scratch = np.full(self.width, self.kv.scratch_block, np.int32)
-        self._fill(self.host[0], [0], scratch, 0, 1, self.sampler_scratch, bucket)
-        self.dev.copy_(self.mirrors[0])
-
-    def _split(self, whole, t: torch.Tensor) -> SimpleNamespace:
-        rows = self.rows
-        i32 = t[3 * rows + 2 :].view(torch.int32)
-        if isinstance(whole, np.ndarray):
-            i32 = i32.numpy()
-        return _fields(whole, i32, rows, self.width)
+        self._fill(self.buffer.host(), [0], scratch, 0, 1, self.sampler_scratch, bucket)
+        self.buffer.send()
 
     def _fill(self, h, ids, table, start: int, end: int, sampler_slot: int, bucket: int) -> None:
         """Rows [0, L) hold positions start..end-1 of a sequence whose block table is table;
@@ -173,7 +150,7 @@ class PrefillGraphRunner:
 
     def _forward(self, model, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
         if model.tp is not None:  # rank 0's inputs into every rank's buffer
-            model.tp.broadcast(self.dev)
+            model.tp.broadcast(self.buffer.dev)
         x, residual = model(self.fields.ids[:bucket], meta)
         rows = self.fields.logit_row
         return model.compute_logits((x[rows], residual[rows]))
@@ -191,18 +168,17 @@ class PrefillGraphRunner:
         return batch.num_new_tokens[0] < self.rows and seq.params.prompt_logprobs is None
 
     @torch.inference_mode()
-    def prepare(self, runner, batch: Batch, filtering: bool) -> tuple[int, bool]:
-        """Writes the step of batch (can_run's kind) into the graphs' buffer; returns the key
-        of the graph to replay. Nothing here waits for the GPU."""
+    def prepare(self, batch: Batch, sampler_slot: int, filtering: bool) -> tuple[int, bool]:
+        """Writes the step of batch (can_run's kind), whose sequence samples in sampler_slot,
+        into the graphs' buffer and sends it; returns the key of the graph to replay.
+        Nothing here waits for the GPU."""
         seq, n = batch.seqs[0], batch.num_new_tokens[0]
         start = seq.num_computed_tokens
         bucket = next(b for b in self.sizes if b > n)
-        h, mirror = self.host[self.turn], self.mirrors[self.turn]
-        self.turn ^= 1
         table = np.asarray(seq.block_table, dtype=np.int32)
         ids = seq.token_ids[start : start + n]
-        self._fill(h, ids, table, start, start + n, runner.sampler.slots([seq])[0], bucket)
-        self.dev.copy_(mirror, non_blocking=True)
+        self._fill(self.buffer.host(), ids, table, start, start + n, sampler_slot, bucket)
+        self.buffer.send()
         return bucket, filtering
 
     def replay(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,10 +1,16 @@
-"""One step's model inputs as host lists, before they become device tensors, and how a
-scheduled Batch becomes them."""
+"""One step's model inputs as host lists, how a scheduled Batch becomes them, and their
+StepBuffer layout (the form in which they reach the device)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.runtime.step_buffer import Layout
 
 if TYPE_CHECKING:
     from nanoqwen.runtime.kv.block_manager import BlockManager
@@ -42,6 +48,66 @@ class StepInputs:
     @property
     def width(self) -> int:
         return len(self.block_tables[0]) if self.block_tables else 0
+
+    def layout(self) -> Layout:
+        return step_layout(
+            len(self.ids), len(self.context_lens), self.width, len(self.logit_rows),
+            self.is_prefill, self.sources is not None,
+        )  # fmt: skip
+
+    def write(self, f: SimpleNamespace) -> None:
+        """Into the numpy fields of a StepBuffer of layout()."""
+        f.ids[:] = self.ids
+        f.positions[:] = self.positions
+        f.slots[:] = self.slots
+        if self.sources is not None:
+            f.sources[:] = self.sources
+        f.logit_rows[:] = self.logit_rows
+        f.context_lens[:] = self.context_lens
+        f.cu_seqlens_q[:] = self.cu_seqlens_q
+        if self.is_prefill:
+            f.cu_seqlens_k[:] = self.cu_seqlens_k
+        if self.block_tables:
+            f.block_tables[:] = np.asarray(self.block_tables, dtype=np.int32)
+
+
+def step_layout(
+    tokens: int, seqs: int, width: int, rows: int, prefill: bool, pending: bool
+) -> Layout:
+    """An eager step's buffer: rows are the prefill rows that get logits; pending: decode
+    ids include placeholders, whose sources follow."""
+    return Layout.of(
+        int64={
+            "ids": tokens,
+            "positions": tokens,
+            "slots": tokens,
+            "sources": tokens if pending else 0,
+            "logit_rows": rows,
+        },
+        int32={
+            "context_lens": seqs,
+            "cu_seqlens_q": seqs + 1,
+            "cu_seqlens_k": seqs + 1 if prefill else 0,
+            "block_tables": (seqs, width),
+        },
+    )
+
+
+def step_metadata(
+    f: SimpleNamespace, prefill: bool, max_seqlen_q: int, max_seqlen_k: int
+) -> AttentionMetadata:
+    """The AttentionMetadata over a step's device fields (step_layout's)."""
+    return AttentionMetadata(
+        is_prefill=prefill,
+        positions=f.positions,
+        slot_mapping=f.slots,
+        context_lens=f.context_lens,
+        block_tables=f.block_tables,
+        cu_seqlens_q=f.cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        cu_seqlens_k=f.cu_seqlens_k if prefill else None,
+    )
 
 
 class StepInputBuilder:

@@ -44,7 +44,7 @@ def test_a_step_copies_the_start_of_the_buffer_that_holds_all_its_graph_reads():
     kv = KVCache.allocate(CFG, 12, 16, torch.float32, "cpu")
     graphs = CUDAGraphRunner(16, kv, sampler_scratch=16)
     graphs._allocate(torch.device("cpu"), 32768, [(4096, 4), (32768, 1)])
-    base, item = graphs.dev.data_ptr(), graphs.dev.element_size()
+    base, item = graphs.buffer.dev.data_ptr(), graphs.buffer.dev.element_size()
     for bs in graphs.sizes:
         for variant in (0, 1):
             for cascade in (False, True):
@@ -59,6 +59,6 @@ def test_a_step_copies_the_start_of_the_buffer_that_holds_all_its_graph_reads():
                     extent = 1 + sum((d - 1) * st for d, st in zip(v.shape, v.stride()))
                     last = v.data_ptr() + extent * v.element_size()
                     assert base <= v.data_ptr() and last <= end, (key, v.shape)
-    whole = graphs.dev.numel() * item
+    whole = graphs.buffer.dev.numel() * item
     assert whole > 250_000
     assert graphs.inputs((1, 0, False, False)).numel() * item < 10_000

@@ -63,7 +63,8 @@ def test_a_padded_chunk_after_a_cached_prefix_gives_the_eager_logits(llm):
         graphs = _graphs(llm)
         table = np.asarray(seq.block_table, dtype=np.int32)
         slot = runner.sampler.slots([seq])[0]
-        graphs._fill(graphs.host[0], seq.token_ids[30:], table, 30, 50, slot, 32)
+        graphs._fill(graphs.buffer.host(), seq.token_ids[30:], table, 30, 50, slot, 32)
+        graphs.buffer.send()
         f = graphs.fields
         assert f.cu_q.tolist() == [0, 20, 32] and f.cu_k.tolist() == [0, 50, 62]
         assert f.ctx.tolist() == [50, 12] and f.logit_row.tolist() == [19]

@@ -1,9 +1,9 @@
 """The per-step message from rank 0 to the other ranks.
 
 A step is a small fixed header over the gloo control group (what kind of step, the sizes of
-its parts, which CUDA graph) and then one broadcast of the step's inputs packed into a single
-int64 tensor, on the step's device (NCCL between GPUs), so rank 0 never waits for the GPU to
-send it. A CUDA graph's replay broadcasts its own inputs, as its first kernel
+its parts, which CUDA graph) and then one broadcast of the step's StepBuffer
+(runtime/step_buffer.py), on the step's device (NCCL between GPUs), so rank 0 never waits
+for the GPU to send it. A CUDA graph's replay broadcasts its own inputs, as its first kernel
 (runtime/cuda_graph.py, runtime/prefill_graph.py). Host work the others must repeat (KV
 block copies to and from the host pool, the row ranges of prompt logprobs) rides in an extra
 control message on the steps that have any.
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.parallel.group import ParallelContext
-from nanoqwen.runtime.step_inputs import StepInputs
+from nanoqwen.runtime.step_inputs import StepInputs, step_layout, step_metadata
 
 
 class Op(IntEnum):
@@ -59,21 +57,11 @@ def header(op: Op, **fields: int) -> list[int]:
     return h
 
 
-def pack(inputs: StepInputs) -> tuple[list[int], np.ndarray]:
-    """(header, payload) of a STEP message."""
-    parts = [inputs.ids, inputs.positions, inputs.slots]
-    if inputs.sources is not None:
-        parts.append(inputs.sources)
-    parts += [inputs.context_lens, inputs.cu_seqlens_q]
-    if inputs.is_prefill:
-        parts.append(inputs.cu_seqlens_k)
-    parts += [[b for row in inputs.block_tables for b in row], inputs.logit_rows]
-    payload = np.fromiter(
-        (v for part in parts for v in part), dtype=np.int64, count=sum(map(len, parts))
-    )
-    h = header(
+def step_header(inputs: StepInputs) -> list[int]:
+    """The header of a STEP message: the sizes that make its StepBuffer layout."""
+    return header(
         Op.STEP,
-        payload=len(payload),
+        payload=inputs.layout().entries,
         tokens=len(inputs.ids),
         seqs=len(inputs.context_lens),
         width=inputs.width,
@@ -83,35 +71,18 @@ def pack(inputs: StepInputs) -> tuple[list[int], np.ndarray]:
         prefill=inputs.is_prefill,
         pending=inputs.sources is not None,
     )
-    return h, payload
 
 
-def unpack(h: list[int], payload: torch.Tensor):
-    """(ids, metadata, logit rows or None, placeholder sources or None) as views and casts of
-    the payload on its device: host arithmetic on the header only, no sync."""
-    tokens, seqs, width = h[Field.TOKENS], h[Field.SEQS], h[Field.WIDTH]
+def step_of(h: list[int], buffer: torch.Tensor):
+    """(ids, metadata, logit rows or None) as views of a STEP's buffer on its device."""
     prefill = bool(h[Field.PREFILL])
-    sizes = [tokens, tokens, tokens]
-    sizes += [tokens] if h[Field.PENDING] else []
-    sizes += [seqs, seqs + 1] + ([seqs + 1] if prefill else []) + [seqs * width, h[Field.ROWS]]
-    parts = list(payload.split(sizes))
-    ids, positions, slots = parts[:3]
-    sources = parts.pop(3) if h[Field.PENDING] else None
-    ctx, cu_q = parts[3].to(torch.int32), parts[4].to(torch.int32)
-    cu_k = parts[5].to(torch.int32) if prefill else None
-    tables, rows = parts[-2].to(torch.int32).view(seqs, width), parts[-1]
-    meta = AttentionMetadata(
-        is_prefill=prefill,
-        positions=positions,
-        slot_mapping=slots,
-        context_lens=ctx,
-        block_tables=tables,
-        cu_seqlens_q=cu_q,
-        max_seqlen_q=h[Field.MAX_Q],
-        max_seqlen_k=h[Field.MAX_K],
-        cu_seqlens_k=cu_k,
-    )
-    return ids, meta, rows if prefill else None, sources
+    layout = step_layout(
+        h[Field.TOKENS], h[Field.SEQS], h[Field.WIDTH], h[Field.ROWS], prefill,
+        bool(h[Field.PENDING]),
+    )  # fmt: skip
+    f = layout.views(buffer)
+    meta = step_metadata(f, prefill, h[Field.MAX_Q], h[Field.MAX_K])
+    return f.ids, meta, f.logit_rows if prefill else None
 
 
 class StepChannel:

@@ -17,10 +17,10 @@ from nanoqwen.runtime.parallel.message import (
     StepChannel,
     encode_copies,
     header,
-    pack,
-    unpack,
+    step_header,
 )
 from nanoqwen.runtime.parallel.processes import WorkerProcesses, sigint_deferred
+from nanoqwen.runtime.step_buffer import StepBuffer
 from nanoqwen.runtime.step_inputs import StepInputs
 
 
@@ -68,19 +68,15 @@ class ParallelModelRunner(ModelRunner):
         return self.host.take() if isinstance(self.host, RecordingHostKVCache) else []
 
     def upload(self, inputs: StepInputs):
-        h, payload = pack(inputs)
+        h = step_header(inputs)
         h[Field.PROMPT_ROWS] = len(inputs.prompt_rows)
         extra = [v for r in inputs.prompt_rows for v in r] + self._copies()
         self.channel.send(h, extra)
-        packed = torch.from_numpy(payload)
-        if self._pin:
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        ids, meta, rows, sources = unpack(h, packed)
-        if sources is not None:
-            # The others have no sampled tokens: they get the filled ids in the payload.
-            ids.copy_(self.fill_placeholders(ids, sources))
-        self.channel.share(packed)
-        return ids, meta, rows
+        return super().upload(inputs)
+
+    def _sent(self, buffer: StepBuffer, inputs: StepInputs) -> None:
+        super()._sent(buffer, inputs)  # placeholders filled: the others get the ids
+        self.channel.share(buffer.dev)
 
     def _announce_graph(self, key) -> None:
         bs, variant, filtering, cascade = key

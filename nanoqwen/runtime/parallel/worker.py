@@ -25,7 +25,7 @@ from nanoqwen.runtime.parallel.group import (
     release_graphs,
     spawn_store,
 )
-from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, unpack
+from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, step_of
 from nanoqwen.runtime.parallel.rank_errors import report_error
 
 SYNC_DEBUG_ENV = "NANOQWEN_WORKER_SYNC_DEBUG"
@@ -86,7 +86,7 @@ class WorkerRunner:
         and logits gather pairs with rank 0's."""
         payload = torch.empty(h[Field.PAYLOAD], dtype=torch.int64, device=self.device)
         self.channel.share(payload)
-        ids, meta, rows, _ = unpack(h, payload)
+        ids, meta, rows = step_of(h, payload)
         x, residual = self.model(ids, meta)
         for start, end in prompt_rows:
             self.model.compute_logits((x[start:end], residual[start:end]))
