@@ -1,3 +1,5 @@
+"""`python -m nanoqwen.bench`: the same benchmark as `nanoqwen bench`."""
+
 import argparse
 import sys
 

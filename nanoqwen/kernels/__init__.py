@@ -1,2 +1,2 @@
-"""Triton kernels for the GPU path, below both the model and the runtime: each fuses what plain
-torch would run as several kernels. Importing a module here needs triton."""
+"""Kernels by device: Triton for the GPU (triton/), C for the CPU (cpu/, with its build and
+ctypes wrappers), and the op set a decoder layer runs on each (layer_ops.py)."""

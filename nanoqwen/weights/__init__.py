@@ -1,0 +1,2 @@
+"""Readers: where a model is (hub.py), its tokenizer and chat template, GGUF files, and
+generation defaults."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoqwen.kernels.cpu import sample as native
 from nanoqwen.kernels.sampling_layout import (
     F_FREQUENCY,
     F_MIN_P,
@@ -155,17 +156,18 @@ class TorchPasses:
 class TritonPasses:
     """The same function in Triton kernels (kernels/triton/sample.py, sampling_thresholds.py)."""
 
-    def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
-        from nanoqwen.kernels.triton import sample as kernels
+    def __init__(self) -> None:
+        from nanoqwen.kernels.triton import sample  # Triton only where the device runs it
 
+        self.kernels = sample
+
+    def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
         if filtering:
-            return kernels.filter_step(logits, slots, state, candidates)
-        return kernels.plain_step(logits, slots, state)
+            return self.kernels.filter_step(logits, slots, state, candidates)
+        return self.kernels.plain_step(logits, slots, state)
 
     def filtered(self, logits, slots, state, candidates: int) -> torch.Tensor:
-        from nanoqwen.kernels.triton import sample as kernels
-
-        z, tau, _ = kernels.filter_thresholds(logits, slots, state, candidates)
+        z, tau, _ = self.kernels.filter_thresholds(logits, slots, state, candidates)
         return z.masked_fill(z < tau[:, None], NEG_INF)
 
 
@@ -175,8 +177,6 @@ class NativePasses:
 
     @staticmethod
     def _options(state: SamplingState, filtering: bool) -> int:
-        from nanoqwen.kernels.cpu import sample as native
-
         return (
             native.PENALTIES * state.any_penalties
             | native.BANS * state.any_bans
@@ -185,16 +185,12 @@ class NativePasses:
         )
 
     def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
-        from nanoqwen.kernels.cpu import sample as native
-
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
         options = self._options(state, filtering) | native.RECORD
         native.sample_rows(logits, slots, state, options, candidates, tokens=tokens)
         return tokens
 
     def filtered(self, logits, slots, state, candidates: int) -> torch.Tensor:
-        from nanoqwen.kernels.cpu import sample as native
-
         z = torch.empty(logits.shape, dtype=torch.float32)
         tau = torch.empty(logits.shape[0], dtype=torch.float32)
         native.sample_rows(logits, slots, state, self._options(state, True), candidates, z, tau)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.kernels.cpu.sample import MAX_CANDIDATES, sampling_kernels
 from nanoqwen.runtime.sampling.passes import NativePasses, TorchPasses, TritonPasses
 from nanoqwen.runtime.sampling.state import SamplingState
 from nanoqwen.runtime.sequence import Sequence
@@ -31,8 +32,6 @@ CANDIDATES = 64
 
 
 def cpu_passes() -> NativePasses | TorchPasses:
-    from nanoqwen.kernels.cpu.sample import MAX_CANDIDATES, sampling_kernels
-
     if CANDIDATES <= MAX_CANDIDATES and sampling_kernels() is not None:
         return NativePasses()
     return TorchPasses()
