@@ -19,6 +19,7 @@ import pytest
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.runtime.parallel.group import TensorParallelError
+from parallel.test_tp_processes import running
 
 BOUND_S = 30  # generous for a loaded CI machine; each takes 0.1-2 s
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,6 +172,10 @@ def test_a_rank_killed_mid_generate_leaves_nothing_behind(tiny_model):
         for _ in stream:
             pass
     assert time.monotonic() - start < BOUND_S
+    assert not any(running(p) for p in pids)
+    # The engine stays refused, with the same reason, rather than hanging on a later call.
+    with pytest.raises(TensorParallelError, match="killed by signal 9"):
+        llm.generate([[4, 5]], SamplingParams(max_tokens=2))
     llm.close()
     del llm, stream
     gc.collect()
