@@ -84,8 +84,7 @@ class CUDAGraphRunner:
             # keeps whatever its output buffer held, and NaN logits would make the sampler
             # count a token past the vocabulary, into memory past its tables.
             h.order[:] = np.arange(n)
-        self.buffer.send()
-        self.buffer.turn = 0
+        self.buffer.send()  # both mirrors hold the padding: either may go first
         self.fields = self.buffer.fields
         self.ids, self.sampler_slots = self.fields.ids, self.fields.sampler_slots
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
