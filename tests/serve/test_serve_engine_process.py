@@ -27,16 +27,19 @@ LONG = {"prompt": "def fib(n):", "max_tokens": 2000, "ignore_eos": True}
 BOUND_S = 20  # the server exits within a second of its engine
 
 
-def test_engine_process_death_fails_requests_in_flight_and_stops_the_server(tiny_model, tmp_path):
-    """Killed mid-stream: the stream ends with an error event, the waiting request gets a 500,
-    and the server exits 1 within seconds for its supervisor to restart it (/health's 503 in
-    between: test_serve_engine_failure.py)."""
-    server = Server(["--model", str(tiny_model[0]), *TINY_ENGINE], tmp_path / "server.log")
+def engine_death_stops_the_server(
+    engine_args: list[str], log: Path, prompt: str | list[int], max_tokens: int = 2000
+) -> None:
+    """Killed mid-stream: the stream ends with an error event, the waiting request gets a
+    500, and the server exits 1 within seconds for its supervisor to restart it (/health's
+    503 in between: test_serve_engine_failure.py)."""
+    server = Server(engine_args, log, timeout=600)
     url = f"{server.url}/v1/completions"
+    long = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     try:
         whole: list[httpx.Response] = []
-        waiter = threading.Thread(target=lambda: whole.append(httpx.post(url, json=LONG)))
-        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
+        waiter = threading.Thread(target=lambda: whole.append(httpx.post(url, json=long)))
+        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
             waiter.start()
@@ -60,6 +63,11 @@ def test_engine_process_death_fails_requests_in_flight_and_stops_the_server(tiny
     assert f"nanoqwen: error: {why}" in server.log()
     assert "Traceback" not in server.log()
     assert process_gone(engine, timeout=5)
+
+
+def test_engine_process_death_fails_requests_in_flight_and_stops_the_server(tiny_model, tmp_path):
+    engine = ["--model", str(tiny_model[0]), *TINY_ENGINE]
+    engine_death_stops_the_server(engine, tmp_path / "server.log", "def fib(n):")
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])

@@ -1,6 +1,7 @@
 """The server on a GPU (random weights of the 0.5B shape, bfloat16, CUDA graphs): one request
-at a time gives LLM.generate's tokens on the same weights, and a burst of 64 streams all
-complete with every KV block free after. Skipped without CUDA; on the GPU machine it needs
+at a time gives LLM.generate's tokens on the same weights, a burst of 64 streams all
+complete with every KV block free after, and the engine process killed mid-stream fails its
+requests and stops the server. Skipped without CUDA; on the GPU machine it needs
 the serve wheels (tools/serve_wheels.sh install) on PYTHONPATH."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from nanoqwen import LLM, SamplingParams
 
 from .serve_harness import Server
+from .test_serve_engine_process import engine_death_stops_the_server
 
 pytestmark = [
     pytest.mark.gpu,
@@ -74,3 +76,9 @@ def test_burst_of_streams_completes_and_frees_the_cache(server):
 
     assert all(asyncio.run(burst()))
     server.wait_idle()
+
+
+def test_engine_process_death_on_cuda_stops_the_server(tmp_path):
+    # Long enough that both requests still run when the engine is killed.
+    prompt = list(range(1, 33))
+    engine_death_stops_the_server(ENGINE, tmp_path / "death.log", prompt, max_tokens=30000)
