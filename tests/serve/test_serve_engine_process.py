@@ -38,7 +38,9 @@ def engine_death_stops_the_server(
     long = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     try:
         whole: list[httpx.Response] = []
-        waiter = threading.Thread(target=lambda: whole.append(httpx.post(url, json=long)))
+        # A whole response arrives only when it ends: no read timeout of httpx's 5 s default.
+        post = lambda: whole.append(httpx.post(url, json=long, timeout=60))  # noqa: E731
+        waiter = threading.Thread(target=post)
         with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
