@@ -56,9 +56,13 @@ def start_group(
     dev = rank_device(device, 0, size)
     store = spawn_store(size)
     workers = WorkerProcesses(size, store.port, quiet, build)
+    # A rank that dies before it joins fails the rendezvous at once, not at the store's
+    # timeout. The process group holds the WatchedStore's C++ part only: its Python part, and
+    # the TCPStore it forwards to (whose server the other ranks talk to), live as long as
+    # the workers do, or a garbage collection closes the server under the ranks.
+    workers.rendezvous = WatchedStore(store, workers.check_starting)
     try:
-        # A rank that dies before it joins fails this at once, not at the store's timeout.
-        ctx = join_group(0, size, dev, WatchedStore(store, workers.check_starting))
+        ctx = join_group(0, size, dev, workers.rendezvous)
     except BaseException as e:
         error = workers.stop_after(e)
         leave_group()

@@ -29,6 +29,7 @@ class WorkerProcesses:
         worker builds its engine with (builder.build_engine)."""
         ctx = mp.get_context("spawn")
         self.error_dir = tempfile.mkdtemp(prefix="nanoqwen-tp-")  # rank_errors.py
+        self.rendezvous: object | None = None  # the store the group was made with (launch.py)
         self.procs = [
             ctx.Process(
                 target=worker_main,
