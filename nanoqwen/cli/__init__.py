@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -11,7 +10,7 @@ from nanoqwen.cli.engine import chat_template, cli_engine_config, load_llm, samp
 from nanoqwen.cli.errors import ArgumentError, CLIError, UsageError
 from nanoqwen.cli.flags import flag_spelling
 from nanoqwen.cli.generate import cmd_generate
-from nanoqwen.cli.parser import BENCH_MODULE, COMMANDS, PROG, build_parser
+from nanoqwen.cli.parser import COMMANDS, PROG, build_parser
 from nanoqwen.errors import InvalidInputError, debug, exit_code, one_line
 
 
@@ -30,7 +29,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    return importlib.import_module(BENCH_MODULE).run(args)
+    from nanoqwen.bench import run
+
+    return run(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

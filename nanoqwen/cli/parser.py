@@ -4,16 +4,12 @@ they share are cli/flags.py's)."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 
 from nanoqwen import __version__
-from nanoqwen.cli.errors import CLIError
 from nanoqwen.cli.flags import Parser, engine_flags, sampling_flags
 from nanoqwen.cli.prompt_input import FORMATS
 
 PROG = "nanoqwen"
-BENCH_MODULE = "nanoqwen.bench"
 COMMANDS = ("generate", "chat", "bench", "serve")
 DESCRIPTION = (
     "The `nanoqwen` command: generate, chat and bench. `nanoqwen COMMAND --help` for details."
@@ -54,7 +50,7 @@ that answer and keeps the session; Ctrl-C at the prompt quits."""
 
 
 def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
-    """with_bench: import nanoqwen.bench for the bench command's own flags."""
+    """with_bench: the bench command's own flags (nanoqwen/bench/args.py)."""
     parser = Parser(prog=PROG, description=DESCRIPTION, formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -109,7 +105,7 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
     serve_args.add_arguments(serve)
     serve.set_defaults(command_name="serve")
     if with_bench:
-        if importlib.util.find_spec(BENCH_MODULE) is None:
-            raise CLIError(f"the bench command is not available: {BENCH_MODULE} is missing")
-        importlib.import_module(BENCH_MODULE).add_arguments(bench)
+        from nanoqwen.bench import add_arguments  # its flags only when asked for
+
+        add_arguments(bench)
     return parser
