@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="stream tokens N at a time (the first and last at once): fewer, larger chunks "
         "for the HTTP process to write when hundreds of clients stream",
     )
+    g.add_argument(
+        "--restart-engine",
+        action="store_true",
+        help="when the engine process dies, start a new one and keep serving (requests in "
+        "flight fail, /health answers 503 until it is loaded); without it the server exits 1 "
+        "for its supervisor to restart",
+    )
     g.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_engine_arguments(p)
 

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -22,17 +21,15 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
-from nanoqwen.errors import EngineError, InvalidInputError
 from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.batch_sender import BatchSender, receive
-from nanoqwen.serve.engine_core import engine_main
+from nanoqwen.serve.engine_process import spawn_engine, wait_until_loaded
 from nanoqwen.serve.messages import (
     AbortRequest,
     AddRequest,
     EngineReady,
-    EngineStartupError,
     EngineStats,
     Shutdown,
     StepOutputs,
@@ -103,43 +100,27 @@ class EngineClient:
         self._closing = False
         self._shut_down = False
         self.exit_message: str | None = None  # why the engine is gone, once it is
-        # Called on the event loop once the engine is gone and its requests have failed:
-        # the server then stops, so that a supervisor starts a new one.
+        # Called on the event loop once the engine is gone and its requests have failed
+        # (and, with restart_engine, a new one failed to load): the server then stops, so
+        # that a supervisor starts a new one.
         self.on_exit: Callable[[], None] | None = None
+        # --restart-engine: a new engine process takes over from one that died.
+        self.restart_engine = False
+        self.num_restarts = 0
+        self.config: EngineConfig | None = None  # what launch() started the engine with
+        self.stream_interval = 1
 
     # ---- the engine process's life ------------------------------------------------------------
     @classmethod
     def launch(cls, config: EngineConfig, stream_interval: int) -> EngineClient:
-        """Starts the engine process (spawn: a fresh interpreter, safe for CUDA)."""
-        ctx = multiprocessing.get_context("spawn")
-        in_recv, in_send = ctx.Pipe(duplex=False)
-        out_recv, out_send = ctx.Pipe(duplex=False)
-        process = ctx.Process(
-            target=engine_main,
-            args=(config, stream_interval, in_recv, out_send),
-            name="nanoqwen-engine",
-        )
-        process.start()
-        # Only the engine holds these ends now, so its exit closes the pipe for the reader.
-        in_recv.close()
-        out_send.close()
-        return cls(in_send, out_recv, process)
+        """Starts the engine process; wait_ready() waits for its model."""
+        client = cls(*spawn_engine(config, stream_interval))
+        client.config, client.stream_interval = config, stream_interval
+        return client
 
     def wait_ready(self) -> EngineReady:
         """Blocks until the model is loaded; a load failure raises the CLI's error for it."""
-        try:
-            first = self._outputs.recv()
-        except EOFError:
-            self.process.join(5)
-            code = self.process.exitcode
-            raise EngineError(
-                f"the engine process exited while loading (exit code {code})"
-            ) from None
-        if isinstance(first, EngineStartupError):
-            self.process.join(10)
-            raise (InvalidInputError if first.exit_code == 2 else EngineError)(first.message)
-        assert isinstance(first, EngineReady), first
-        return first
+        return wait_until_loaded(self._outputs, self.process)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Starts handing outputs to handlers on `loop` (call it from the loop)."""
@@ -301,5 +282,52 @@ class EngineClient:
         for r in requests:
             with contextlib.suppress(Exception):
                 r.sink.push(r.index, EngineDeadError(self.exit_message))
+        if self.restart_engine and self.config is not None:
+            log.error("starting a new engine process")
+            threading.Thread(target=self._relaunch, name="nanoqwen-engine-restart").start()
+        elif self.on_exit is not None:
+            self.on_exit()
+
+    def _relaunch(self) -> None:
+        """In a thread: a new engine process, loaded, then swapped in on the event loop.
+        Until then requests fail at once and /health answers 503."""
+        try:
+            inputs, outputs, process = spawn_engine(self.config, self.stream_interval)
+        except Exception as e:
+            self._call_soon(self._relaunch_failed, f"{self.exit_message}; restart: {e}")
+            return
+        try:
+            wait_until_loaded(outputs, process)
+        except Exception as e:
+            process.kill()
+            self._call_soon(self._relaunch_failed, f"{self.exit_message}; restart: {e}")
+            return
+        if not self._call_soon(self._swap_in, inputs, outputs, process):
+            process.kill()  # the server is shutting down
+
+    def _call_soon(self, fn, *args) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed
+            return False
+        return True
+
+    def _relaunch_failed(self, message: str) -> None:
+        self.exit_message = message
+        log.error("%s", message)
         if self.on_exit is not None:
             self.on_exit()
+
+    def _swap_in(self, inputs: Connection, outputs: Connection, process: BaseProcess) -> None:
+        if self._closing:
+            process.kill()
+            return
+        self._sender.close(1.0)
+        self._outputs.close()
+        self._sender = BatchSender(inputs, "nanoqwen-engine-input")
+        self._outputs, self.process = outputs, process
+        self._stats, self._num_submitted = None, 0
+        self.num_restarts += 1
+        self.exit_message = None
+        self.start(self._loop)
+        log.info("the new engine process (pid %d) is serving", process.pid)

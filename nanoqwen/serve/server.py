@@ -99,9 +99,11 @@ def run_server(args: argparse.Namespace, config: EngineConfig, template: str | N
         level = "warning" if args.quiet else args.log_level
         logging.getLogger("nanoqwen.serve").setLevel(logging.INFO)
         server = uvicorn.Server(uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=5))
-        # The engine gone: uvicorn stops taking connections, lets the failed requests'
-        # responses finish, and this process exits 1 for its supervisor to restart it.
+        # The engine gone (and with --restart-engine, its successor failed to load): uvicorn
+        # stops taking connections, lets the failed requests' responses finish, and this
+        # process exits 1 for its supervisor to restart it.
         engine.on_exit = lambda: setattr(server, "should_exit", True)
+        engine.restart_engine = args.restart_engine
         server.run(sockets=[sock])
     finally:
         engine.shutdown()  # the app's lifespan did it already, unless uvicorn failed first

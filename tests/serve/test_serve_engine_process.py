@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -70,6 +71,59 @@ def engine_death_stops_the_server(
 def test_engine_process_death_fails_requests_in_flight_and_stops_the_server(tiny_model, tmp_path):
     engine = ["--model", str(tiny_model[0]), *TINY_ENGINE]
     engine_death_stops_the_server(engine, tmp_path / "server.log", "def fib(n):")
+
+
+def test_with_restart_engine_a_new_engine_process_takes_over(tiny_model, tmp_path):
+    """--restart-engine: the request in flight fails as without it, /health answers 503
+    while a new engine process loads, then the same server serves again."""
+    engine_args = ["--model", str(tiny_model[0]), *TINY_ENGINE, "--restart-engine"]
+    server = Server(engine_args, tmp_path / "server.log")
+    url = f"{server.url}/v1/completions"
+    try:
+        first = server.engine_pid()
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(first, signal.SIGKILL)
+            killed = time.monotonic()
+            events = [line for line in lines if line.startswith("data: ")]
+        why = "the engine process exited (exit code -9)"
+        assert json.loads(events[-2][6:])["error"]["message"] == f"the engine failed: {why}"
+        # A new process takes seconds to import torch and load: the old one's death shows.
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        while httpx.get(f"{server.url}/health").status_code != 200:
+            assert time.monotonic() - killed < 60, "no new engine process in 60 s"
+            time.sleep(0.1)
+        second = server.engine_pid()
+        assert second != first and process_gone(first, timeout=5)
+        body = {"prompt": "def fib(n):", "max_tokens": 4, "ignore_eos": True}
+        answer = httpx.post(url, json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        assert server.proc.poll() is None
+    finally:
+        server.close()
+    assert process_gone(second, timeout=5)
+    assert "Traceback" not in server.log()
+
+
+def test_a_new_engine_process_that_cannot_load_stops_the_server(tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model[0], model)
+    server = Server(
+        ["--model", str(model), *TINY_ENGINE, "--restart-engine"], tmp_path / "server.log"
+    )
+    try:
+        engine = server.engine_pid()
+        for weights in model.glob("*.safetensors"):
+            weights.unlink()  # the new process finds no weights
+        os.kill(engine, signal.SIGKILL)
+        server.proc.wait(timeout=60)
+    finally:
+        server.close()
+    assert server.proc.returncode == 1
+    why = "the engine process exited (exit code -9); restart: "
+    assert f"nanoqwen: error: {why}" in server.log()
+    assert "Traceback" not in server.log()
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
