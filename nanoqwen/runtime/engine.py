@@ -10,12 +10,14 @@ from dataclasses import fields
 
 from tqdm import tqdm
 
+from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep, logprob_entries
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.outputs import RequestOutput, StreamChunk, request_output, stream_chunk
+from nanoqwen.runtime.sampling.structured import GrammarCompiler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
 from nanoqwen.validation import (
@@ -65,6 +67,7 @@ class LLM:
         self.eos_token_ids = parts.eos_token_ids
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._launched: LaunchedStep | None = None
+        self._grammars: GrammarCompiler | None = None  # at the first structured request
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -76,6 +79,8 @@ class LLM:
         check_prompt_length(len(ids), self.max_model_len)
         token_ids("stop_token_ids", params.stop_token_ids, self.config.vocab_size)
         seq = Sequence(ids, params)
+        if params.structured_output is not None:
+            seq.grammar = self._grammar_compiler().compile(params.structured_output)
         seq.arrival_time = time.perf_counter()
         if (detokenize or params.stop_strings) and self.tokenizer is not None:
             self._detok[seq.seq_id] = IncrementalDetokenizer(
@@ -83,6 +88,19 @@ class LLM:
             )
         self.scheduler.add(seq)
         return seq
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidInputError(
+                    "structured_output needs the model's tokenizer, and this engine has none "
+                    "(random weights)",
+                    param="structured_output",
+                )
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
 
     def _add_all(self, prompts, sampling_params, detokenize: bool) -> list[Sequence]:
         prompts = split_prompts(prompts)
@@ -105,6 +123,13 @@ class LLM:
     def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
         """Why seq ends with token at position length - 1, or None to go on."""
         p = seq.params
+        if seq.grammar is not None:
+            # Its mask allowed token; the grammar's end (or EOS after it) ends the request.
+            if not seq.grammar.accept(token):  # only a dead end lets one through
+                seq.stop_reason = "grammar"
+                return "stop"
+            if seq.grammar.finished or token in self.eos_token_ids:
+                return "stop"
         if token in p.stop_token_ids:
             seq.stop_reason = token
             return "stop"
@@ -172,13 +197,17 @@ class LLM:
         host work of one step overlaps the device work of the next.
 
         Returns (sequence, new token) for the sequences whose token was applied."""
+        early = []
+        if self._launched is not None and any(s.grammar for s in self._launched.seqs):
+            # A grammar's next mask needs the token in flight: no overlap for this step.
+            early = self._resolve()
         batch = self.scheduler.schedule()
         if batch is None:
-            return self._resolve()
+            return early + self._resolve()
         launched = self._launch(batch)
         resolved = self._resolve()
         self._launched = launched
-        return resolved
+        return early + resolved
 
     def drain(self) -> list[tuple[Sequence, int]]:
         """Applies the step still in flight, if any."""

@@ -20,6 +20,7 @@ from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
 from nanoqwen.runtime.sampling.sampler import Sampler
+from nanoqwen.runtime.sampling.structured import constrained_logits
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
@@ -119,6 +120,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool):
         slots = self._tensor(self.sampler.slots(seqs), torch.int64)
+        logits = constrained_logits(logits, [s.grammar for s in seqs])
         return self.sampler(logits, slots, filtering)
 
     @torch.inference_mode()
@@ -130,8 +132,11 @@ class ModelRunner:
         filtering = self.sampler.filtering
         n = len(batch.seqs)
         prompt_lp: list = []
+        # A grammar's mask is made on the host for each step: such batches run eagerly.
+        graphs_allowed = not any(s.grammar is not None for s in batch.seqs)
         if (
             batch.is_prefill
+            and graphs_allowed
             and self.prefill_graphs is not None
             and self.prefill_graphs.can_run(batch)
         ):
@@ -144,7 +149,7 @@ class ModelRunner:
             prompt_lp = self._prompt_logprobs(batch, x, residual)
             logits = self.model.compute_logits((x[rows], residual[rows]))
             tokens = self._sample(logits, seqs, filtering) if seqs else None
-        elif self.graphs is not None and self.graphs.can_run(n):
+        elif graphs_allowed and self.graphs is not None and self.graphs.can_run(n):
             ids, sources, pending = self.token_sources(batch.seqs)
             key = self.graphs.prepare(
                 batch.seqs, ids, sources, self.sampler.slots(batch.seqs), filtering

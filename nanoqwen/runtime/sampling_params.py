@@ -9,6 +9,7 @@ from typing import Any
 
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.logprobs import MAX_LOGPROBS
+from nanoqwen.runtime.sampling.structured import StructuredOutput
 from nanoqwen.validation import (
     a_type,
     boolean,
@@ -38,6 +39,9 @@ class SamplingParams:
     # Per sampled / prompt token: its log-probability and the top-N alternatives.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrains the text to a JSON schema, any JSON object, a regex or a grammar:
+    # a StructuredOutput, or a mapping of its fields.
+    structured_output: StructuredOutput | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +79,7 @@ class SamplingParams:
                 name, getattr(self, name), lambda v: 0 <= v <= MAX_LOGPROBS, f"0..{MAX_LOGPROBS}"
             )
             setattr(self, name, value)
+        self.structured_output = StructuredOutput.of(self.structured_output)
         self.stop_strings = _stop_strings(self.stop)
         # Ids past the vocabulary are refused by the engine, which knows its size.
         self.stop_token_ids = token_ids("stop_token_ids", self.stop_token_ids or [])

@@ -50,6 +50,7 @@ class Sequence:
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.grammar = None  # structured output: its GrammarState (sampling/structured.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,166 @@
+"""Structured output: a request's text constrained to a JSON schema, any JSON object, a
+regular expression or an EBNF grammar, with xgrammar (the grammar engine vLLM and SGLang use).
+
+Each constrained request holds a GrammarState (xgrammar's matcher over its compiled
+grammar). Before a step samples, the runner asks each of those for the tokens its grammar
+allows next, as a bitmask over the vocabulary, and masks the rest of the request's logits to
+-inf; once the step's token is read back, the state accepts it. A token the grammar ends on
+(or EOS once it has ended) finishes the request."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.validation import a_type, invalid
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of: json (a JSON schema, as a dict or its text), json_object (any JSON
+    object), regex, grammar (EBNF, in xgrammar's GBNF dialect)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise InvalidInputError(
+                f"structured_output sets {', '.join(given) or 'nothing'}: allowed exactly one "
+                "of json, json_object, regex, grammar",
+                param="structured_output",
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise invalid("structured_output.json", self.json, f"is {a_type(self.json)}",
+                          "a JSON schema (an object, or its JSON text)")  # fmt: skip
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise invalid(f"structured_output.{name}", value, "is not a non-empty string",
+                              "a non-empty string")  # fmt: skip
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutput | None:
+        """From a StructuredOutput, a mapping of its fields (a request body), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise invalid("structured_output", value, f"is {a_type(value)}",
+                          "None, a StructuredOutput or a mapping of its fields")  # fmt: skip
+        unknown = set(value) - {"json", "json_object", "regex", "grammar"}
+        if unknown:
+            raise InvalidInputError(
+                f"unknown structured_output field {sorted(unknown)[0]!r}: allowed json, "
+                "json_object, regex, grammar",
+                param="structured_output",
+            )
+        return cls(**value)
+
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar is cached by."""
+        if self.json is not None:
+            # Key order kept: a schema's property order is its documents'.
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one tokenizer and vocabulary, each once (xgrammar's
+    compiler caches too). Built at the first constrained request: xgrammar loads then."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        import xgrammar
+
+        self.xgr = xgrammar
+        vocab = tokenizer.vocab()
+        encoded = [""] * len(vocab)
+        for text, token_id in vocab.items():
+            encoded[token_id] = text
+        info = xgrammar.TokenizerInfo(
+            encoded,
+            xgrammar.VocabType.BYTE_LEVEL,
+            vocab_size=vocab_size,
+            stop_token_ids=sorted(eos_token_ids),
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info)
+        self._compiled: dict[tuple[str, str], Any] = {}
+
+    def compile(self, spec: StructuredOutput):
+        key = spec.key()
+        if key not in self._compiled:
+            kind, text = key
+            try:
+                if kind == "json":
+                    # No free whitespace: a model could pad a JSON value with it for ever.
+                    compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+                elif kind == "json_object":
+                    compiled = self._compiler.compile_builtin_json_grammar()
+                elif kind == "regex":
+                    compiled = self._compiler.compile_regex(text)
+                else:
+                    compiled = self._compiler.compile_grammar(text)
+            except Exception as e:  # xgrammar's parse and compile errors, one line
+                raise InvalidInputError(
+                    f"structured_output.{kind} cannot be compiled: {' '.join(str(e).split())}",
+                    param=f"structured_output.{kind}",
+                ) from None
+            self._compiled[key] = compiled
+        return GrammarState(self.xgr, self._compiled[key])
+
+
+class GrammarState:
+    """One request's place in its grammar."""
+
+    def __init__(self, xgr, compiled) -> None:
+        self.xgr = xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advances past token; False when the grammar does not allow it."""
+        return self._matcher.accept_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has ended (and its stop token, if it takes one, been accepted)."""
+        return self._matcher.is_terminated()
+
+
+def constrained_logits(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
+    """logits [rows, vocab], or a copy in which each row with a grammar state has what its
+    grammar forbids next at -inf (the raw logits stay as they are, for logprobs)."""
+    rows = [i for i, state in enumerate(states) if state is not None]
+    if not rows:
+        return logits
+    xgr = states[rows[0]].xgr
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab)
+    for i in rows:
+        states[i].fill(bitmask, i)
+    masked = logits.clone()
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows)
+    return masked
