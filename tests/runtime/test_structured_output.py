@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -114,3 +115,15 @@ def test_an_engine_without_a_tokenizer_says_so():
               swap_space=0)  # fmt: skip
     with pytest.raises(InvalidInputError, match="structured_output needs the model's tokenizer"):
         llm.generate([[1, 2]], sampled(structured_output={"regex": "a+"}))
+
+
+def test_without_xgrammar_a_constrained_request_says_what_to_install(tiny_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` fails
+    llm = LLM(str(tiny_model[0]), num_kv_blocks=8, block_size=16, progress=False)
+    with pytest.raises(InvalidInputError) as info:
+        llm.generate([[1, 2]], sampled(structured_output={"regex": "a+"}))
+    assert str(info.value) == (
+        "structured_output needs xgrammar, which is not installed: "
+        "pip install 'nanoqwen[structured]'"
+    )
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids

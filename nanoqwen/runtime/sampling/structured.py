@@ -89,7 +89,14 @@ class GrammarCompiler:
     compiler caches too). Built at the first constrained request: xgrammar loads then."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        import xgrammar
+        try:
+            import xgrammar
+        except ImportError:
+            raise InvalidInputError(
+                "structured_output needs xgrammar, which is not installed: "
+                "pip install 'nanoqwen[structured]'",
+                param="structured_output",
+            ) from None
 
         self.xgr = xgrammar
         vocab = tokenizer.vocab()
