@@ -103,6 +103,14 @@ def test_kv_cache_flags(model, llm):
     assert r.returncode == 2 and "--preemption-mode" in r.stderr and "'later'" in r.stderr
 
 
+def test_tensor_parallel_with_the_default_device(model):
+    """--device auto (the default) picks the device once, for every rank."""
+    r = cli("generate", "--model", model, "--tensor-parallel-size", "2", "--temperature", "0",
+            "--max-tokens", "5", "--ignore-eos", "Hello world")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "-> 5 tokens in" in r.stderr
+
+
 def test_chat_template_applied_unless_no_chat(model, llm):
     chat = cli("generate", "--model", model, *GREEDY, "-q", "The quick brown fox")
     raw = cli("generate", "--model", model, *GREEDY, "-q", "--no-chat", "The quick brown fox")

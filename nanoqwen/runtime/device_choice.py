@@ -10,11 +10,16 @@ from nanoqwen.validation import choice, invalid
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str) -> torch.device:
-    """auto: cuda when this machine has it, else cpu."""
-    allowed = "auto, cpu, cuda, cuda:N"
+def device_name(device: str) -> str:
+    """auto: cuda when this machine has it, else cpu; any other name as it is."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_device(device: str) -> torch.device:
+    allowed = "auto, cpu, cuda, cuda:N"
+    device = device_name(device)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

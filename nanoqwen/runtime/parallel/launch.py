@@ -12,6 +12,7 @@ import torch
 
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.config import EngineConfig
+from nanoqwen.runtime.device_choice import device_name
 from nanoqwen.runtime.parallel.group import (
     ParallelContext,
     join_group,
@@ -35,8 +36,8 @@ def start_group(
     Under torchrun every rank runs the user's script: on ranks other than 0 this call
     becomes the worker loop and ends the process when rank 0 shuts the engine down."""
     keep_multicast_off()
-    size, device = config.tensor_parallel_size, config.device
-    quiet = replace(config, progress=False)
+    size, device = config.tensor_parallel_size, device_name(config.device)
+    quiet = replace(config, device=device, progress=False)  # what the other ranks build
     if under_torchrun():
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != size:
