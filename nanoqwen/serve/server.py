@@ -91,8 +91,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig, template: str | N
     engine, info = start_engine(args, config, template)
     try:
         name = served_model_name(args)
-        config = ServerConfig(name, args.api_key, args.max_waiting, args.max_request_bytes)
-        app = build_app(engine, info, config)
+        settings = ServerConfig(name, args.api_key, args.max_waiting, args.max_request_bytes)
+        app = build_app(engine, info, settings)
         host, port = sock.getsockname()[:2]
         # Always printed, --quiet or not: with --port 0 it is how a caller learns the port.
         print(f"[nanoqwen] serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
