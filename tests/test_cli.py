@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.cli.chat import run_chat
+from nanoqwen.cli.flags import flag_spelling
 
 REPO = Path(__file__).resolve().parents[1]
 # --device cpu: the in-process reference LLM runs on the CPU, even where CUDA is available.
@@ -228,6 +230,96 @@ def assert_one_line_error(r: Result, expected: str) -> None:
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("nanoqwen: error: ") and expected in lines[0], lines[0]
     assert r.stdout == ""
+
+
+# ---- structured output ---------------------------------------------------------------------
+USER = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("flag", "content", "expected"),
+    [
+        ("--json-schema", None, "--json-schema {path}: no such file"),
+        ("--grammar", None, "--grammar {path}: no such file"),
+        ("--json-schema", "not json\n", "--json-schema {path} is not JSON: Expecting value at "
+         "line 1 column 1"),
+        ("--json-schema", "[1]", "--json-schema {path} is not a JSON object"),
+    ],
+)  # fmt: skip
+def test_structured_output_files_are_checked_before_loading(flag, content, expected, tmp_path):
+    """A model that does not exist: the file's error comes first."""
+    path = tmp_path / "spec.txt"
+    if content is not None:
+        path.write_text(content)
+    r = cli("generate", "--model", "/no/such/model", flag, str(path), "Hi")
+    assert_one_line_error(r, expected.format(path=path))
+    assert r.returncode == 2
+
+
+def test_json_schema_text_on_the_command_line_is_checked():
+    r = cli("generate", "--model", "/no/such/model", "--json-schema", "{name: 1}", "Hi")
+    assert_one_line_error(r, "--json-schema is not JSON: Expecting property name enclosed in")
+    assert r.returncode == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_structured_output_flags_are_one_of(command):
+    r = cli(command, "--json-object", "--regex", "[0-9]+", "Hi")
+    assert_one_line_error(r, "argument --regex: not allowed with argument --json-object")
+    assert r.returncode == 2 and f"(see `nanoqwen {command} --help`)" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("structured_output.json cannot be compiled: x", "--json-schema cannot be compiled: x"),
+        ("structured_output.json_object: x", "--json-object: x"),
+        ("structured_output.regex='' is not a non-empty string", "--regex '' is not a non-empty "
+         "string"),
+        ("structured_output.grammar cannot be compiled.", "--grammar cannot be compiled."),
+        ("structured_output.json.properties.age is not a valid JSON schema",
+         "--json-schema's properties.age is not a valid JSON schema"),
+        ("allowed json, json_object, regex, grammar", "allowed json, json_object, regex, grammar"),
+    ],
+)  # fmt: skip
+def test_engine_messages_about_structured_output_name_the_flag(message, expected):
+    assert flag_spelling(message) == expected
+
+
+def real_generate(model_dir: Path, *args: str) -> dict:
+    """One greedy --json result from the real checkpoint, on the CPU."""
+    flags = ["--device", "cpu", "--temperature", "0", "--max-tokens", "200", "--json", "-q"]
+    r = cli("generate", "--model", str(model_dir), *flags, *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.real_model
+def test_json_schema_answer_validates(real_model_dir, tmp_path):
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = tmp_path / "user.json"
+    schema.write_text(json.dumps(USER))
+    row = real_generate(real_model_dir, "Give me a user record for Ana, who is 31.",
+                        "--json-schema", str(schema))  # fmt: skip
+    assert row["finish_reason"] == "stop", row
+    jsonschema.validate(json.loads(row["text"]), USER)
+
+
+@pytest.mark.real_model
+def test_regex_answer_matches(real_model_dir):
+    pytest.importorskip("xgrammar")
+    pattern = "[0-9]{3}-[0-9]{4}"
+    row = real_generate(real_model_dir, "Give me a phone number.", "--regex", pattern)
+    assert re.fullmatch(pattern, row["text"]), row
 
 
 # ---- chat ----------------------------------------------------------------------------------

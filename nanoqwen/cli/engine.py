@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nanoqwen.cli.structured_flags import structured_output
 from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.config_flags import engine_config
 from nanoqwen.runtime.engine import LLM
@@ -38,6 +39,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         logprobs=args.logprobs,
+        structured_output=structured_output(args),
     )
 
 

@@ -7,6 +7,7 @@ import functools
 import re
 
 from nanoqwen.cli.errors import ArgumentError
+from nanoqwen.cli.structured_flags import DESTS, add_structured_flags, structured_spelling
 from nanoqwen.runtime.config_flags import add_engine_flags
 
 
@@ -92,6 +93,7 @@ def sampling_flags() -> argparse.ArgumentParser:
         help="with --json: each token's log-probability, rank and the N most likely (0..20)",
     )
     g.add_argument("--system", metavar="PROMPT", help="system prompt (chat template only)")
+    add_structured_flags(p)
     return p
 
 
@@ -101,6 +103,8 @@ def _flag_params() -> tuple[str, ...]:
     names = []
     for parser in (engine_flags(), sampling_flags()):
         for action in parser._actions:
+            if action.dest in DESTS:  # structured_spelling's: not SamplingParams fields
+                continue
             if "--" + action.dest.replace("_", "-") in action.option_strings:
                 names.append(action.dest)
     return tuple(sorted(names, key=len, reverse=True))
@@ -109,6 +113,7 @@ def _flag_params() -> tuple[str, ...]:
 def flag_spelling(message: str) -> str:
     """The library's parameter names as the CLI's flags: 'block_size=3 is ...' becomes
     '--block-size 3 is ...', a bare 'max_model_len' becomes '--max-model-len'."""
+    message = structured_spelling(message)
     for name in _flag_params():
         flag = "--" + name.replace("_", "-")
         message = re.sub(rf"(?<![\w./-]){name}=", f"{flag} ", message)
