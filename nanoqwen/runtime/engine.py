@@ -12,6 +12,8 @@ from tqdm import tqdm
 
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.builder import EngineParts, build_engine
+from nanoqwen.runtime.chat.output import ChatOutput, chat_output
+from nanoqwen.runtime.chat.request import chat_request, constrained, conversations
 from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep, logprob_entries
@@ -274,6 +276,31 @@ class LLM:
             bar.close()
             self.abort(seqs)  # only an exception leaves any unfinished
         return [self._output(s) for s in seqs]
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        tools=None,
+        tool_choice=None,
+        parallel_tool_calls: bool = True,
+        response_format=None,
+        use_tqdm: bool = False,
+    ) -> list[ChatOutput]:
+        """Answers one conversation (a list of OpenAI-style messages) or a list of them
+        through the checkpoint's chat template; tools, tool_choice, parallel_tool_calls and
+        response_format as in OpenAI's chat API (runtime/chat/). Each ChatOutput holds the
+        content, the tool calls read from the answer, and the raw RequestOutput."""
+        requests = [
+            chat_request(
+                self.tokenizer, c, tools, tool_choice, parallel_tool_calls, response_format
+            )  # fmt: skip
+            for c in conversations(messages)
+        ]
+        params = split_sampling_params(sampling_params, len(requests), SamplingParams)
+        params = [constrained(p, r) for p, r in zip(params, requests)]
+        outputs = self.generate([r.prompt_ids for r in requests], params, use_tqdm)
+        return [chat_output(o, r.parses_tool_calls) for o, r in zip(outputs, requests)]
 
     def stream(
         self,

@@ -118,8 +118,13 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The conversation as the model reads it; with tools, the template's tools section
+        (Qwen2.5's system prompt lists them)."""
         if self._template is None:
             raise InvalidInputError(
                 "this model has no chat template: allowed plain prompts (--no-chat), "
@@ -127,14 +132,17 @@ class Tokenizer:
             )
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         # The template already holds every special token, as in HF's apply_chat_template.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _load_chat_template(model_dir: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:

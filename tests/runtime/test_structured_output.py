@@ -94,34 +94,52 @@ def test_bad_specs_are_refused_when_the_params_are_made(spec, message):
 
 
 @pytest.mark.parametrize(
-    ("spec", "where"),
+    ("spec", "message"),
     [
-        ({"json": '{"type": "object", "properties": '}, "structured_output.json"),
-        ({"json": {"type": "no-such-type"}}, "structured_output.json"),
-        ({"regex": "(unclosed"}, "structured_output.regex"),
-        ({"grammar": "root ::= undefined_rule"}, "structured_output.grammar"),
+        ({"json": '{"type": "object", "properties": '},
+         "structured_output.json cannot be compiled: the text is not JSON (Expecting value: "
+         "line 1 column 34 (char 33))"),
+        ({"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}},
+         "structured_output.json.properties.a.type is not a valid JSON schema: 'no-such-type' "
+         "is not valid under any of the given schemas"),
+        ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/nowhere"}}}},
+         "structured_output.json cannot be compiled: Cannot find field '$defs' in "
+         "#/$defs/nowhere"),
+        ({"json": {"type": "array", "items": {"type": "string", "not": {"const": "x"}}}},
+         "structured_output.json.items.not: `not` (a negated schema) cannot be enforced while "
+         "decoding"),
+        ({"json": {"properties": {"tags": {"type": "array", "uniqueItems": True}}}},
+         "structured_output.json.properties.tags.uniqueItems: `uniqueItems` (items that differ "
+         "from each other) cannot be enforced"),
+        ({"json": {"anyOf": [{"type": "number", "multipleOf": 0.5}]}},
+         "structured_output.json.anyOf[0].multipleOf: `multipleOf` on a non-integer number"),
+        ({"regex": "(unclosed"},
+         "structured_output.regex cannot be compiled: Regex parsing error at position 10: The "
+         "parenthesis is not closed."),
+        ({"grammar": "root ::= undefined_rule"},
+         "structured_output.grammar cannot be compiled: "),
     ],
-)
-def test_a_spec_that_cannot_compile_is_bad_input_and_leaves_nothing_queued(llm, spec, where):
+)  # fmt: skip
+def test_a_spec_that_cannot_be_enforced_is_refused_with_the_part_to_blame(spec, message):
     with pytest.raises(InvalidInputError) as info:
-        llm.generate([[1, 2], [3]], [SamplingParams(), sampled(structured_output=spec)])
-    assert str(info.value).startswith(f"{where} cannot be compiled: ")
-    assert info.value.param == where
-    assert not llm.scheduler.waiting and not llm.scheduler.running
+        SamplingParams(structured_output=spec)
+    assert str(info.value).startswith(message)
+    assert info.value.param == f"structured_output.{next(iter(spec))}"
 
 
 def test_an_engine_without_a_tokenizer_says_so():
     llm = LLM(random_shape="0.5B", num_kv_blocks=4, block_size=16, progress=False,
               swap_space=0)  # fmt: skip
     with pytest.raises(InvalidInputError, match="structured_output needs the model's tokenizer"):
-        llm.generate([[1, 2]], sampled(structured_output={"regex": "a+"}))
+        llm.generate([[1, 2], [3]], [SamplingParams(), sampled(structured_output={"regex": "a+"})])
+    assert not llm.scheduler.waiting and not llm.scheduler.running  # nothing left queued
 
 
 def test_without_xgrammar_a_constrained_request_says_what_to_install(tiny_model, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` fails
     llm = LLM(str(tiny_model[0]), num_kv_blocks=8, block_size=16, progress=False)
     with pytest.raises(InvalidInputError) as info:
-        llm.generate([[1, 2]], sampled(structured_output={"regex": "a+"}))
+        sampled(structured_output={"regex": "a+"})
     assert str(info.value) == (
         "structured_output needs xgrammar, which is not installed: "
         "pip install 'nanoqwen[structured]'"

@@ -1,5 +1,6 @@
 """Structured output: a request's text constrained to a JSON schema, any JSON object, a
-regular expression or an EBNF grammar, with xgrammar (the grammar engine vLLM and SGLang use).
+regular expression, an EBNF grammar or a structural tag (free text with constrained tagged
+parts: how tool calls are constrained), with xgrammar (the grammar engine vLLM and SGLang use).
 
 Each constrained request holds a GrammarState (xgrammar's matcher over its compiled
 grammar). Before a step samples, the runner asks each of those for the tokens its grammar
@@ -10,50 +11,63 @@ allows next, as a bitmask over the vocabulary, and masks the rest of the request
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.sampling.schema_check import check_json_schema
 from nanoqwen.validation import a_type, invalid
+
+KINDS = ("json", "json_object", "regex", "grammar", "structural_tag")
+
+
+def load_xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidInputError(
+            "structured_output needs xgrammar, which is not installed: "
+            "pip install 'nanoqwen[structured]'",
+            param="structured_output",
+        ) from None
+    return xgrammar
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one of: json (a JSON schema, as a dict or its text), json_object (any JSON
-    object), regex, grammar (EBNF, in xgrammar's GBNF dialect)."""
+    object), regex, grammar (EBNF, in xgrammar's GBNF dialect), structural_tag (xgrammar's
+    structural tag, as a dict or its JSON text). Checked when made: a spec that cannot
+    compile is refused here, before any request runs."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
-        given = [
-            name
-            for name, value in (
-                ("json", self.json),
-                ("json_object", self.json_object or None),
-                ("regex", self.regex),
-                ("grammar", self.grammar),
-            )
-            if value is not None
-        ]
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise InvalidInputError(
                 f"structured_output sets {', '.join(given) or 'nothing'}: allowed exactly one "
-                "of json, json_object, regex, grammar",
+                f"of {', '.join(KINDS)}",
                 param="structured_output",
             )
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise invalid("structured_output.json", self.json, f"is {a_type(self.json)}",
-                          "a JSON schema (an object, or its JSON text)")  # fmt: skip
+        for name, what in (("json", "a JSON schema"), ("structural_tag", "a structural tag")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (dict, str)):
+                raise invalid(f"structured_output.{name}", value, f"is {a_type(value)}",
+                              f"{what} (an object, or its JSON text)")  # fmt: skip
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise invalid(f"structured_output.{name}", value, "is not a non-empty string",
                               "a non-empty string")  # fmt: skip
+        self._check()
 
     @classmethod
     def of(cls, value: Any) -> StructuredOutput | None:
@@ -63,25 +77,64 @@ class StructuredOutput:
         if not isinstance(value, dict):
             raise invalid("structured_output", value, f"is {a_type(value)}",
                           "None, a StructuredOutput or a mapping of its fields")  # fmt: skip
-        unknown = set(value) - {"json", "json_object", "regex", "grammar"}
+        unknown = set(value) - set(KINDS)
         if unknown:
             raise InvalidInputError(
-                f"unknown structured_output field {sorted(unknown)[0]!r}: allowed json, "
-                "json_object, regex, grammar",
+                f"unknown structured_output field {sorted(unknown)[0]!r}: allowed "
+                f"{', '.join(KINDS)}",
                 param="structured_output",
             )
         return cls(**value)
 
     def key(self) -> tuple[str, str]:
-        """What the compiled grammar is cached by."""
-        if self.json is not None:
-            # Key order kept: a schema's property order is its documents'.
-            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        """The kind and its text: what the compiled grammar is cached by."""
+        for kind in ("json", "structural_tag"):
+            value = getattr(self, kind)
+            if value is not None:
+                # Key order kept: a schema's property order is its documents'.
+                return kind, value if isinstance(value, str) else json.dumps(value)
         if self.json_object:
             return "json_object", ""
         if self.regex is not None:
             return "regex", self.regex
         return "grammar", self.grammar
+
+    def _check(self) -> None:
+        """Parses the spec into a grammar without a tokenizer (cheap next to compiling it for
+        one), so that bad input is refused where it is given."""
+        xgr = load_xgrammar()
+        kind, text = self.key()
+        where = f"structured_output.{kind}"
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise InvalidInputError(f"{where} cannot be compiled: the text is not "
+                                            f"JSON ({e})", param=where) from None  # fmt: skip
+            if not isinstance(schema, (dict, bool)):
+                raise invalid(where, schema, f"is {a_type(schema)}", "a JSON schema")
+            check_json_schema(schema, where)
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(text)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(text)
+            elif kind == "structural_tag":
+                xgr.Grammar.from_structural_tag(text)
+        except Exception as e:  # xgrammar's parse errors
+            raise InvalidInputError(
+                f"{where} cannot be compiled: {xgrammar_message(e)}", param=where
+            ) from None
+
+
+def xgrammar_message(error: Exception) -> str:
+    """xgrammar's error as one line, without the C++ source location it starts with."""
+    lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]).strip()
 
 
 class GrammarCompiler:
@@ -89,15 +142,7 @@ class GrammarCompiler:
     compiler caches too). Built at the first constrained request: xgrammar loads then."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        try:
-            import xgrammar
-        except ImportError:
-            raise InvalidInputError(
-                "structured_output needs xgrammar, which is not installed: "
-                "pip install 'nanoqwen[structured]'",
-                param="structured_output",
-            ) from None
-
+        xgrammar = load_xgrammar()
         self.xgr = xgrammar
         vocab = tokenizer.vocab()
         encoded = [""] * len(vocab)
@@ -125,11 +170,13 @@ class GrammarCompiler:
                     compiled = self._compiler.compile_builtin_json_grammar()
                 elif kind == "regex":
                     compiled = self._compiler.compile_regex(text)
+                elif kind == "structural_tag":
+                    compiled = self._compiler.compile_structural_tag(text)
                 else:
                     compiled = self._compiler.compile_grammar(text)
             except Exception as e:  # xgrammar's parse and compile errors, one line
                 raise InvalidInputError(
-                    f"structured_output.{kind} cannot be compiled: {' '.join(str(e).split())}",
+                    f"structured_output.{kind} cannot be compiled: {xgrammar_message(e)}",
                     param=f"structured_output.{kind}",
                 ) from None
             self._compiled[key] = compiled

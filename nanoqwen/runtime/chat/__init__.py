@@ -1,0 +1,1 @@
+"""Chat: OpenAI-style messages, tools and response formats in; assistant messages out."""
