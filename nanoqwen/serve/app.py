@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import time
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from nanoqwen import __version__
 from nanoqwen.serve import params as P
 from nanoqwen.serve import responses as R
+from nanoqwen.serve.chat_responses import chat_response, chat_stream
 from nanoqwen.serve.engine_client import EngineClient
 from nanoqwen.serve.errors import APIError, install_error_handlers
 from nanoqwen.serve.generation import ClientDisconnected, Generation
@@ -150,8 +152,10 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
         req = await parse_body(request, CompletionRequest)
         check_model(req)
         prompts = P.completion_prompts(req, info)
+        constraint = P.structured_output(req)
         params = [
-            P.sampling_params(req, len(ids), info, req.max_tokens, req.logprobs) for ids in prompts
+            P.sampling_params(req, len(ids), info, req.max_tokens, req.logprobs, constraint)
+            for ids in prompts
         ]
         gen = Generation(engine, prompts, params)
         return await respond(request, gen, req, R.completion_stream, R.completion_response)
@@ -164,11 +168,17 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req)
-        prompt = P.chat_prompt(req, info)
+        chat = P.chat_request(req, info)
         logprobs = P.chat_logprobs(req)
-        params = P.sampling_params(req, len(prompt), info, P.chat_max_tokens(req), logprobs)
+        constraint = chat.structured_output or P.structured_output(req)
+        prompt = chat.prompt_ids
+        max_tokens = P.chat_max_tokens(req)
+        params = P.sampling_params(req, len(prompt), info, max_tokens, logprobs, constraint)
         gen = Generation(engine, [prompt], [params])
-        return await respond(request, gen, req, R.chat_stream, R.chat_response)
+        tools = chat.parses_tool_calls
+        stream = functools.partial(chat_stream, tool_calls=tools)
+        whole = functools.partial(chat_response, tool_calls=tools)
+        return await respond(request, gen, req, stream, whole)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

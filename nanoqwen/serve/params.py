@@ -5,9 +5,13 @@ SamplingParams' own (its ValueError message, passed through)."""
 
 from __future__ import annotations
 
-from jinja2.exceptions import TemplateError
+from pydantic import BaseModel
 
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.chat.request import ChatRequest
+from nanoqwen.runtime.chat.request import chat_request as runtime_chat_request
 from nanoqwen.runtime.logprobs import MAX_LOGPROBS
+from nanoqwen.runtime.sampling.structured import StructuredOutput
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.serve.errors import APIError, bad_request
 from nanoqwen.serve.model_info import ModelInfo
@@ -45,26 +49,47 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int
         raise APIError(400, str(e), "prompt") from None
 
 
-def chat_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
+def chat_request(req: ChatCompletionRequest, info: ModelInfo) -> ChatRequest:
+    """The prompt, its constraint (response_format, or a required tool call) and whether tool
+    calls are read back; the messages and tools are checked by runtime/chat/."""
     _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
-    _unsupported("tools", req.tools, not req.tools)
-    fmt = (req.response_format or {}).get("type", "text")
-    _unsupported("response_format", req.response_format, fmt == "text")
     if not req.messages:
         raise APIError(400, "messages is empty: at least one message is needed", "messages")
     tok = info.tokenizer
     if tok is None or tok.chat_template is None:
         why = "no tokenizer (random weights)" if tok is None else "no chat template"
         raise APIError(400, f"this model has {why}: use /v1/completions", "messages")
-    # "developer" is OpenAI's newer name for the system role.
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in req.messages
-    ]
+    if req.structured_outputs is not None and (req.response_format or req.tools):
+        message = "structured_outputs goes with neither response_format nor tools: allowed one"
+        raise APIError(400, message, "structured_outputs")
     try:
-        return _nonempty(tok.encode_chat(messages))
-    except TemplateError as e:
-        raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        chat = runtime_chat_request(
+            tok,
+            _dump(req.messages),
+            tools=_dump(req.tools),
+            tool_choice=_dump(req.tool_choice),
+            parallel_tool_calls=req.parallel_tool_calls,
+            response_format=req.response_format,
+        )
+    except InvalidInputError as e:
+        raise APIError(400, e.message, e.param) from None
+    _nonempty(chat.prompt_ids)
+    return chat
+
+
+def _dump(value):
+    """Request models as the plain values runtime/chat/ checks (unset fields left out)."""
+    if isinstance(value, list):
+        return [_dump(v) for v in value]
+    return value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+
+
+def structured_output(req: SamplingFields) -> StructuredOutput | None:
+    """vLLM's structured_outputs extension field."""
+    try:
+        return StructuredOutput.of(req.structured_outputs)
+    except InvalidInputError as e:
+        raise APIError(400, e.message, "structured_outputs") from None
 
 
 def _nonempty(ids: list[int]) -> list[int]:
@@ -79,6 +104,7 @@ def sampling_params(
     info: ModelInfo,
     max_tokens: int | None,
     logprobs: int | None,
+    constraint: StructuredOutput | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of one prompt (n of them): choice j of a seeded request
     gets seed + j, so the n samples differ and each is reproducible.
@@ -134,6 +160,7 @@ def sampling_params(
                 ignore_eos=req.ignore_eos,
                 seed=None if req.seed is None else req.seed + j,
                 logprobs=logprobs,
+                structured_output=constraint,
             )
             for j in range(req.n)
         ]

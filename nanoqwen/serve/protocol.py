@@ -45,6 +45,9 @@ class SamplingFields(_Request):
     min_tokens: int = 0
     return_token_ids: bool = False  # each choice also carries its token ids
     user: str | None = None  # accepted, unused
+    # vLLM's extension: the text constrained to a JSON schema ("json"), any JSON object
+    # ("json_object": true), a regex, an EBNF grammar or an xgrammar structural tag.
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -63,15 +66,44 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParam(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -80,7 +112,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {...}}
     response_format: dict[str, Any] | None = None
 
 
@@ -145,9 +180,17 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-class AssistantMessage(BaseModel):
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(_OmitsNone):
+    _omit_if_none = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_OmitsNone):
@@ -168,11 +211,30 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(_OmitsNone):
+    _omit_if_none = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_OmitsNone):
+    """A streamed call: its first chunk has the id, type and name (arguments ""), the next
+    ones pieces of its arguments, as OpenAI streams them."""
+
+    _omit_if_none = ("id", "type")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class Delta(_OmitsNone):
-    # Only what the chunk carries, as OpenAI sends it: {"role": ...} first, then {"content": ...}.
-    _omit_if_none = ("role", "content")
+    # Only what the chunk carries, as OpenAI sends it: {"role": ...} first, then {"content": ...}
+    # or {"tool_calls": [...]}; the last chunk's delta may be empty.
+    _omit_if_none = ("role", "content", "tool_calls")
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(_OmitsNone):

@@ -1,4 +1,6 @@
-"""Engine output -> OpenAI response bodies: whole responses and server-sent-event streams."""
+"""Engine output -> OpenAI response bodies: what completions and chat completions share (ids,
+usage, logprobs, the event stream and its hand-written chunks), and /v1/completions' bodies.
+Chat's are in chat_responses.py."""
 
 from __future__ import annotations
 
@@ -12,18 +14,13 @@ from nanoqwen.serve.engine_client import ChoiceOutput
 from nanoqwen.serve.errors import APIError, error_body
 from nanoqwen.serve.generation import Generation
 from nanoqwen.serve.protocol import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionResponse,
     ChatLogprobs,
-    ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
-    Delta,
     TopLogprob,
     Usage,
 )
@@ -137,10 +134,10 @@ def completion_stream(
         )  # fmt: skip
         return encode.model(CompletionChunk(**base, choices=[choice]))
 
-    return _stream(gen, CompletionChunk, base, return_token_ids, include_usage, event)
+    return event_stream(gen, CompletionChunk, base, return_token_ids, include_usage, event)
 
 
-async def _stream(
+async def event_stream(
     gen: Generation,
     chunk: type[CompletionChunk] | type[ChatCompletionChunk],
     base: dict,
@@ -177,64 +174,6 @@ async def _stream(
     if include_usage:
         yield sse(chunk(**base, choices=[], usage=usage(gen, completion_tokens)))
     yield DONE
-
-
-# ---- /v1/chat/completions -----------------------------------------------------------------------
-def chat_response(
-    gen: Generation,
-    outputs: list[ChoiceOutput],
-    model: str,
-    token_text: TokenText,
-    return_token_ids: bool,
-) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
-            index=i,
-            message=AssistantMessage(content=out.text),
-            logprobs=chat_logprobs(out.logprobs, token_text),
-            finish_reason=out.finish_reason or "length",
-            token_ids=out.token_ids if return_token_ids else None,
-        )
-        for i, out in enumerate(outputs)
-    ]
-    return ChatCompletionResponse(
-        id=new_id("chatcmpl"),
-        created=int(time.time()),
-        model=model,
-        choices=choices,
-        usage=usage(gen, sum(len(o.token_ids) for o in outputs)),
-    )
-
-
-def chat_stream(
-    gen: Generation,
-    model: str,
-    token_text: TokenText,
-    return_token_ids: bool,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    base = dict(id=new_id("chatcmpl"), created=int(time.time()), model=model)
-    encode = ChunkEncoder(ChatCompletionChunk(**base, choices=[]), include_usage)
-
-    def opening() -> str:  # as OpenAI does: each choice opens with the role and empty content
-        return "".join(
-            encode.model(ChatCompletionChunk(**base, choices=[
-                ChatStreamChoice(index=i, delta=Delta(role="assistant", content=""))
-            ]))
-            for i in range(gen.num_choices)
-        )  # fmt: skip
-
-    def event(i: int, part: ChoiceOutput, ids: list[int] | None) -> str:
-        if part.logprobs is None:
-            return encode.chat(i, part.text, part.finish_reason, ids)
-        choice = ChatStreamChoice(
-            index=i, delta=Delta(content=part.text),
-            logprobs=chat_logprobs(part.logprobs, token_text),
-            finish_reason=part.finish_reason, token_ids=ids,
-        )  # fmt: skip
-        return encode.model(ChatCompletionChunk(**base, choices=[choice]))
-
-    return _stream(gen, ChatCompletionChunk, base, return_token_ids, include_usage, event, opening)
 
 
 class ChunkEncoder:

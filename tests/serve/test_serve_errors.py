@@ -99,7 +99,7 @@ BAD_REQUESTS = {
         CHAT,
         chat(messages=[{"role": "tool", "content": "x"}]),
         400,
-        "messages.0.role",
+        "messages[0] is a tool result with no tool call to answer",
     ),
     "image content": (
         CHAT,
@@ -141,7 +141,73 @@ BAD_REQUESTS = {
     ),
     # unsupported features, not silently ignored
     "echo": (COMPLETIONS, completion(echo=True), 400, "echo=True is not supported"),
-    "tools": (CHAT, chat(tools=[{"type": "function"}]), 400, "tools="),
+    # tools and structured output
+    "tool without function": (CHAT, chat(tools=[{"type": "function"}]), 400, "tools.0.function"),
+    "tool result answering no call": (
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c2", "content": "x"},
+            ]
+        ),
+        400,
+        "messages[2].tool_call_id='c2' matches no unanswered call",
+    ),
+    "unknown tool in tool_choice": (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice.function.name='g' is not one of the tools: allowed f",
+    ),
+    "invalid schema": (
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": 5}}},
+                },
+            }
+        ),
+        400,
+        "response_format.json_schema.schema.properties.a.type is not a valid JSON schema",
+    ),
+    "schema feature the engine cannot enforce": (
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "array", "items": {"not": {"type": "null"}}},
+                },
+            }
+        ),
+        400,
+        "response_format.json_schema.schema.items.not: `not` (a negated schema) cannot be enforced",
+    ),
+    "regex that does not compile": (
+        COMPLETIONS,
+        completion(structured_outputs={"regex": "(a"}),
+        400,
+        "structured_output.regex cannot be compiled: Regex parsing error",
+    ),
     # the body itself
     "malformed JSON": (COMPLETIONS, b'{"prompt": "x", ', 400, "not valid JSON"),
     "temperature Infinity": (
