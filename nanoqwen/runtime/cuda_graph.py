@@ -62,13 +62,16 @@ class CUDAGraphRunner:
         self.kv = kv
         self.sampler_scratch = sampler_scratch  # the sampler slot padding rows use
         # Keyed by (batch size, variant, filtering, cascade): variant i serves contexts up to
-        # variants[i][0]; filtering graphs include the sampler's top-k/top-p/min-p stage;
+        # variants[i][0]; filtering graphs include the sampler's top-k/top-p/min-p stage,
+        # filtering None ones stop at the logits (structured output: the allowed-token masks
+        # come from the host after the graph is launched, and the sampler runs after them);
         # cascade graphs attend a prefix the whole batch shares once (attention/cascade.py).
         # Each holds (graph, logits, tokens).
         self.graphs: dict[
-            tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+            tuple[int, int, bool | None, bool],
+            tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None],
         ] = {}
-        self.meta: dict[tuple[int, int, bool, bool], AttentionMetadata] = {}
+        self.meta: dict[tuple[int, int, bool | None, bool], AttentionMetadata] = {}
         self.cascade_from: int | None = None
         self.pool = None  # the graphs' memory pool, once captured
 
@@ -140,11 +143,11 @@ class CUDAGraphRunner:
     ) -> None:
         """variants: the attention backend's graph_variants(max_model_len); cascade_from:
         its cascade_from (None: no cascade graphs)."""
-        model = runner.model
         self._allocate(runner.device, max_model_len, variants)
         self.cascade_from = cascade_from
-        pool = None
+        self.runner = runner
         # Largest first: smaller graphs then fit inside the memory pool the largest reserved.
+        # Logits-only graphs are captured at their first use (few engines ever need them).
         keys = [
             (bs, i, filtering, cascade)
             for bs in sorted(self.sizes, reverse=True)
@@ -154,28 +157,35 @@ class CUDAGraphRunner:
             if not cascade or (cascade_from is not None and bs >= cascade_from)
         ]
         for key in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, leave=False):
-            bs, variant, filtering, cascade = key
-            meta = self._static_meta(bs, variant, cascade)
-            slots = self.sampler_slots[:bs]
-            # Warm-up: autotuning, lazy init, Triton compiles (padding rows sample in the
-            # sampler's scratch slot). Other tensor-parallel ranks have no sampler.
-            logits = self._forward(model, key, meta)
-            if runner.sampler is not None:
-                runner.sampler(logits, slots, filtering)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the NCCL watchdog thread may query events while this captures.
-            mode = "global" if model.tp is None else "thread_local"
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                logits = self._forward(model, key, meta)
-                tokens = None
-                if runner.sampler is not None:
-                    tokens = runner.sampler(logits, slots, filtering)
-            pool = graph.pool()
-            self.graphs[key] = (graph, logits, tokens)
-            self.meta[key] = meta
-        self.pool = pool
+            self._capture(key)
         torch.cuda.synchronize()
+
+    def _capture(self, key) -> None:
+        bs, variant, filtering, cascade = key
+        model, sampler = self.runner.model, self.runner.sampler
+        if filtering is None:
+            sampler = None
+        meta = self._static_meta(bs, variant, cascade)
+        slots = self.sampler_slots[:bs]
+        # Warm-up: autotuning, lazy init, Triton compiles (padding rows sample in the
+        # sampler's scratch slot). Other tensor-parallel ranks have no sampler. A graph
+        # captured mid-run warms up on the step's own inputs, which only rewrites the KV
+        # entries that its replay writes.
+        logits = self._forward(model, key, meta)
+        if sampler is not None:
+            sampler(logits, slots, filtering)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread may query events while this captures.
+        mode = "global" if model.tp is None else "thread_local"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
+            logits = self._forward(model, key, meta)
+            tokens = None
+            if sampler is not None:
+                tokens = sampler(logits, slots, filtering)
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, logits, tokens)
+        self.meta[key] = meta
 
     def _forward(self, model, key, meta: AttentionMetadata) -> torch.Tensor:
         """What a graph runs before the sampler: the model, and under tensor parallelism
@@ -192,24 +202,33 @@ class CUDAGraphRunner:
             graph.reset()
         self.graphs.clear()
 
-    def can_run(self, num_seqs: int) -> bool:
+    def can_run(self, num_seqs: int, logits_only: bool = False) -> bool:
+        """Logits-only graphs are captured mid-run on one GPU only: under tensor parallelism
+        every rank would have to capture at the same step."""
+        if logits_only and self.runner.model.tp is not None:
+            return False
         return num_seqs <= self.max_bs and bool(self.graphs)
 
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def key_for(
-        self, num_seqs: int, max_context: int, filtering: bool = False, cascade: bool = False
+        self, num_seqs: int, max_context: int, filtering: bool | None = False, cascade=False
     ):
         """The graph serving this batch: (padded batch size, first variant long enough,
-        filtering, cascade)."""
+        filtering (None: logits only), cascade)."""
         variant = next(i for i, (limit, _) in enumerate(self.variants) if max_context <= limit)
         return self.padded_size(num_seqs), variant, filtering, cascade
 
     @torch.inference_mode()
     def prepare(
-        self, seqs, ids: list[int], sources: list[int], sampler_slots: list[int], filtering: bool
-    ) -> tuple[int, int, bool, bool]:
+        self,
+        seqs,
+        ids: list[int],
+        sources: list[int],
+        sampler_slots: list[int],
+        filtering: bool | None,
+    ) -> tuple[int, int, bool | None, bool]:
         """Writes the decode inputs of seqs into the graphs' buffer and sends it; returns the
         key of the graph to replay. ids: each one's newest token (PLACEHOLDER if in flight),
         sources: the rows of the last step's tokens that hold those in flight (the runner
@@ -245,7 +264,10 @@ class CUDAGraphRunner:
         return key
 
     def replay(self, key) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replays the graph of key over what the static buffers hold now."""
+        """Replays the graph of key over what the static buffers hold now (capturing it
+        first, for a logits-only graph not used before)."""
+        if key not in self.graphs:
+            self._capture(key)
         graph, logits, tokens = self.graphs[key]
         graph.replay()
         return logits, tokens

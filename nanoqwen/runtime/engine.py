@@ -199,17 +199,16 @@ class LLM:
         host work of one step overlaps the device work of the next.
 
         Returns (sequence, new token) for the sequences whose token was applied."""
-        early = []
-        if self._launched is not None and any(s.grammar for s in self._launched.seqs):
-            # A grammar's next mask needs the token in flight: no overlap for this step.
-            early = self._resolve()
         batch = self.scheduler.schedule()
         if batch is None:
-            return early + self._resolve()
+            return self._resolve()
         launched = self._launch(batch)
         resolved = self._resolve()
+        # A step with structured output samples only now: its masks need the tokens just read
+        # back, which the host took in while the device ran this step's model.
+        launched.complete()
         self._launched = launched
-        return early + resolved
+        return resolved
 
     def drain(self) -> list[tuple[Sequence, int]]:
         """Applies the step still in flight, if any."""

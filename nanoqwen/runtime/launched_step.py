@@ -20,8 +20,8 @@ PLACEHOLDER = -1
 @dataclass
 class LaunchedStep:
     seqs: list[Sequence]  # the sequences that receive a token from this step
-    tokens: torch.Tensor  # their sampled tokens, on the device
-    host: torch.Tensor  # pinned copy of tokens, filled when `done` fires
+    tokens: torch.Tensor | None  # their sampled tokens, on the device
+    host: torch.Tensor | None  # pinned copy of tokens, filled when `done` fires
     done: torch.cuda.Event | None
     # With logprobs asked for: host copies of Sampler.logprobs() for these rows.
     logprobs: tuple[torch.Tensor, ...] | None = None
@@ -31,8 +31,18 @@ class LaunchedStep:
     )
     # With tensor parallelism: raises if a rank died, checked while result() waits.
     watch: Callable[[], None] | None = None
+    # A step with structured output is launched up to its logits; this queues its sampling,
+    # with masks from the grammars as they are when it runs.
+    pending: Callable[[], None] | None = None
+
+    def complete(self) -> None:
+        """Queues what is left of the step (its sampling), if anything."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
 
     def result(self) -> list[int]:
+        self.complete()
         if self.done is not None and self.watch is None:
             self.done.synchronize()
         elif self.done is not None:

@@ -20,7 +20,7 @@ from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
 from nanoqwen.runtime.sampling.sampler import Sampler
-from nanoqwen.runtime.sampling.structured import constrained_logits
+from nanoqwen.runtime.sampling.structured import TokenMasks, masked_logits
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
@@ -39,6 +39,11 @@ class StepOutput:
     logits: torch.Tensor  # their raw logits
     tokens: torch.Tensor | None  # None when none samples (a prefill chunk mid-prompt)
     prompt_logprobs: list
+    # A step with structured output samples later (sample()): its masks need the tokens of
+    # the step before, which the engine reads back while this step's model runs.
+    filtering: bool = False
+    sample_later: bool = False
+    slots: list[int] | None = None  # the sampler slots of seqs, taken while all are running
 
 
 class ModelRunner:
@@ -64,6 +69,7 @@ class ModelRunner:
         # The last launched step's tokens and each sequence's row in them.
         self._last_tokens = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._last_rows: dict[int, int] = {}
+        self._masks: TokenMasks | None = None  # at the first step with structured output
 
     def token_sources(self, seqs: list[Sequence]) -> tuple[list[int], list[int], bool]:
         """Each sequence's newest token id (PLACEHOLDER if not read back yet), the row of
@@ -118,22 +124,35 @@ class ModelRunner:
     def _announce_prefill_graph(self, key) -> None:
         """The same for a prefill graph (prefill_graph.py)."""
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool):
-        slots = self._tensor(self.sampler.slots(seqs), torch.int64)
-        logits = constrained_logits(logits, [s.grammar for s in seqs])
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool, slots=None):
+        slots = self._tensor(self.sampler.slots(seqs) if slots is None else slots, torch.int64)
+        states = [s.grammar for s in seqs]
+        if any(state is not None for state in states):
+            if self._masks is None:
+                self._masks = TokenMasks(logits.shape[-1], self.device)
+            logits = masked_logits(logits, states, self._masks)
         return self.sampler(logits, slots, filtering)
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> StepOutput:
-        """Runs the model and the sampler for one step, without waiting for either."""
+    def sample(self, out: StepOutput) -> None:
+        """Samples a step that execute() left unsampled, its grammars' masks as they are now."""
+        out.tokens = self._sample(out.logits, out.seqs, out.filtering, out.slots)
+        out.sample_later = False
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch, sample_later: bool = False) -> StepOutput:
+        """Runs the model and the sampler for one step, without waiting for either. With
+        sample_later, a step with structured output stops at the logits (sample() then)."""
         seqs = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
         if batch.is_prefill:
             self.sampler.admit(seqs)
         filtering = self.sampler.filtering
         n = len(batch.seqs)
         prompt_lp: list = []
-        # A grammar's mask is made on the host for each step: such batches run eagerly.
-        graphs_allowed = not any(s.grammar is not None for s in batch.seqs)
+        constrained = any(s.grammar is not None for s in seqs)
+        # Graphs with the sampler inside serve steps without masks; a decode step with them
+        # replays a logits-only graph.
+        graphs_allowed = not constrained
         if (
             batch.is_prefill
             and graphs_allowed
@@ -148,23 +167,32 @@ class ModelRunner:
             x, residual = self.model(ids, meta)
             prompt_lp = self._prompt_logprobs(batch, x, residual)
             logits = self.model.compute_logits((x[rows], residual[rows]))
-            tokens = self._sample(logits, seqs, filtering) if seqs else None
-        elif graphs_allowed and self.graphs is not None and self.graphs.can_run(n):
+            tokens = None
+        elif self.graphs is not None and self.graphs.can_run(n, logits_only=constrained):
             ids, sources, pending = self.token_sources(batch.seqs)
             key = self.graphs.prepare(
-                batch.seqs, ids, sources, self.sampler.slots(batch.seqs), filtering
-            )
+                batch.seqs, ids, sources, self.sampler.slots(batch.seqs),
+                None if constrained else filtering,
+            )  # fmt: skip
             if pending:
                 f = self.graphs.fields
                 f.ids[:n].copy_(self.fill_placeholders(f.ids[:n], f.sources[:n]))
             self._announce_graph(key)
             logits, tokens = self.graphs.replay(key)
-            logits, tokens = logits[:n], tokens[:n]
+            logits = logits[:n]
+            tokens = None if tokens is None else tokens[:n]
         else:
             ids, meta = self.prepare_decode(batch, n)
             logits = self.model.compute_logits(self.model(ids, meta))
-            tokens = self._sample(logits, seqs, filtering)
-        return StepOutput(seqs, logits, tokens, prompt_lp)
+            tokens = None
+        out = StepOutput(seqs, logits, tokens, prompt_lp, filtering)
+        if seqs and tokens is None:
+            if constrained and sample_later:
+                # Read back in between, a sequence may finish and give its slot up.
+                out.sample_later, out.slots = True, self.sampler.slots(seqs)
+            else:
+                self.sample(out)
+        return out
 
     def compute_logits(self, batch: Batch) -> torch.Tensor:
         """[number of sequences that complete this step, vocab] float32 logits (the step's
@@ -207,22 +235,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> LaunchedStep:
-        """Queues one step on the device and returns at once; result() waits for it."""
-        out = self.execute(batch)
+        """Queues one step on the device and returns at once; result() waits for it. A step
+        with structured output is queued up to its logits: its LaunchedStep samples at
+        complete(), once the engine has read back the step before."""
+        out = self.execute(batch, sample_later=True)
+        step = LaunchedStep(out.seqs, None, None, None, prompt_logprobs=out.prompt_logprobs)
+        if out.sample_later:
+            step.pending = lambda: self._finish(step, out)
+        else:
+            self._finish(step, out)
+        return step
+
+    @torch.inference_mode()
+    def _finish(self, step: LaunchedStep, out: StepOutput) -> None:
+        """The step's sampling (when left for later), logprobs and read-back copies."""
+        if out.sample_later:
+            self.sample(out)
         seqs, tokens = out.seqs, out.tokens
         if tokens is None:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        logprobs = None
         top = self.sampler.state.max_logprobs
         if seqs and top is not None:
             raw = self.sampler.logprobs(out.logits, tokens, top)
-            logprobs = tuple(self._to_host(t) for t in raw)
+            step.logprobs = tuple(self._to_host(t) for t in raw)
         if seqs:
             self._last_tokens = tokens
             self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        host = self._to_host(tokens)
-        done = None
+        step.tokens, step.host = tokens, self._to_host(tokens)
         if self._pin:
-            done = torch.cuda.Event()
-            done.record()
-        return LaunchedStep(seqs, tokens, host, done, logprobs, out.prompt_logprobs)
+            step.done = torch.cuda.Event()
+            step.done.record()

@@ -112,15 +112,15 @@ class ParallelModelRunner(ModelRunner):
                 self._fail(reason or f"a step failed on rank 0 ({type(e).__name__}: {e})")
                 raise TensorParallelError(self.failure) from e
 
-    def execute(self, batch):
-        return self._guarded(super().execute, batch)
+    def execute(self, batch, sample_later: bool = False):
+        return self._guarded(super().execute, batch, sample_later)
 
     def prompt_logits(self, token_ids, last=None):
         return self._guarded(super().prompt_logits, token_ids, last)
 
     def launch(self, batch) -> LaunchedStep:
         step = super().launch(batch)
-        if step.done is not None and self.workers is not None:
+        if self.workers is not None:  # used once the step has a `done` event to wait on
             step.watch = self._watch
         return step
 

@@ -187,34 +187,72 @@ class GrammarState:
     """One request's place in its grammar."""
 
     def __init__(self, xgr, compiled) -> None:
-        self.xgr = xgr
-        self._matcher = xgr.GrammarMatcher(compiled)
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self.matcher = xgr.GrammarMatcher(compiled)
 
     def accept(self, token: int) -> bool:
         """Advances past token; False when the grammar does not allow it."""
-        return self._matcher.accept_token(token)
+        return self.matcher.accept_token(token)
 
     @property
     def finished(self) -> bool:
         """The grammar has ended (and its stop token, if it takes one, been accepted)."""
-        return self._matcher.is_terminated()
+        return self.matcher.is_terminated()
 
 
-def constrained_logits(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
+class TokenMasks:
+    """A batch's allowed-token bitmasks: filled on the host by xgrammar (its matchers in
+    parallel threads) into pinned memory, and sent to the device in one asynchronous copy.
+    Rows without a grammar, or whose grammar has ended, allow every token."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.xgr = load_xgrammar()
+        self.words = -(-vocab_size // 32)
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._host: list[torch.Tensor] = []
+        self._dev: torch.Tensor | None = None
+        self._mirror = 0
+        self._fill = self.xgr.BatchGrammarMatcher()
+
+    def _reserve(self, rows: int) -> None:
+        if self._dev is not None and self._dev.shape[0] >= rows:
+            return
+        n = max(rows, 16, 2 * (0 if self._dev is None else self._dev.shape[0]))
+        # Two host mirrors: one may still be read by the copy of the step before.
+        self._host = [torch.empty((n, self.words), dtype=torch.int32, pin_memory=self._pin)
+                      for _ in range(2)]  # fmt: skip
+        self._dev = torch.empty((n, self.words), dtype=torch.int32, device=self.device)
+
+    def send(self, states: list[GrammarState | None]) -> torch.Tensor:
+        rows = len(states)
+        self._reserve(rows)
+        host = self._host[self._mirror]
+        self._mirror ^= 1
+        live = []
+        for i, state in enumerate(states):
+            if state is None or state.finished:
+                host[i].fill_(-1)
+            else:
+                live.append(i)
+        if live:
+            matchers = [states[i].matcher for i in live]
+            self._fill.batch_fill_next_token_bitmask(matchers, host, indices=live)
+        if not self._pin:
+            return host[:rows]
+        device = self._dev[:rows]
+        device.copy_(host[:rows], non_blocking=True)
+        return device
+
+
+def masked_logits(
+    logits: torch.Tensor, states: list[GrammarState | None], masks: TokenMasks
+) -> torch.Tensor:
     """logits [rows, vocab], or a copy in which each row with a grammar state has what its
-    grammar forbids next at -inf (the raw logits stay as they are, for logprobs)."""
-    rows = [i for i, state in enumerate(states) if state is not None]
-    if not rows:
+    grammar forbids next at -inf (the raw logits stay as they are, for logprobs). No host
+    sync: the masks go up in a copy queued behind the step's kernels."""
+    if all(state is None for state in states):
         return logits
-    xgr = states[rows[0]].xgr
-    vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(states), vocab)
-    for i in rows:
-        states[i].fill(bitmask, i)
+    bitmask = masks.send(states)
     masked = logits.clone()
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows)
+    masks.xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[-1])
     return masked

@@ -1,0 +1,97 @@
+"""Structured output and tool calls on the GPU (bfloat16, CUDA graphs for the free requests):
+constrained answers are their grammar's sentences, a free request beside constrained ones
+keeps the tokens it has alone (greedy), and forced tool calls are valid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from nanoqwen import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+pytest.importorskip("xgrammar")
+
+TEMPLATE = Path(__file__).parent.parent / "runtime" / "qwen25_chat_template.jinja"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["color", "n", "tags"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"key": {"enum": ["x", "y"]}},
+                       "required": ["key"], "additionalProperties": False},
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    llm = LLM(str(tiny_model[0]), device="cuda", dtype="bfloat16", num_kv_blocks=64,
+              block_size=16, progress=False)  # fmt: skip
+    llm.tokenizer.set_chat_template(TEMPLATE.read_text(), "Qwen2.5's chat template")
+    return llm
+
+
+def test_constrained_and_free_requests_share_a_batch(llm):
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([[7, 8, 9]], free)[0].token_ids
+    constrained = [
+        SamplingParams(temperature=1.0, max_tokens=80, seed=s, structured_output={"json": SCHEMA})
+        for s in range(6)
+    ]
+    outs = llm.generate([[7, 8, 9]] + [[5 + s, 9] for s in range(6)], [free, *constrained])
+    assert outs[0].token_ids == alone
+    for out in outs[1:]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_a_required_tool_call_is_valid(llm):
+    ask = [{"role": "user", "content": "look it up"}]
+    params = [SamplingParams(temperature=1.0, max_tokens=80, seed=s) for s in range(4)]
+    outs = llm.chat([ask] * 4, params, tools=[TOOL], tool_choice="required",
+                    parallel_tool_calls=False)  # fmt: skip
+    for out in outs:
+        assert out.finish_reason == "tool_calls", out.output.text
+        (call,) = out.tool_calls
+        jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
+
+
+def test_constrained_steps_have_no_host_sync(llm):
+    """A constrained prefill and the decode step after it (a logits-only graph, its token in
+    flight), each with its masks sent and its tokens sampled."""
+    prompts = [[5, 9], [6, 9, 9], [7]]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=40, seed=s, structured_output={"json": SCHEMA})
+        for s in range(3)
+    ]
+    llm.generate(prompts, params)  # captures the logits-only graphs these batches replay
+    seqs = [llm._add(p, sp, False) for p, sp in zip(prompts, params)]
+    prefill = llm.scheduler.schedule()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        one = llm._launch(prefill)
+        one.complete()
+        two = llm._launch(llm.scheduler.schedule())
+        two.complete()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    one.result(), two.result()
+    llm.abort(seqs)
