@@ -145,7 +145,7 @@ class CUDAGraphRunner:
         its cascade_from (None: no cascade graphs)."""
         self._allocate(runner.device, max_model_len, variants)
         self.cascade_from = cascade_from
-        self.runner = runner
+        self.model, self.sampler = runner.model, runner.sampler
         # Largest first: smaller graphs then fit inside the memory pool the largest reserved.
         # Logits-only graphs are captured at their first use (few engines ever need them).
         keys = [
@@ -162,7 +162,7 @@ class CUDAGraphRunner:
 
     def _capture(self, key) -> None:
         bs, variant, filtering, cascade = key
-        model, sampler = self.runner.model, self.runner.sampler
+        model, sampler = self.model, self.sampler
         if filtering is None:
             sampler = None
         meta = self._static_meta(bs, variant, cascade)
@@ -205,7 +205,7 @@ class CUDAGraphRunner:
     def can_run(self, num_seqs: int, logits_only: bool = False) -> bool:
         """Logits-only graphs are captured mid-run on one GPU only: under tensor parallelism
         every rank would have to capture at the same step."""
-        if logits_only and self.runner.model.tp is not None:
+        if logits_only and self.model.tp is not None:
             return False
         return num_seqs <= self.max_bs and bool(self.graphs)
 

@@ -41,23 +41,41 @@ TOOL = {
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    llm = LLM(str(tiny_model[0]), device="cuda", dtype="bfloat16", num_kv_blocks=64,
-              block_size=16, progress=False)  # fmt: skip
+def llm(tmp_path_factory):
+    from conftest import write_tiny_model
+
+    path = tmp_path_factory.mktemp("gpu-structured")
+    write_tiny_model(path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, intermediate_size=512, num_hidden_layers=3)  # fmt: skip
+    # The Triton backend: the torch one reads prefill lengths back to the host.
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+              attention_backend="triton", progress=False)  # fmt: skip
     llm.tokenizer.set_chat_template(TEMPLATE.read_text(), "Qwen2.5's chat template")
     return llm
 
 
 def test_constrained_and_free_requests_share_a_batch(llm):
+    """A free request's greedy tokens beside constrained neighbours are those it has beside
+    free ones living as long (in bfloat16 the batch's size may move its numerics)."""
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone = llm.generate([[7, 8, 9]], free)[0].token_ids
+    prompts = [[7, 8, 9]] + [[5 + s, 9] for s in range(6)]
+    # Records for ever: no constrained neighbour ends before max_tokens, as free ones don't.
+    endless = {"type": "array", "minItems": 1000, "items": SCHEMA}
+    neighbours = [
+        SamplingParams(temperature=1.0, max_tokens=60, seed=s, ignore_eos=True) for s in range(6)
+    ]
     constrained = [
-        SamplingParams(temperature=1.0, max_tokens=80, seed=s, structured_output={"json": SCHEMA})
+        SamplingParams(temperature=1.0, max_tokens=60, seed=s, structured_output={"json": endless})
         for s in range(6)
     ]
-    outs = llm.generate([[7, 8, 9]] + [[5 + s, 9] for s in range(6)], [free, *constrained])
-    assert outs[0].token_ids == alone
+    beside_free = llm.generate(prompts, [free, *neighbours])[0].token_ids
+    outs = llm.generate(prompts, [free, *constrained])
+    assert outs[0].token_ids == beside_free
     for out in outs[1:]:
+        assert out.finish_reason == "length" and out.text.startswith("[{")
+    documents = [SamplingParams(temperature=1.0, max_tokens=80, seed=s,
+                                structured_output={"json": SCHEMA}) for s in range(6)]  # fmt: skip
+    for out in llm.generate(prompts[1:], documents):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
