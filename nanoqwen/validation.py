@@ -216,14 +216,17 @@ def read_text(path: os.PathLike | str, what: str = "") -> str:
 
 def read_json_object(path: os.PathLike | str) -> dict[str, Any]:
     """A JSON file holding an object; InvalidInputError naming the file otherwise."""
+    return json_object(read_text(path), str(path))
 
-    text = read_text(path)
+
+def json_object(text: str, label: str) -> dict[str, Any]:
+    """JSON text holding an object; InvalidInputError naming it as label otherwise."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidInputError(
-            f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+            f"{label} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
         ) from None
     if not isinstance(raw, dict):
-        raise InvalidInputError(f"{path} holds {a_type(raw)}: allowed a JSON object")
+        raise InvalidInputError(f"{label} holds {a_type(raw)}: allowed a JSON object")
     return raw

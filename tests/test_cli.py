@@ -249,9 +249,9 @@ USER = {
     [
         ("--json-schema", None, "--json-schema {path}: no such file"),
         ("--grammar", None, "--grammar {path}: no such file"),
-        ("--json-schema", "not json\n", "--json-schema {path} is not JSON: Expecting value at "
-         "line 1 column 1"),
-        ("--json-schema", "[1]", "--json-schema {path} is not a JSON object"),
+        ("--json-schema", "not json\n", "--json-schema {path} is not valid JSON (Expecting value "
+         "at line 1 column 1)"),
+        ("--json-schema", "[1]", "--json-schema {path} holds a list: allowed a JSON object"),
     ],
 )  # fmt: skip
 def test_structured_output_files_are_checked_before_loading(flag, content, expected, tmp_path):
@@ -266,7 +266,7 @@ def test_structured_output_files_are_checked_before_loading(flag, content, expec
 
 def test_json_schema_text_on_the_command_line_is_checked():
     r = cli("generate", "--model", "/no/such/model", "--json-schema", "{name: 1}", "Hi")
-    assert_one_line_error(r, "--json-schema is not JSON: Expecting property name enclosed in")
+    assert_one_line_error(r, "--json-schema is not valid JSON (Expecting property name enclosed in")
     assert r.returncode == 2
 
 

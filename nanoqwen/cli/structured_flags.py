@@ -5,13 +5,11 @@ about that field in their spelling."""
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-from nanoqwen.errors import InvalidInputError
-from nanoqwen.validation import read_text
+from nanoqwen.validation import json_object, read_text
 
 # StructuredOutput's fields, and the flag that sets each.
 FLAGS = {
@@ -88,15 +86,7 @@ def _json_schema(value: str) -> dict[str, Any]:
         text, label = value, "--json-schema"
     else:
         text, label = read_text(value, "--json-schema"), f"--json-schema {value}"
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidInputError(
-            f"{label} is not JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
-    if not isinstance(schema, dict):
-        raise InvalidInputError(f"{label} is not a JSON object: allowed a JSON schema object")
-    return schema
+    return json_object(text, label)
 
 
 def _grammar(value: str) -> str:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 from openai import OpenAI
+from test_structured_output_real import PERSON
 
 from .serve_harness import Server
 
@@ -19,18 +20,7 @@ pytestmark = pytest.mark.real_model
 pytest.importorskip("xgrammar")
 
 SCHEMAS = {
-    "person": ("Describe a software engineer called Ana, 31, who writes Python and Rust.", {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 40},
-            "age": {"type": "integer", "minimum": 0, "maximum": 130},
-            "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
-            "languages": {"type": "array", "items": {"enum": ["python", "rust", "go"]},
-                          "minItems": 1, "maxItems": 3},
-        },
-        "required": ["name", "age", "email", "languages"],
-        "additionalProperties": False,
-    }),
+    "person": ("Describe a software engineer called Ana, 31, who writes Python and Rust.", PERSON),
     "order": ("An order of two books for Bob in Oslo, paid by card.", {
         "type": "object",
         "properties": {

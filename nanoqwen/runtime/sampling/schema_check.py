@@ -36,8 +36,14 @@ _MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSch
 def check_json_schema(schema: Any, where: str) -> None:
     """InvalidInputError naming `where` and the path inside the schema when it is not a valid
     JSON schema or asks for something the grammar engine cannot enforce."""
-    import jsonschema
-
+    try:
+        import jsonschema
+    except ImportError:
+        raise InvalidInputError(
+            f"{where}: checking a JSON schema needs jsonschema, which is not installed: "
+            "pip install 'nanoqwen[structured]'",
+            param=where,
+        ) from None
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
