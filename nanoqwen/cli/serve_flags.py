@@ -8,10 +8,10 @@ from nanoqwen.runtime.config_flags import add_engine_flags
 
 SERVE_HELP = """\
 Serves the model over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
-(streaming as server-sent events), GET /v1/models, /health, /metrics (Prometheus) and
-/version. Requests join the running batch as they arrive (continuous batching). Request
-fields the client leaves out take OpenAI's defaults (temperature 1, top_p 1; max_tokens 16
-for completions, the rest of the context for chat)."""
+(streaming as server-sent events), GET /v1/models, /health, /metrics (Prometheus),
+/version, and a chat page at /. Requests join the running batch as they arrive (continuous
+batching). Request fields the client leaves out take OpenAI's defaults (temperature 1,
+top_p 1; max_tokens 16 for completions, the rest of the context for chat)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="when the engine process dies, start a new one and keep serving (requests in "
         "flight fail, /health answers 503 until it is loaded); without it the server exits 1 "
         "for its supervisor to restart",
+    )
+    g.add_argument(
+        "--no-web-ui",
+        action="store_true",
+        help="serve no chat page at / (GET / is then a 404 like any unknown path)",
     )
     g.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_engine_arguments(p)

@@ -32,6 +32,7 @@ from nanoqwen.serve.protocol import (
     ModelList,
     SamplingFields,
 )
+from nanoqwen.serve.web_routes import add_web_routes
 
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
@@ -77,6 +78,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 1024  # more sequences waiting than this: new requests get a 503
     max_body_bytes: int = 4 << 20
+    web_ui: bool = True  # the chat page at /
 
 
 def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> FastAPI:
@@ -201,4 +203,6 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    if config.web_ui:
+        add_web_routes(app)
     return app

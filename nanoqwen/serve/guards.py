@@ -10,8 +10,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoqwen.serve.errors import APIError, error_response
 
-# Open without a key, as in vLLM: probes and scrapers carry none.
-OPEN_PATHS = ("/health", "/metrics", "/version")
+# Open without a key, as in vLLM: probes and scrapers carry none. The chat page and its
+# files are open too: the page asks for the key and sends it with its API calls.
+OPEN_PATHS = ("/health", "/metrics", "/version", "/")
+OPEN_PREFIX = "/web/"
+
+
+def is_open(path: str) -> bool:
+    # No `..` under the prefix: the router does not collapse it, but nothing should rely on it.
+    return path in OPEN_PATHS or (path.startswith(OPEN_PREFIX) and ".." not in path)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -27,7 +34,7 @@ class APIKeyGuard:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and not is_open(scope["path"]):
             given = _header(scope, b"authorization") or b""
             # Constant time, so the key cannot be guessed byte by byte from response times.
             if not hmac.compare_digest(given, self.expected):

@@ -91,7 +91,9 @@ def run_server(args: argparse.Namespace, config: EngineConfig, template: str | N
     engine, info = start_engine(args, config, template)
     try:
         name = served_model_name(args)
-        settings = ServerConfig(name, args.api_key, args.max_waiting, args.max_request_bytes)
+        settings = ServerConfig(
+            name, args.api_key, args.max_waiting, args.max_request_bytes, not args.no_web_ui
+        )
         app = build_app(engine, info, settings)
         host, port = sock.getsockname()[:2]
         # Always printed, --quiet or not: with --port 0 it is how a caller learns the port.
