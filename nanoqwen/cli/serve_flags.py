@@ -62,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve no chat page at / (GET / is then a 404 like any unknown path)",
     )
+    g.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: sampling fields a request leaves out take the checkpoint's "
+        "generation_config.json values (as `nanoqwen generate` does); none: OpenAI's defaults",
+    )
     g.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_engine_arguments(p)
 

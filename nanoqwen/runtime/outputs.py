@@ -24,6 +24,8 @@ class RequestOutput:
     # As vLLM reports it: the stop token id or stop string that ended the request; None when
     # EOS, max_tokens or the context length (max_model_len) did.
     stop_reason: int | str | None = None
+    # Prompt tokens whose K/V came from the prefix cache when the request was admitted.
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -66,6 +68,7 @@ def request_output(seq: Sequence, detok: IncrementalDetokenizer | None, tokenize
         seq.logprobs,
         seq.prompt_logprobs,
         stop_reason=stop_reason(seq, detok),
+        num_cached_tokens=seq.num_cached_tokens or 0,
     )
 
 

@@ -30,6 +30,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         # Tokens whose K/V are in the cache; reset to 0 on preemption.
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache held
         self.block_table: list[int] = []
         # Prefix-cache keys of its full blocks (they depend on the tokens only, so they
         # survive preemption), and how many leading blocks of block_table are registered.

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from nanoqwen import __version__
 from nanoqwen.serve import params as P
 from nanoqwen.serve import responses as R
+from nanoqwen.serve import tokenization as T
 from nanoqwen.serve.chat_responses import chat_response, chat_stream
 from nanoqwen.serve.engine_client import EngineClient
 from nanoqwen.serve.errors import APIError, install_error_handlers
@@ -28,13 +29,17 @@ from nanoqwen.serve.model_info import ModelInfo
 from nanoqwen.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from nanoqwen.serve.web_routes import add_web_routes
 
-Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
@@ -111,7 +116,7 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
             return f"token_id:{token_id}"
         return tok.decode([token_id], skip_special_tokens=False)
 
-    def check_model(req: SamplingFields) -> None:
+    def check_model(req: SamplingFields | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != config.model_name:
             raise APIError(
                 404,
@@ -181,6 +186,18 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
         stream = functools.partial(chat_stream, tool_calls=tools)
         whole = functools.partial(chat_response, tool_calls=tools)
         return await respond(request, gen, req, stream, whole)
+
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
+    async def tokenize(request: Request) -> TokenizeResponse:
+        req = await parse_body(request, TokenizeRequest)
+        check_model(req)
+        return T.tokenize(req, info)
+
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        req = await parse_body(request, DetokenizeRequest)
+        check_model(req)
+        return T.detokenize(req, info)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

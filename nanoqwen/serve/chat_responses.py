@@ -39,7 +39,7 @@ from nanoqwen.serve.responses import (
     chat_logprobs,
     event_stream,
     new_id,
-    usage,
+    whole_usage,
 )
 
 
@@ -79,7 +79,7 @@ def chat_response(
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=usage(gen, sum(len(o.token_ids) for o in outputs)),
+        usage=whole_usage(gen, outputs),
     )
 
 

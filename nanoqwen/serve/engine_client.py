@@ -51,6 +51,7 @@ class ChoiceOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # set once the choice is finished
+    cached_tokens: int | None = None  # prompt tokens the prefix cache held, once finished
 
     def merge(self, part: ChoiceOutput) -> None:
         self.text += part.text
@@ -58,6 +59,8 @@ class ChoiceOutput:
         if part.logprobs is not None:
             self.logprobs = (self.logprobs or []) + part.logprobs
         self.finish_reason = part.finish_reason or self.finish_reason
+        if part.cached_tokens is not None:
+            self.cached_tokens = part.cached_tokens
 
 
 class Sink(Protocol):
@@ -227,14 +230,14 @@ class EngineClient:
                 r.num_output_tokens += 1
                 num_tokens += 1
                 r.sink.push(r.index, ChoiceOutput(text, [token]))
-            for request_id, text, token_ids, finished, reason, logprobs in out.rows:
+            for request_id, text, token_ids, finished, reason, logprobs, cached in out.rows:
                 r = requests.get(request_id)
                 if r is None:
                     continue
                 if finished:
                     del requests[request_id]
                     reason = reason or "length"
-                part = ChoiceOutput(text, token_ids, logprobs, reason if finished else None)
+                part = ChoiceOutput(text, token_ids, logprobs, reason if finished else None, cached)
                 num_tokens += len(token_ids)
                 self._record(r, part, now)
                 r.sink.push(r.index, part)

@@ -106,7 +106,9 @@ class EngineCore:
                 if seq.is_finished:
                     del live[seq.seq_id]
                     del self._seqs[request_id]
-                    out.rows.append((request_id, "", [token], True, seq.finish_reason, None))
+                    row = (request_id, "", [token], True, seq.finish_reason, None,
+                           seq.num_cached_tokens or 0)  # fmt: skip
+                    out.rows.append(row)
                 else:
                     ids.append(request_id)
                     tokens.append(token)
@@ -132,7 +134,7 @@ class EngineCore:
                 continue
             row: OutputRow = (
                 request_id, chunk.text, chunk.token_ids, chunk.finished, chunk.finish_reason,
-                chunk.logprobs,
+                chunk.logprobs, (seq.num_cached_tokens or 0) if chunk.finished else None,
             )  # fmt: skip
             out.rows.append(row)
 

@@ -31,6 +31,7 @@ class Generation:
         self._items: list[tuple[int, ChoiceOutput | Exception]] = []
         self._waiter: asyncio.Future | None = None
         self.prompt_lens = [len(p) for p in prompts]
+        self.first_choices = [i * len(choices) for i, choices in enumerate(params)]
         self.requests = [
             EngineRequest(ids, sp, i * len(choices) + j, self)
             for i, (ids, choices) in enumerate(zip(prompts, params))

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 
-# (request id, new text, new token ids, finished, finish reason, logprobs of the new tokens)
-OutputRow = tuple[int, str, list[int], bool, str | None, list[TokenLogprobs] | None]
+# (request id, new text, new token ids, finished, finish reason, logprobs of the new tokens,
+# prompt tokens the prefix cache held: set on the finished row)
+OutputRow = tuple[int, str, list[int], bool, str | None, list[TokenLogprobs] | None, int | None]
 
 
 @dataclass

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoqwen.validation import encode_prompt
 from nanoqwen.weights.tokenizer import Tokenizer
@@ -14,6 +14,9 @@ class ModelInfo:
     tokenizer: Tokenizer | None  # None with random weights
     max_model_len: int
     vocab_size: int
+    # Sampling fields a request leaves out take these (the checkpoint's generation_config.json,
+    # as `nanoqwen generate` uses it), then OpenAI's defaults.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids, as LLM.encode gives them; InvalidInputError otherwise."""

@@ -65,9 +65,9 @@ def chat_request(req: ChatCompletionRequest, info: ModelInfo) -> ChatRequest:
     try:
         chat = runtime_chat_request(
             tok,
-            _dump(req.messages),
-            tools=_dump(req.tools),
-            tool_choice=_dump(req.tool_choice),
+            dump_models(req.messages),
+            tools=dump_models(req.tools),
+            tool_choice=dump_models(req.tool_choice),
             parallel_tool_calls=req.parallel_tool_calls,
             response_format=req.response_format,
         )
@@ -77,10 +77,10 @@ def chat_request(req: ChatCompletionRequest, info: ModelInfo) -> ChatRequest:
     return chat
 
 
-def _dump(value):
+def dump_models(value):
     """Request models as the plain values runtime/chat/ checks (unset fields left out)."""
     if isinstance(value, list):
-        return [_dump(v) for v in value]
+        return [dump_models(v) for v in value]
     return value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
 
 
@@ -140,19 +140,23 @@ def sampling_params(
             "stop_token_ids",
         )
 
-    def pick(value, default):
-        return default if value is None else value
+    defaults = info.sampling_defaults
 
+    def pick(name: str, openai_default):
+        value = getattr(req, name)
+        return defaults.get(name, openai_default) if value is None else value
+
+    top_k = pick("top_k", -1)
     try:
         return [
             SamplingParams(
-                temperature=pick(req.temperature, 1.0),
-                top_p=pick(req.top_p, 1.0),
-                top_k=-1 if req.top_k in (None, 0) else req.top_k,
-                min_p=pick(req.min_p, 0.0),
-                repetition_penalty=pick(req.repetition_penalty, 1.0),
-                presence_penalty=pick(req.presence_penalty, 0.0),
-                frequency_penalty=pick(req.frequency_penalty, 0.0),
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=-1 if top_k == 0 else top_k,
+                min_p=pick("min_p", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                presence_penalty=pick("presence_penalty", 0.0),
+                frequency_penalty=pick("frequency_penalty", 0.0),
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 stop=req.stop,

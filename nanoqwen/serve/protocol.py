@@ -119,6 +119,23 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or messages through the chat template (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # with prompt
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # with messages
+    tools: list[ToolParam] | None = None  # with messages: the template's tools section
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ------------------------------------------------------------------------------
 class _OmitsNone(BaseModel):
     """Leaves out the fields named in _omit_if_none while they are None (other None fields,
@@ -135,10 +152,15 @@ class _OmitsNone(BaseModel):
         return data
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V the prefix cache held
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -257,6 +279,18 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionChunk(CompletionResponse):
     """A streamed piece: the same object as a whole completion, as in OpenAI's API."""
+
+
+class TokenizeResponse(_OmitsNone):
+    _omit_if_none = ("token_strs",)
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -21,6 +21,7 @@ from nanoqwen.serve.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     TopLogprob,
     Usage,
 )
@@ -37,13 +38,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(gen: Generation, completion_tokens: int) -> Usage:
-    prompt_tokens = sum(gen.prompt_lens)  # once per prompt, however many choices it has
+def usage(gen: Generation, completion_tokens: int, cached: dict[int, int | None]) -> Usage:
+    """cached: each choice's prompt tokens from the prefix cache (a prompt counts once, by
+    its first choice, however many choices it has)."""
+    prompt_tokens = sum(gen.prompt_lens)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(cached.get(i) or 0 for i in gen.first_choices)
+        ),
     )
+
+
+def whole_usage(gen: Generation, outputs: list[ChoiceOutput]) -> Usage:
+    completion_tokens = sum(len(o.token_ids) for o in outputs)
+    return usage(gen, completion_tokens, {i: o.cached_tokens for i, o in enumerate(outputs)})
 
 
 def sse(body) -> str:
@@ -107,7 +118,7 @@ def completion_response(
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=usage(gen, sum(len(o.token_ids) for o in outputs)),
+        usage=whole_usage(gen, outputs),
     )
 
 
@@ -149,6 +160,7 @@ async def event_stream(
     """The events of one stream: opening()'s, then event(choice, part, token ids) for each
     part a client can see, batched per delivery; then usage and [DONE]."""
     completion_tokens = 0
+    cached: dict[int, int | None] = {}
     try:
         # Started here, not in the handler: a client gone before the stream begins then costs
         # nothing (a generator that never ran has no `finally` to abort it).
@@ -159,6 +171,8 @@ async def event_stream(
             events = []
             for i, part in (await gen.next_batch()).items():
                 completion_tokens += len(part.token_ids)
+                if part.cached_tokens is not None:
+                    cached[i] = part.cached_tokens
                 ids = part.token_ids if return_token_ids else None
                 if part.text or part.finish_reason or ids or part.logprobs:
                     events.append(event(i, part, ids))
@@ -172,7 +186,7 @@ async def event_stream(
     finally:
         gen.abort()
     if include_usage:
-        yield sse(chunk(**base, choices=[], usage=usage(gen, completion_tokens)))
+        yield sse(chunk(**base, choices=[], usage=usage(gen, completion_tokens, cached)))
     yield DONE
 
 

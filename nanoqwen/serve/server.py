@@ -18,6 +18,7 @@ from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.serve.app import ServerConfig, build_app
 from nanoqwen.serve.engine_client import EngineClient
 from nanoqwen.serve.model_info import ModelInfo
+from nanoqwen.weights.generation_config import request_defaults as checkpoint_defaults
 from nanoqwen.weights.hub import DEFAULT_MODEL_NAME, resolve_model
 from nanoqwen.weights.tokenizer import Tokenizer
 
@@ -73,7 +74,17 @@ def start_engine(
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return engine, ModelInfo(tokenizer, ready.max_model_len, ready.vocab_size)
+    defaults = request_defaults(args, config)
+    return engine, ModelInfo(tokenizer, ready.max_model_len, ready.vocab_size, defaults)
+
+
+def request_defaults(args: argparse.Namespace, config: EngineConfig) -> dict[str, float | int]:
+    """--generation-config auto: the sampling fields of the checkpoint's
+    generation_config.json (weights/generation_config.py); none, or random weights: only
+    OpenAI's defaults."""
+    if getattr(args, "generation_config", "auto") == "none" or config.random_shape:
+        return {}
+    return checkpoint_defaults(resolve_model(config.model))
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig, template: str | None) -> int:

@@ -139,10 +139,14 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         # The template already holds every special token, as in HF's apply_chat_template.
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+        text = self.render_chat(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _load_chat_template(model_dir: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:

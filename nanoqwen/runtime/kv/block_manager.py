@@ -212,6 +212,8 @@ class BlockManager:
                 self.host_pool.release(block)
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens is None:  # a recompute after preemption is not the request's
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.register_computed(seq)  # the restored blocks; the others are registered already
         if self.enable_prefix_caching:
             for i in range(len(hits), len(seq) // self.block_size):

@@ -1,0 +1,57 @@
+"""/tokenize and /detokenize, as vLLM serves them: a prompt (or messages through the chat
+template) to token ids, and token ids back to text, with the tokenizer the server uses."""
+
+from __future__ import annotations
+
+from jinja2.exceptions import TemplateError
+
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.chat.messages import template_messages
+from nanoqwen.serve.errors import APIError
+from nanoqwen.serve.model_info import ModelInfo
+from nanoqwen.serve.params import dump_models
+from nanoqwen.serve.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from nanoqwen.validation import token_ids
+from nanoqwen.weights.tokenizer import Tokenizer
+
+
+def _tokenizer(info: ModelInfo) -> Tokenizer:
+    if info.tokenizer is None:
+        raise APIError(400, "this server has no tokenizer (random weights)")
+    return info.tokenizer
+
+
+def tokenize(req: TokenizeRequest, info: ModelInfo) -> TokenizeResponse:
+    tok = _tokenizer(info)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", "prompt")
+    try:
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            messages = template_messages(dump_models(req.messages))
+            tools = dump_models(req.tools)
+            ids = tok.encode_chat(messages, tools, req.add_generation_prompt)
+    except InvalidInputError as e:
+        raise APIError(400, e.message, e.param) from None
+    except TemplateError as e:
+        raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+    strs = (
+        [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    )
+    return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids,
+                            token_strs=strs)  # fmt: skip
+
+
+def detokenize(req: DetokenizeRequest, info: ModelInfo) -> DetokenizeResponse:
+    tok = _tokenizer(info)
+    try:
+        ids = token_ids("tokens", req.tokens, info.vocab_size)
+    except InvalidInputError as e:
+        raise APIError(400, e.message, "tokens") from None
+    return DetokenizeResponse(prompt=tok.decode(ids, skip_special_tokens=False))
