@@ -160,11 +160,16 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
         check_model(req)
         prompts = P.completion_prompts(req, info)
         constraint = P.structured_output(req)
+        echo, max_tokens = P.completion_echo(req, prompts, info)
+        prompt_logprobs = req.logprobs if echo is not None else None
         params = [
-            P.sampling_params(req, len(ids), info, req.max_tokens, req.logprobs, constraint)
+            P.sampling_params(
+                req, len(ids), info, max_tokens, req.logprobs, constraint, prompt_logprobs
+            )  # fmt: skip
             for ids in prompts
         ]
         gen = Generation(engine, prompts, params)
+        gen.echo = echo
         return await respond(request, gen, req, R.completion_stream, R.completion_response)
 
     @app.post(

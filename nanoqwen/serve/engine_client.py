@@ -52,6 +52,9 @@ class ChoiceOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # set once the choice is finished
     cached_tokens: int | None = None  # prompt tokens the prefix cache held, once finished
+    # With prompt logprobs asked for: one per prompt token (None for the first), on the
+    # choice's first part.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def merge(self, part: ChoiceOutput) -> None:
         self.text += part.text
@@ -61,6 +64,8 @@ class ChoiceOutput:
         self.finish_reason = part.finish_reason or self.finish_reason
         if part.cached_tokens is not None:
             self.cached_tokens = part.cached_tokens
+        if part.prompt_logprobs is not None:
+            self.prompt_logprobs = part.prompt_logprobs
 
 
 class Sink(Protocol):
@@ -230,14 +235,17 @@ class EngineClient:
                 r.num_output_tokens += 1
                 num_tokens += 1
                 r.sink.push(r.index, ChoiceOutput(text, [token]))
-            for request_id, text, token_ids, finished, reason, logprobs, cached in out.rows:
+            for request_id, text, token_ids, finished, reason, logprobs, extras in out.rows:
                 r = requests.get(request_id)
                 if r is None:
                     continue
                 if finished:
                     del requests[request_id]
                     reason = reason or "length"
-                part = ChoiceOutput(text, token_ids, logprobs, reason if finished else None, cached)
+                part = ChoiceOutput(text, token_ids, logprobs, reason if finished else None)
+                if extras is not None:
+                    part.cached_tokens = extras.cached_tokens
+                    part.prompt_logprobs = extras.prompt_logprobs
                 num_tokens += len(token_ids)
                 self._record(r, part, now)
                 r.sink.push(r.index, part)

@@ -37,6 +37,7 @@ from nanoqwen.serve.messages import (
     EngineStartupError,
     EngineStats,
     OutputRow,
+    RowExtras,
     Shutdown,
     StepOutputs,
 )
@@ -106,9 +107,9 @@ class EngineCore:
                 if seq.is_finished:
                     del live[seq.seq_id]
                     del self._seqs[request_id]
-                    row = (request_id, "", [token], True, seq.finish_reason, None,
-                           seq.num_cached_tokens or 0)  # fmt: skip
-                    out.rows.append(row)
+                    extras = RowExtras(cached_tokens=seq.num_cached_tokens or 0)
+                    out.rows.append((request_id, "", [token], True, seq.finish_reason, None,
+                                     extras))  # fmt: skip
                 else:
                     ids.append(request_id)
                     tokens.append(token)
@@ -124,17 +125,24 @@ class EngineCore:
             chunk = self.llm.take_output(seq)
             if chunk is None:
                 continue
+            extras = None
+            if seq.params.prompt_logprobs is not None and seq.num_streamed == len(
+                chunk.token_ids
+            ):  # its first output
+                extras = RowExtras(prompt_logprobs=seq.prompt_logprobs)
             if chunk.finished:
                 del live[seq.seq_id]
                 del self._seqs[request_id]
-            elif chunk.logprobs is None and len(chunk.token_ids) == 1:
+                extras = extras or RowExtras()
+                extras.cached_tokens = seq.num_cached_tokens or 0
+            elif chunk.logprobs is None and len(chunk.token_ids) == 1 and extras is None:
                 ids.append(request_id)
                 tokens.append(chunk.token_ids[0])
                 texts.append(chunk.text)
                 continue
             row: OutputRow = (
                 request_id, chunk.text, chunk.token_ids, chunk.finished, chunk.finish_reason,
-                chunk.logprobs, (seq.num_cached_tokens or 0) if chunk.finished else None,
+                chunk.logprobs, extras,
             )  # fmt: skip
             out.rows.append(row)
 
@@ -142,7 +150,12 @@ class EngineCore:
         """Whether a request's output is its tokens alone, taken straight from step()'s
         result rather than through take_output(): no text (no tokenizer, as with random
         weights), no logprobs, no interval to wait for."""
-        return self.llm.tokenizer is None and params.logprobs is None and self.stream_interval == 1
+        return (
+            self.llm.tokenizer is None
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+            and self.stream_interval == 1
+        )
 
     def idle(self) -> None:
         """Applies the step still in flight (it holds only finished sequences by now)."""

@@ -7,6 +7,7 @@ import asyncio
 from starlette.requests import Request
 
 from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.serve.echo import Echo
 from nanoqwen.serve.engine_client import ChoiceOutput, EngineClient, EngineDeadError, EngineRequest
 from nanoqwen.serve.errors import APIError
 
@@ -38,6 +39,7 @@ class Generation:
             for j, sp in enumerate(choices)
         ]
         self.unfinished = {r.index for r in self.requests}
+        self.echo: Echo | None = None  # /v1/completions' echo: the prompt in front
 
     @property
     def num_choices(self) -> int:
@@ -75,6 +77,8 @@ class Generation:
             if isinstance(payload, Exception):
                 self.abort()
                 raise APIError(500, f"the engine failed: {payload}") from payload
+            if self.echo is not None:
+                self.echo.apply(index, payload)
             if index in batch:
                 batch[index].merge(payload)
             else:

@@ -17,8 +17,19 @@ from nanoqwen.runtime.logprobs import TokenLogprobs
 from nanoqwen.runtime.sampling_params import SamplingParams
 
 # (request id, new text, new token ids, finished, finish reason, logprobs of the new tokens,
-# prompt tokens the prefix cache held: set on the finished row)
-OutputRow = tuple[int, str, list[int], bool, str | None, list[TokenLogprobs] | None, int | None]
+# what a request's output carries once, or None)
+OutputRow = tuple[
+    int, str, list[int], bool, str | None, list[TokenLogprobs] | None, "RowExtras | None"
+]
+
+
+@dataclass
+class RowExtras:
+    """Sent once per request: its prompt's logprobs with its first tokens (when asked for),
+    the prompt tokens the prefix cache held with its last."""
+
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass

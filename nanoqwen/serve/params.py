@@ -13,6 +13,7 @@ from nanoqwen.runtime.chat.request import chat_request as runtime_chat_request
 from nanoqwen.runtime.logprobs import MAX_LOGPROBS
 from nanoqwen.runtime.sampling.structured import StructuredOutput
 from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.serve.echo import Echo, EchoPrompt
 from nanoqwen.serve.errors import APIError, bad_request
 from nanoqwen.serve.model_info import ModelInfo
 from nanoqwen.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -28,7 +29,6 @@ def _unsupported(name: str, value, default_ok: bool) -> None:
 
 def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int]]:
     """The prompt field as a list of token id lists: a string, token ids, or a list of either."""
-    _unsupported("echo", req.echo, not req.echo)
     _unsupported("suffix", req.suffix, req.suffix is None)
     _unsupported("best_of", req.best_of, req.best_of in (None, req.n))
     _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
@@ -53,6 +53,8 @@ def chat_request(req: ChatCompletionRequest, info: ModelInfo) -> ChatRequest:
     """The prompt, its constraint (response_format, or a required tool call) and whether tool
     calls are read back; the messages and tools are checked by runtime/chat/."""
     _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
+    if req.echo:
+        raise APIError(400, "echo=True is for /v1/completions only", "echo")
     if not req.messages:
         raise APIError(400, "messages is empty: at least one message is needed", "messages")
     tok = info.tokenizer
@@ -105,6 +107,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     constraint: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice of one prompt (n of them): choice j of a seeded request
     gets seed + j, so the n samples differ and each is reproducible.
@@ -164,12 +167,31 @@ def sampling_params(
                 ignore_eos=req.ignore_eos,
                 seed=None if req.seed is None else req.seed + j,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 structured_output=constraint,
             )
             for j in range(req.n)
         ]
     except ValueError as e:  # InvalidInputError subclasses ValueError too
         raise bad_request(e) from None
+
+
+def completion_echo(
+    req: CompletionRequest, prompts: list[list[int]], info: ModelInfo
+) -> tuple[Echo | None, int | None]:
+    """echo's prompts (None without echo) and the max_tokens the engine runs with."""
+    if not req.echo:
+        return None, req.max_tokens
+    texts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else []
+    if isinstance(req.prompt, str):
+        texts = [req.prompt]
+    tok = info.tokenizer
+    echoed = [
+        EchoPrompt(texts[i] if texts else (tok.decode(ids, False) if tok else ""), ids)
+        for i, ids in enumerate(prompts)
+    ]
+    prompt_only = req.max_tokens == 0
+    return Echo(echoed, req.n, prompt_only), 1 if prompt_only else req.max_tokens
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:

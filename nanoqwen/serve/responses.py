@@ -73,7 +73,7 @@ def completion_logprobs(
         text = token_text(e.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append({token_text(t): lp for t, lp in e.top})
+        out.top_logprobs.append(None if e.top is None else {token_text(t): lp for t, lp in e.top})
         out.text_offset.append(offset)
         offset += len(text)
     return out

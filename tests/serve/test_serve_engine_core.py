@@ -48,7 +48,7 @@ def test_engine_steps_on_while_nobody_reads_its_output(tiny_model, tokenizer):
             ):
                 tokens[request_id].append(token)
                 texts[request_id] += text
-            for request_id, text, token_ids, done, reason, _logprobs, _cached in out.rows:
+            for request_id, text, token_ids, done, reason, _logprobs, _extras in out.rows:
                 tokens[request_id] += token_ids
                 texts[request_id] += text
                 if done:

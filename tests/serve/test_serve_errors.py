@@ -140,7 +140,8 @@ BAD_REQUESTS = {
         "together 2100",
     ),
     # unsupported features, not silently ignored
-    "echo": (COMPLETIONS, completion(echo=True), 400, "echo=True is not supported"),
+    "echo with chat": (CHAT, chat(echo=True), 400, "echo=True is for /v1/completions only"),
+    "max_tokens 0 without echo": (COMPLETIONS, completion(max_tokens=0), 400, "max_tokens=0"),
     # tools and structured output
     "tool without function": (CHAT, chat(tools=[{"type": "function"}]), 400, "tools.0.function"),
     "tool result answering no call": (

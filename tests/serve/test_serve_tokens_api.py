@@ -111,3 +111,36 @@ def test_sampling_defaults_come_from_generation_config(
         assert explicit.json()["choices"][0]["token_ids"] == again.json()["choices"][0]["token_ids"]
     finally:
         server.close()
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(tiny_server, tok):
+    client = OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0)
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt)
+    scored = client.completions.create(model=None, prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=2, temperature=0)  # fmt: skip
+    choice = scored.choices[0]
+    assert choice.text == prompt
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == prompt and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    # With new tokens: the prompt, then the answer, logprobs for both.
+    more = client.completions.create(model=None, prompt=prompt, max_tokens=3, echo=True,
+                                     logprobs=1, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    text = more.choices[0].text
+    assert text.startswith(prompt) and len(more.choices[0].logprobs.tokens) == len(ids) + 3
+    assert more.choices[0].logprobs.token_logprobs[1:][: len(ids) - 1] == lp.token_logprobs[1:]
+    streamed = client.completions.create(model=None, prompt=prompt, max_tokens=3, echo=True,
+                                         temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_echo_with_chat_is_refused(tiny_server):
+    got = post(tiny_server, "/v1/chat/completions", {"messages": MESSAGES, "echo": True})
+    assert got.status_code == 400
+    assert got.json()["error"]["message"] == "echo=True is for /v1/completions only"
