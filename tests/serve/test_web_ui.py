@@ -4,6 +4,7 @@ streaming, stop, reload, safe markdown, the API-key prompt and error messages.""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from types import SimpleNamespace
@@ -227,3 +228,23 @@ def test_a_server_error_shows_in_the_conversation(web):
     assert web.page.locator(".message.assistant").count() == 0
     assert web.page.is_visible("#send")
     assert all("400" in e for e in web.errors), web.errors  # the browser logs the 400
+
+
+def test_an_error_event_in_a_stream_shows_after_the_partial_answer(web):
+    # A real server sends one only when its engine fails mid-answer: the stream is faked here.
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "partial "}}]},
+        {"choices": [{"index": 0, "delta": {"content": "answer"}}]},
+        {"error": {"message": "the engine failed: it was killed", "type": "internal_error"}},
+    ]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    web.page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body),
+    )
+    web.open()
+    web.send("hello")
+    error = web.page.wait_for_selector(".message.error")
+    assert "the engine failed: it was killed" in error.text_content()
+    assert web.page.text_content(".message.assistant .body").strip() == "partial answer"
+    assert web.errors == []

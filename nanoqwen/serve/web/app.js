@@ -165,8 +165,17 @@ async function loadModel() {
 
 const current = () => state.conversations.find((c) => c.id === state.currentId);
 
+// Not crypto.randomUUID: it exists only in secure contexts, and the page may be served over
+// plain http to another host.
+const newId = () => Date.now().toString(36) + Math.random().toString(36).slice(2);
+
 function newConversation() {
-  const conversation = { id: crypto.randomUUID(), title: "New chat", messages: [] };
+  const open = current();
+  if (open && !open.messages.length) {
+    $("prompt").focus();
+    return open;
+  }
+  const conversation = { id: newId(), title: "New chat", messages: [] };
   state.conversations.unshift(conversation);
   state.currentId = conversation.id;
   save();
