@@ -80,6 +80,8 @@ class LLM:
         ids = self.encode(prompt)
         check_prompt_length(len(ids), self.max_model_len)
         token_ids("stop_token_ids", params.stop_token_ids, self.config.vocab_size)
+        if params.logit_bias:
+            token_ids("logit_bias", sorted(params.logit_bias), self.config.vocab_size)
         seq = Sequence(ids, params)
         if params.structured_output is not None:
             seq.grammar = self._grammar_compiler().compile(params.structured_output)

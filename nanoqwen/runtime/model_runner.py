@@ -19,6 +19,7 @@ from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
+from nanoqwen.runtime.sampling.logit_bias import biased_logits
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sampling.structured import TokenMasks, masked_logits
 from nanoqwen.runtime.sampling_params import SamplingParams
@@ -126,6 +127,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool, slots=None):
         slots = self._tensor(self.sampler.slots(seqs) if slots is None else slots, torch.int64)
+        logits = biased_logits(logits, [s.params.logit_bias for s in seqs], self._tensor)
         states = [s.grammar for s in seqs]
         if any(state is not None for state in states):
             if self._masks is None:
@@ -150,9 +152,10 @@ class ModelRunner:
         n = len(batch.seqs)
         prompt_lp: list = []
         constrained = any(s.grammar is not None for s in seqs)
-        # Graphs with the sampler inside serve steps without masks; a decode step with them
-        # replays a logits-only graph.
-        graphs_allowed = not constrained
+        # Graphs with the sampler inside serve steps whose logits go to it as they are; a
+        # decode step with masks or biases replays a logits-only graph.
+        processed = constrained or any(s.params.logit_bias for s in seqs)
+        graphs_allowed = not processed
         if (
             batch.is_prefill
             and graphs_allowed
@@ -168,11 +171,11 @@ class ModelRunner:
             prompt_lp = self._prompt_logprobs(batch, x, residual)
             logits = self.model.compute_logits((x[rows], residual[rows]))
             tokens = None
-        elif self.graphs is not None and self.graphs.can_run(n, logits_only=constrained):
+        elif self.graphs is not None and self.graphs.can_run(n, logits_only=processed):
             ids, sources, pending = self.token_sources(batch.seqs)
             key = self.graphs.prepare(
                 batch.seqs, ids, sources, self.sampler.slots(batch.seqs),
-                None if constrained else filtering,
+                None if processed else filtering,
             )  # fmt: skip
             if pending:
                 f = self.graphs.fields

@@ -9,6 +9,7 @@ from typing import Any
 
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.logprobs import MAX_LOGPROBS
+from nanoqwen.runtime.sampling.logit_bias import check_logit_bias
 from nanoqwen.runtime.sampling.structured import StructuredOutput
 from nanoqwen.validation import (
     a_type,
@@ -42,6 +43,8 @@ class SamplingParams:
     # Constrains the text to a JSON schema, any JSON object, a regex or a grammar:
     # a StructuredOutput, or a mapping of its fields.
     structured_output: StructuredOutput | None = None
+    # OpenAI's logit_bias: {token id: a number in [-100, 100]} added to those logits.
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +83,7 @@ class SamplingParams:
             )
             setattr(self, name, value)
         self.structured_output = StructuredOutput.of(self.structured_output)
+        self.logit_bias = check_logit_bias(self.logit_bias)
         self.stop_strings = _stop_strings(self.stop)
         # Ids past the vocabulary are refused by the engine, which knows its size.
         self.stop_token_ids = token_ids("stop_token_ids", self.stop_token_ids or [])

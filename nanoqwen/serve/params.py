@@ -31,7 +31,6 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int
     """The prompt field as a list of token id lists: a string, token ids, or a list of either."""
     _unsupported("suffix", req.suffix, req.suffix is None)
     _unsupported("best_of", req.best_of, req.best_of in (None, req.n))
-    _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         batch = [prompt]
@@ -52,7 +51,6 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int
 def chat_request(req: ChatCompletionRequest, info: ModelInfo) -> ChatRequest:
     """The prompt, its constraint (response_format, or a required tool call) and whether tool
     calls are read back; the messages and tools are checked by runtime/chat/."""
-    _unsupported("logit_bias", req.logit_bias, not req.logit_bias)
     if req.echo:
         raise APIError(400, "echo=True is for /v1/completions only", "echo")
     if not req.messages:
@@ -151,7 +149,7 @@ def sampling_params(
 
     top_k = pick("top_k", -1)
     try:
-        return [
+        params = [
             SamplingParams(
                 temperature=pick("temperature", 1.0),
                 top_p=pick("top_p", 1.0),
@@ -169,11 +167,17 @@ def sampling_params(
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured_output=constraint,
+                logit_bias=req.logit_bias,
             )
             for j in range(req.n)
         ]
     except ValueError as e:  # InvalidInputError subclasses ValueError too
         raise bad_request(e) from None
+    past = [t for t in params[0].logit_bias or () if t >= vocab]
+    if past:
+        message = f"logit_bias: token id {past[0]} is out of range: allowed 0..{vocab - 1}"
+        raise APIError(400, message, "logit_bias")
+    return params
 
 
 def completion_echo(

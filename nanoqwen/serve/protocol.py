@@ -44,6 +44,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     return_token_ids: bool = False  # each choice also carries its token ids
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
     user: str | None = None  # accepted, unused
     # vLLM's extension: the text constrained to a JSON schema ("json"), any JSON object
     # ("json_object": true), a regex, an EBNF grammar or an xgrammar structural tag.
@@ -58,7 +59,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 class TextPart(_Request):
@@ -111,7 +111,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
     echo: bool = False  # refused: only /v1/completions echoes
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -1,6 +1,7 @@
-"""Structured output and tool calls on the GPU (bfloat16, CUDA graphs for the free requests):
-constrained answers are their grammar's sentences, a free request beside constrained ones
-keeps the tokens it has alone (greedy), and forced tool calls are valid."""
+"""Structured output, tool calls and logit bias on the GPU (bfloat16; CUDA graphs, logits-only
+for constrained or biased steps): constrained answers are their grammar's sentences, a free
+request beside constrained ones keeps its tokens, forced tool calls are valid, a bias of
++100 forces its token, and none of these steps syncs with the host."""
 
 from __future__ import annotations
 
@@ -109,6 +110,26 @@ def test_constrained_steps_have_no_host_sync(llm):
         one.complete()
         two = llm._launch(llm.scheduler.schedule())
         two.complete()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    one.result(), two.result()
+    llm.abort(seqs)
+
+
+def test_logit_bias_on_the_gpu(llm):
+    """A biased request (a logits-only graph, then the scatter and the sampler) beside free
+    ones, and no host sync in its step."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    forced = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={42: 100})
+    outs = llm.generate([[7, 8, 9], [5, 6]], [free, forced])
+    assert outs[1].token_ids == [42] * 12
+    seqs = [llm._add(p, forced, False) for p in ([5, 6], [7, 8, 9])]
+    prefill = llm.scheduler.schedule()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        one = llm._launch(prefill)
+        two = llm._launch(llm.scheduler.schedule())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     one.result(), two.result()

@@ -1,6 +1,7 @@
-"""/tokenize and /detokenize as vLLM serves them, the prefix cache's hits in
-usage.prompt_tokens_details.cached_tokens, and sampling defaults from the checkpoint's
-generation_config.json (--generation-config)."""
+"""The parts of OpenAI's and vLLM's API that clients and evaluation harnesses expect:
+/tokenize and /detokenize, the prefix cache's hits in usage.prompt_tokens_details, sampling
+defaults from the checkpoint's generation_config.json (--generation-config), echo with prompt
+logprobs, and logit_bias."""
 
 from __future__ import annotations
 
@@ -144,3 +145,31 @@ def test_echo_with_chat_is_refused(tiny_server):
     got = post(tiny_server, "/v1/chat/completions", {"messages": MESSAGES, "echo": True})
     assert got.status_code == 400
     assert got.json()["error"]["message"] == "echo=True is for /v1/completions only"
+
+
+def test_logit_bias_forces_a_token_through_the_openai_client(tiny_server):
+    client = OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused", max_retries=0)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    got = client.completions.create(model=None, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                    logit_bias={"42": 100}, extra_body=extra)  # fmt: skip
+    assert got.choices[0].model_extra["token_ids"] == [42] * 4
+    chat = client.chat.completions.create(model=None, messages=MESSAGES, max_tokens=3,
+                                          temperature=0, logit_bias={"42": 100},
+                                          extra_body=extra)  # fmt: skip
+    assert chat.choices[0].model_extra["token_ids"] == [42] * 3
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"600": 5}, "logit_bias: token id 600 is out of range: allowed 0..511"),
+        ({"42": 150}, "logit_bias={'42': 150.0} maps 42 to 150.0: allowed a mapping of token "
+         "ids to numbers in [-100, 100]"),
+        ({"fox": 1}, "logit_bias={'fox': 1.0} has the key 'fox', not a token id"),
+    ],
+)  # fmt: skip
+def test_bad_logit_bias_is_a_400(tiny_server, bias, message):
+    got = post(tiny_server, "/v1/completions", {"prompt": [1, 2], "logit_bias": bias})
+    assert got.status_code == 400
+    assert got.json()["error"]["message"].startswith(message), got.json()
+    assert got.json()["error"]["param"] == "logit_bias"
