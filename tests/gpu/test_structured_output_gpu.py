@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from conftest import launch_two_steps_without_host_sync
 
 from nanoqwen import LLM, SamplingParams
 
@@ -124,13 +125,5 @@ def test_logit_bias_on_the_gpu(llm):
     outs = llm.generate([[7, 8, 9], [5, 6]], [free, forced])
     assert outs[1].token_ids == [42] * 12
     seqs = [llm._add(p, forced, False) for p in ([5, 6], [7, 8, 9])]
-    prefill = llm.scheduler.schedule()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        one = llm._launch(prefill)
-        two = llm._launch(llm.scheduler.schedule())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    one.result(), two.result()
+    launch_two_steps_without_host_sync(llm, llm.scheduler.schedule())
     llm.abort(seqs)
