@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from nanoqwen.attention.rotary import YarnScaling
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.validation import a_type, is_int, is_number, read_json_object, show
 
@@ -28,6 +29,14 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_id: tuple[int, ...] = ()
+    rope_scaling: YarnScaling | None = None
+
+    @property
+    def max_positions(self) -> int:
+        """The longest context the model's positions reach: YaRN's scaled one, where larger."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings, self.rope_scaling.max_positions)
 
     @property
     def q_size(self) -> int:
@@ -109,7 +118,7 @@ class _Reader:
             raise ConfigError(
                 f"{self.source}: use_sliding_window=true: sliding-window attention is not supported"
             )
-        rope_theta = self.rope_theta()
+        rope_theta, rope_scaling = self.rope()
         vocab = self.integer("vocab_size")
         hidden = self.integer("hidden_size")
         heads = self.integer("num_attention_heads")
@@ -132,6 +141,9 @@ class _Reader:
                 f"{self.source}: num_key_value_heads={kv_heads} must divide "
                 f"num_attention_heads={heads}"
             )
+        max_positions = self.integer("max_position_embeddings", 32768, minimum=2)
+        if rope_scaling is not None and rope_scaling.original_max_position_embeddings == 0:
+            rope_scaling = replace(rope_scaling, original_max_position_embeddings=max_positions)
         tied = raw.get("tie_word_embeddings", False)
         if not isinstance(tied, bool):
             raise self.fail("tie_word_embeddings", tied, "is not a bool", "true or false")
@@ -145,9 +157,10 @@ class _Reader:
             head_dim=head_dim,
             rms_norm_eps=self.positive_number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=self.integer("max_position_embeddings", 32768, minimum=2),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=tied,
             eos_token_id=self.eos_ids(vocab),
+            rope_scaling=rope_scaling,
         )
 
     def eos_ids(self, vocab: int) -> tuple[int, ...]:
@@ -159,8 +172,9 @@ class _Reader:
             )
         return tuple(int(t) for t in ids)
 
-    def rope_theta(self) -> float:
-        """Accepts the classic top-level rope_theta/rope_scaling and the newer rope_parameters."""
+    def rope(self) -> tuple[float, YarnScaling | None]:
+        """rope_theta and YaRN's settings, from the classic top-level rope_theta/rope_scaling
+        or the newer rope_parameters."""
         raw = self.raw
         params, scaling, theta = (
             raw.get("rope_parameters"),
@@ -173,12 +187,47 @@ class _Reader:
         if params:
             theta = params.get("rope_theta", theta)
             scaling = scaling or params
+        yarn = None
         if scaling:
             key = "rope_type" if scaling.get("rope_type") else "type"
             kind = scaling.get(key) or "default"
-            if kind != "default":
-                field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+            field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+            if kind == "yarn":
+                yarn = self.yarn(scaling, field)
+            elif kind != "default":
                 raise ConfigError(
-                    f"{self.source}: {field}.{key}={show(kind)}: only default RoPE is supported"
+                    f"{self.source}: {field}.{key}={show(kind)}: allowed default or yarn RoPE"
                 )
-        return self.positive_number("rope_theta", 10000.0 if theta is None else theta)
+        return self.positive_number("rope_theta", 10000.0 if theta is None else theta), yarn
+
+    def yarn(self, scaling: dict, field: str) -> YarnScaling:
+        """YaRN's fields as transformers reads them; original_max_position_embeddings 0 stands
+        for max_position_embeddings (its default), filled in by config()."""
+
+        def number(name: str, default, minimum: float, allowed: str):
+            value = scaling.get(name, default)
+            if value is None:
+                return default
+            if not is_number(value) or not minimum <= float(value) < float("inf"):
+                raise self.fail(f"{field}.{name}", value, "is out of range", allowed)
+            return float(value)
+
+        if scaling.get("factor") is None:
+            raise ConfigError(f"{self.source}: {field} of type yarn lacks its factor")
+        original = scaling.get("original_max_position_embeddings", 0)
+        if not is_int(original) or original < 0:
+            raise self.fail(f"{field}.original_max_position_embeddings", original,
+                            "is not a context length", "an integer >= 1")  # fmt: skip
+        truncate = scaling.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise self.fail(f"{field}.truncate", truncate, "is not a bool", "true or false")
+        return YarnScaling(
+            factor=number("factor", None, 1.0, "a number >= 1"),
+            original_max_position_embeddings=int(original),
+            beta_fast=number("beta_fast", 32.0, 0.0, "a number >= 0"),
+            beta_slow=number("beta_slow", 1.0, 0.0, "a number >= 0"),
+            attention_factor=number("attention_factor", None, 0.0, "a number >= 0"),
+            mscale=number("mscale", None, 0.0, "a number >= 0"),
+            mscale_all_dim=number("mscale_all_dim", None, 0.0, "a number >= 0"),
+            truncate=truncate,
+        )

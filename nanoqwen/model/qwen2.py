@@ -90,7 +90,7 @@ class Qwen2ForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device
+            cfg.head_dim, cfg.max_positions, cfg.rope_theta, device, cfg.rope_scaling
         )
 
     def set_ops(self, ops: LayerOps) -> None:

@@ -175,17 +175,18 @@ def _assemble(
     sampler = None if worker else Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
     per_block = KVCache.bytes_per_block(net.config, block_size, torch_dtype)
     if num_kv_blocks is None:
-        tokens = min(c.max_num_batched_tokens, max_model_len or cfg.max_position_embeddings)
+        tokens = min(c.max_num_batched_tokens, max_model_len or cfg.max_positions)
         num_kv_blocks = fitting_num_blocks(
             net, per_block, block_size, tokens, max_num_seqs, c.gpu_memory_utilization
         )
     if parallel is not None:  # every rank holds the same blocks: the fewest any can
         num_kv_blocks = agree_on_fewest(num_kv_blocks, parallel.control)
-    limit = min(cfg.max_position_embeddings, num_kv_blocks * block_size)
+    limit = min(cfg.max_positions, num_kv_blocks * block_size)
     if max_model_len is not None and max_model_len > limit:
+        context = "max_position_embeddings" if cfg.rope_scaling is None else "YaRN-scaled context"
         why = (
-            "the model's max_position_embeddings"
-            if limit == cfg.max_position_embeddings
+            f"the model's {context}"
+            if limit == cfg.max_positions
             else f"what the KV cache holds: num_kv_blocks={num_kv_blocks} x block_size={block_size}"
         )
         raise invalid("max_model_len", max_model_len, "is too long", f"at most {limit}, {why}")

@@ -80,7 +80,8 @@ class EngineConfig:
     max_model_len: int | None = _setting(
         None,
         "longest sequence, prompt plus answer (default: the model's max_position_embeddings, "
-        "or what the KV cache holds if less)",
+        "with YaRN rope_scaling its original context x factor, or what the KV cache holds if "
+        "less)",
         type=int,
     )
     max_num_seqs: int = _setting(256, "sequences in one batch, at most")

@@ -108,6 +108,27 @@ class GGUFCheckpoint:
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return {t.name: t.shape for t in self.tensors()}
 
+    @staticmethod
+    def _rope_scaling(hp: dict[str, Any]) -> dict[str, Any] | None:
+        """llama.cpp's rope.scaling.* keys as config.json's rope_scaling (None: plain RoPE);
+        a type other than yarn is passed on for the config reader to refuse by name."""
+        kind = str(hp.get("rope.scaling.type", "none"))
+        if kind == "none":
+            return None
+        scaling: dict[str, Any] = {"type": kind}
+        names = {
+            "rope.scaling.factor": "factor",
+            "rope.scaling.original_context_length": "original_max_position_embeddings",
+            "rope.scaling.yarn_beta_fast": "beta_fast",
+            "rope.scaling.yarn_beta_slow": "beta_slow",
+        }
+        for key, name in names.items():
+            if key in hp:
+                value = hp[key]
+                is_length = name == "original_max_position_embeddings"
+                scaling[name] = int(value) if is_length else float(str(np.float32(value)))
+        return scaling
+
     def hf_config(self) -> dict[str, Any]:
         """config.json as transformers would write it for this model."""
         hp = {
@@ -127,7 +148,7 @@ class GGUFCheckpoint:
             # GGUF stores float32; str() of that is its shortest decimal (1e-06, not 9.99e-07).
             "rms_norm_eps": float(str(np.float32(hp["attention.layer_norm_rms_epsilon"]))),
             "rope_theta": float(str(np.float32(hp["rope.freq_base"]))),
-            "rope_scaling": None,
+            "rope_scaling": self._rope_scaling(hp),
             "max_position_embeddings": context,
             # The embedding is padded past the tokenizer's entries; the model's size rules.
             "vocab_size": self._shapes["model.embed_tokens.weight"][0],
