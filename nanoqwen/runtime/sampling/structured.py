@@ -234,7 +234,9 @@ class TokenMasks:
                 host[i].fill_(-1)
             else:
                 live.append(i)
-        if live:
+        if len(live) == 1:  # the thread pool's hand-off costs more than one row's fill
+            states[live[0]].matcher.fill_next_token_bitmask(host, live[0])
+        elif live:
             matchers = [states[i].matcher for i in live]
             self._fill.batch_fill_next_token_bitmask(matchers, host, indices=live)
         if not self._pin:
