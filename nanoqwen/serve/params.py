@@ -31,11 +31,7 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int
     """The prompt field as a list of token id lists: a string, token ids, or a list of either."""
     _unsupported("suffix", req.suffix, req.suffix is None)
     _unsupported("best_of", req.best_of, req.best_of in (None, req.n))
-    prompt = req.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        batch = [prompt]
-    else:
-        batch = list(prompt)
+    batch = prompt_batch(req)
     if not batch:
         message = "prompt is empty: give a string, token ids, or a list of them"
         raise APIError(400, message, "prompt")
@@ -46,6 +42,14 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int
         return [_nonempty(info.encode(p)) for p in batch]
     except ValueError as e:  # InvalidInputError: already "prompt=... what is allowed"
         raise APIError(400, str(e), "prompt") from None
+
+
+def prompt_batch(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompt field as a list of prompts, each a string or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 def chat_request(req: ChatCompletionRequest, info: ModelInfo) -> ChatRequest:
@@ -186,14 +190,14 @@ def completion_echo(
     """echo's prompts (None without echo) and the max_tokens the engine runs with."""
     if not req.echo:
         return None, req.max_tokens
-    texts = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else []
-    if isinstance(req.prompt, str):
-        texts = [req.prompt]
     tok = info.tokenizer
-    echoed = [
-        EchoPrompt(texts[i] if texts else (tok.decode(ids, False) if tok else ""), ids)
-        for i, ids in enumerate(prompts)
-    ]
+
+    def text(given: str | list[int], ids: list[int]) -> str:
+        if isinstance(given, str):
+            return given
+        return tok.decode(ids, False) if tok else ""
+
+    echoed = [EchoPrompt(text(p, ids), ids) for p, ids in zip(prompt_batch(req), prompts)]
     prompt_only = req.max_tokens == 0
     return Echo(echoed, req.n, prompt_only), 1 if prompt_only else req.max_tokens
 

@@ -82,7 +82,7 @@ def request_defaults(args: argparse.Namespace, config: EngineConfig) -> dict[str
     """--generation-config auto: the sampling fields of the checkpoint's
     generation_config.json (weights/generation_config.py); none, or random weights: only
     OpenAI's defaults."""
-    if getattr(args, "generation_config", "auto") == "none" or config.random_shape:
+    if args.generation_config == "none" or config.random_shape:
         return {}
     return checkpoint_defaults(resolve_model(config.model))
 

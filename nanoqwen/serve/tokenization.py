@@ -3,10 +3,8 @@ template) to token ids, and token ids back to text, with the tokenizer the serve
 
 from __future__ import annotations
 
-from jinja2.exceptions import TemplateError
-
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.runtime.chat.messages import template_messages
+from nanoqwen.runtime.chat.request import chat_request
 from nanoqwen.serve.errors import APIError
 from nanoqwen.serve.model_info import ModelInfo
 from nanoqwen.serve.params import dump_models
@@ -34,13 +32,11 @@ def tokenize(req: TokenizeRequest, info: ModelInfo) -> TokenizeResponse:
         if req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            messages = template_messages(dump_models(req.messages))
-            tools = dump_models(req.tools)
-            ids = tok.encode_chat(messages, tools, req.add_generation_prompt)
+            chat = chat_request(tok, dump_models(req.messages), tools=dump_models(req.tools),
+                                add_generation_prompt=req.add_generation_prompt)  # fmt: skip
+            ids = chat.prompt_ids
     except InvalidInputError as e:
         raise APIError(400, e.message, e.param) from None
-    except TemplateError as e:
-        raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
     strs = (
         [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
     )

@@ -32,6 +32,7 @@ def chat_request(
     tool_choice: Any = None,
     parallel_tool_calls: Any = True,
     response_format: Any = None,
+    add_generation_prompt: bool = True,
 ) -> ChatRequest:
     """InvalidInputError, naming the field to blame, for anything the request gets wrong."""
     if tokenizer is None or tokenizer.chat_template is None:
@@ -48,7 +49,7 @@ def chat_request(
             param="response_format",
         )
     try:
-        ids = tokenizer.encode_chat(rendered, tools=use.tools)
+        ids = tokenizer.encode_chat(rendered, use.tools, add_generation_prompt)
     except TemplateError as e:
         raise InvalidInputError(f"messages: the chat template refused them: {e}",
                                 param="messages") from None  # fmt: skip
