@@ -28,6 +28,17 @@ LONG = {"prompt": "def fib(n):", "max_tokens": 2000, "ignore_eos": True}
 BOUND_S = 20  # the server exits within a second of its engine
 
 
+def kill_mid_stream(url: str, pid: int) -> tuple[list[str], float]:
+    """Starts a long stream, kills pid (SIGKILL) once its first event is in, and reads the
+    stream to its end: (its data lines, when the kill was sent)."""
+    with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        return [line for line in lines if line.startswith("data: ")], killed
+
+
 def engine_death_stops_the_server(
     engine_args: list[str], log: Path, prompt: str | list[int], max_tokens: int = 2000
 ) -> None:
@@ -81,12 +92,7 @@ def test_with_restart_engine_a_new_engine_process_takes_over(tiny_model, tmp_pat
     url = f"{server.url}/v1/completions"
     try:
         first = server.engine_pid()
-        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: {")
-            os.kill(first, signal.SIGKILL)
-            killed = time.monotonic()
-            events = [line for line in lines if line.startswith("data: ")]
+        events, killed = kill_mid_stream(url, first)
         why = "the engine process exited (exit code -9)"
         assert json.loads(events[-2][6:])["error"]["message"] == f"the engine failed: {why}"
         # A new process takes seconds to import torch and load: the old one's death shows.
@@ -247,12 +253,7 @@ def test_a_dead_tensor_parallel_rank_stops_the_server(tiny_model, tmp_path):
         everything = descendants(server.proc.pid)
         (rank,) = [pid for pid in child_pids(server.engine_pid())
                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
-        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: {")
-            os.kill(rank, signal.SIGKILL)
-            killed = time.monotonic()
-            events = [line for line in lines if line.startswith("data: ")]
+        events, killed = kill_mid_stream(url, rank)
         server.proc.wait(timeout=BOUND_S)
         took = time.monotonic() - killed
     finally:

@@ -25,6 +25,11 @@ def chat(**changes) -> dict:
     return {k: v for k, v in body.items() if v is not ...}
 
 
+def json_schema(schema: dict) -> dict:
+    """A response_format asking for documents of schema."""
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
 # (path, JSON body or raw bytes, status, text the message must contain)
 BAD_REQUESTS = {
     # each sampling field out of range: SamplingParams' own one-line message
@@ -177,29 +182,13 @@ BAD_REQUESTS = {
     ),
     "invalid schema": (
         CHAT,
-        chat(
-            response_format={
-                "type": "json_schema",
-                "json_schema": {
-                    "name": "x",
-                    "schema": {"type": "object", "properties": {"a": {"type": 5}}},
-                },
-            }
-        ),
+        chat(response_format=json_schema({"type": "object", "properties": {"a": {"type": 5}}})),
         400,
         "response_format.json_schema.schema.properties.a.type is not a valid JSON schema",
     ),
     "schema feature the engine cannot enforce": (
         CHAT,
-        chat(
-            response_format={
-                "type": "json_schema",
-                "json_schema": {
-                    "name": "x",
-                    "schema": {"type": "array", "items": {"not": {"type": "null"}}},
-                },
-            }
-        ),
+        chat(response_format=json_schema({"type": "array", "items": {"not": {"type": "null"}}})),
         400,
         "response_format.json_schema.schema.items.not: `not` (a negated schema) cannot be enforced",
     ),
