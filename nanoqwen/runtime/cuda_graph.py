@@ -63,8 +63,8 @@ class CUDAGraphRunner:
         self.sampler_scratch = sampler_scratch  # the sampler slot padding rows use
         # Keyed by (batch size, variant, filtering, cascade): variant i serves contexts up to
         # variants[i][0]; filtering graphs include the sampler's top-k/top-p/min-p stage,
-        # filtering None ones stop at the logits (structured output: the allowed-token masks
-        # come from the host after the graph is launched, and the sampler runs after them);
+        # filtering None ones stop at the logits (structured output's masks and logit_bias
+        # are applied to them after the replay, and the sampler runs eagerly then);
         # cascade graphs attend a prefix the whole batch shares once (attention/cascade.py).
         # Each holds (graph, logits, tokens).
         self.graphs: dict[
