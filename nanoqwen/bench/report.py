@@ -4,7 +4,14 @@ from __future__ import annotations
 
 
 def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """columns: (header, key in the row, format spec); a row without the key shows '-'."""
+    """columns: (header, key in the row, format spec); a row without the key shows '-', and a
+    column no row has is left out (with its unnamed continuation columns)."""
+    kept, keep = [], False
+    for header, key, spec in columns:
+        keep = keep if not header else any(key in row for row in rows)
+        if keep:
+            kept.append((header, key, spec))
+    columns = kept
     print(f"\n{title}")
     print(" | ".join(h for h, _, _ in columns))
     print(" | ".join("---" for _ in columns))
@@ -22,6 +29,8 @@ def latency_columns(first_preset: str) -> list[tuple[str, str, str]]:
         ("decode tok/s", "decode_tok_s", ",.0f"), ("e2e tok/s", "e2e_tok_s", ",.0f"),
         ("weights GB/s", "weight_gb_s", ",.0f"), ("HF tok/s", "hf_tok_s", ",.1f"),
         ("x HF", "x_hf", ".1f"),
+        ("spec acceptance", "spec_acceptance_rate", ".1%"),
+        ("spec mean accepted length", "spec_mean_accepted_length", ".2f"),
     ]  # fmt: skip
 
 
@@ -35,4 +44,6 @@ THROUGHPUT_COLUMNS = [
     ("prefix hit rate", "prefix_cache_hit_rate", ".1%"),
     ("HF tok/s", "hf_output_tok_s", ",.0f"),
     ("x HF", "x_hf", ".1f"),
+    ("spec acceptance", "spec_acceptance_rate", ".1%"),
+    ("spec mean accepted length", "spec_mean_accepted_length", ".2f"),
 ]  # fmt: skip

@@ -58,6 +58,19 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def speculation(before: dict, after: dict) -> dict:
+    """Speculative decoding's acceptance between two LLM.stats(); {} without it."""
+    if "spec_proposed_tokens" not in after:
+        return {}
+    proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    verified = after["spec_verified"] - before["spec_verified"]
+    return {
+        "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_mean_accepted_length": 1 + accepted / verified if verified else 0.0,
+    }
+
+
 def _sync(llm: LLM) -> None:
     if llm.runner.device.type == "cuda":
         torch.cuda.synchronize()
@@ -70,6 +83,7 @@ def latency_run(
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(bs)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **sampling)
     seqs = [llm._add(p, params, detokenize=False) for p in prompts]
+    before = llm.stats()
     _sync(llm)
     start = time.perf_counter()
     step_ms: list[float] = []
@@ -87,6 +101,8 @@ def latency_run(
                 bar.update()
     total = time.perf_counter() - start
     decode_s = sum(step_ms) / 1e3
+    # A speculative step makes several tokens per sequence: count those after the first.
+    decoded = sum(s.num_output_tokens - 1 for s in seqs) if llm.speculator else bs * len(step_ms)
     return {
         "batch_size": bs,
         "prompt_len": prompt_len,
@@ -95,9 +111,10 @@ def latency_run(
         "prefill_tok_s": bs * prompt_len / first_token_s,
         "step_ms_p50": statistics.median(step_ms),
         "step_ms_p99": pct(step_ms, 99),
-        "decode_tok_s": bs * len(step_ms) / decode_s,
+        "decode_tok_s": decoded / decode_s,
         "e2e_tok_s": bs * new_tokens / total,
         "weight_gb_s": weight_bytes(llm) / (statistics.median(step_ms) / 1e3) / 1e9,
+        **speculation(before, llm.stats()),
     }
 
 
@@ -135,4 +152,5 @@ def throughput_run(llm: LLM, num_requests: int, seed: int, sampling: dict, workl
         "swaps": after["num_swaps"] - before["num_swaps"],
         "host_tier_hit_tokens": after["prefix_cache_host_hits"] - before["prefix_cache_host_hits"],
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        **speculation(before, after),
     }

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.kernels.cpu.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
+from nanoqwen.kernels.cpu.gguf import MAX_ROWS as GGUF_MAX_ROWS
 from nanoqwen.kernels.cpu.gguf import gguf_kernel, gguf_matmul
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_forms import (
@@ -38,7 +39,9 @@ from nanoqwen.quant.gguf_packed import PackedBlocks, PackedParts
 from nanoqwen.quant.gguf_rows import GGUFRows
 
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
-# (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md).
+# (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md). The GGUF
+# kernels read the file's blocks once for up to their MAX_ROWS rows, which wins there for the
+# lm_head, the step's largest weight: a speculative step's few rows stay with them.
 CPU_PACKED_MAX_ROWS = 4
 # What kernels.cpu.gguf.gguf_matmul reads.
 GGUF_KINDS = ("q5_0", "q4_0", "q5_1", "q4_1", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
@@ -178,7 +181,8 @@ class QuantizedLinear(nn.Module):
             return cuda_forward(x, self._decode[0], self.bias)
         shape = (*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > CPU_PACKED_MAX_ROWS or self.kind in ("dequant", "unprepared"):
+        few = GGUF_MAX_ROWS if self._file_blocks else CPU_PACKED_MAX_ROWS
+        if x2.shape[0] > few or self.kind in ("dequant", "unprepared"):
             if self._int8 is None and self._file_blocks:
                 self._int8 = self._packed_int8()  # prepare()'s prefill_copy=False
             if self._int8 is None or x.dtype == torch.float32:

@@ -16,6 +16,7 @@ from nanoqwen.model.shapes import SHAPES
 from nanoqwen.quant.scheme import QUANTIZATIONS
 from nanoqwen.runtime.device_choice import DTYPES
 from nanoqwen.runtime.scheduler import PREEMPTION_MODES
+from nanoqwen.runtime.spec.config import SpeculativeConfig
 from nanoqwen.validation import (
     boolean,
     choice,
@@ -107,6 +108,15 @@ class EngineConfig:
         "host memory for swapped-out and evicted cached KV blocks (pinned on CUDA); 0 = none",
         metavar="GIB",
     )
+    speculative_config: SpeculativeConfig | None = _setting(
+        None,
+        "speculative decoding, as JSON (or a dict in Python): prompt lookup with "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4}; greedy output is unchanged and sampled output keeps its '
+        "distribution (docs/speculative-decoding.md)",
+        type=str,
+        metavar="JSON",
+    )
     random_shape: str | None = _setting(
         None,
         "random weights of this Qwen2.5 shape instead of a checkpoint (for benchmarks; no "
@@ -154,6 +164,14 @@ class EngineConfig:
         boolean("enable_prefix_caching", self.enable_prefix_caching)
         choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         number("swap_space", self.swap_space, lambda v: v >= 0, "a number of GiB >= 0")
+        spec = SpeculativeConfig.of(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)  # a dict or JSON in, checked out
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise invalid(
+                "speculative_config", self.speculative_config,
+                f"is not supported with tensor_parallel_size={self.tensor_parallel_size}",
+                "None with tensor parallelism",
+            )  # fmt: skip
         if self.random_shape is not None:
             choice("random_shape", self.random_shape, SHAPES)
         boolean("progress", self.progress)

@@ -22,6 +22,7 @@ from nanoqwen.runtime.outputs import RequestOutput, StreamChunk, request_output,
 from nanoqwen.runtime.sampling.structured import GrammarCompiler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
+from nanoqwen.runtime.spec.speculator import Speculator
 from nanoqwen.validation import (
     check_prompt_length,
     encode_prompt,
@@ -70,6 +71,10 @@ class LLM:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._launched: LaunchedStep | None = None
         self._grammars: GrammarCompiler | None = None  # at the first structured request
+        spec = self.engine_config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        if self.speculator is not None:
+            self.scheduler.propose = self.speculator.propose
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -177,23 +182,52 @@ class LLM:
             if seq.token_ids[pos - 1] == PLACEHOLDER and pos > seq.num_prompt_tokens:
                 pos -= 1
             seq.token_ids[pos] = token
-            if seq.unstreamed is not None:
-                seq.unstreamed.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.logprobs is not None:
-                seq.logprobs.append(_cut(entries[row], seq.params.logprobs))
-            reason = self._finish_reason(seq, token, pos + 1)
-            detok = self._detok.get(seq.seq_id)
-            if detok is not None:
-                detok.add([token], final=reason is not None)
-                if detok.stopped and reason is None:
-                    reason = "stop"
-            if reason is not None:
-                del seq.token_ids[pos + 1 :]  # a newer step's token in flight, if any
-                seq.finish_time = now
-                self.scheduler.finish(seq, reason)
+            self._apply(seq, token, pos + 1, now, entries[row] if entries else None)
             resolved.append((seq, token))
+        return resolved
+
+    def _apply(
+        self, seq: Sequence, token: int, length: int, now: float, entry: TokenLogprobs | None
+    ) -> bool:
+        """Takes in seq's token at position length - 1 (already in token_ids): streaming,
+        logprobs, stop checks, detokenizing. Returns whether seq finished with it."""
+        if seq.unstreamed is not None:
+            seq.unstreamed.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.logprobs is not None:
+            seq.logprobs.append(_cut(entry, seq.params.logprobs))
+        reason = self._finish_reason(seq, token, length)
+        detok = self._detok.get(seq.seq_id)
+        if detok is not None:
+            detok.add([token], final=reason is not None)
+            if detok.stopped and reason is None:
+                reason = "stop"
+        if reason is None:
+            return False
+        del seq.token_ids[length:]  # a newer step's token in flight, if any
+        seq.finish_time = now
+        self.scheduler.finish(seq, reason)
+        return True
+
+    def _verify(self, batch) -> list[tuple[Sequence, int]]:
+        """Runs a decode step with proposals and applies each sequence's accepted tokens."""
+        verified = self.runner.verify(batch)
+        self.speculator.count(verified, batch.proposals)
+        now = time.perf_counter()
+        resolved = []
+        # A copy: batch.seqs is the scheduler's running list, which finishing sequences leave.
+        for i, (seq, tokens) in enumerate(zip(list(batch.seqs), verified.tokens)):
+            # Its newest token and the accepted proposals have their K/V in the cache now.
+            seq.num_computed_tokens = len(seq) - 1 + len(tokens)
+            for n, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                entry = verified.logprobs[i][n] if verified.logprobs else None
+                resolved.append((seq, token))
+                if self._apply(seq, token, len(seq), now, entry):
+                    break
+            if not seq.is_finished:
+                self.scheduler.blocks.trim(seq, len(seq))
         return resolved
 
     def step(self) -> list[tuple[Sequence, int]]:
@@ -201,6 +235,8 @@ class LLM:
         host work of one step overlaps the device work of the next.
 
         Returns (sequence, new token) for the sequences whose token was applied."""
+        if self.speculator is not None:
+            return self._step_speculative()
         batch = self.scheduler.schedule()
         if batch is None:
             return self._resolve()
@@ -211,6 +247,19 @@ class LLM:
         launched.complete()
         self._launched = launched
         return resolved
+
+    def _step_speculative(self) -> list[tuple[Sequence, int]]:
+        """One step, waited for: proposals follow a sequence's newest token, so it has to be
+        read back before the next step is scheduled."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        if batch.proposals is not None:
+            return self._verify(batch)
+        launched = self._launch(batch)
+        launched.complete()
+        self._launched = launched
+        return self._resolve()
 
     def drain(self) -> list[tuple[Sequence, int]]:
         """Applies the step still in flight, if any."""
@@ -255,6 +304,19 @@ class LLM:
             "num_swaps": self.scheduler.num_swaps,
             "blocks_swapped_out": blocks.host.blocks_out if blocks.host else 0,
             "blocks_swapped_in": blocks.host.blocks_in if blocks.host else 0,
+        } | self._speculation_stats()
+
+    def _speculation_stats(self) -> dict[str, float]:
+        """With speculative decoding: proposed and accepted tokens, and what they come to."""
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        return {
+            "spec_verified": s.num_verified,
+            "spec_proposed_tokens": s.num_proposed,
+            "spec_accepted_tokens": s.num_accepted,
+            "spec_acceptance_rate": s.acceptance_rate,
+            "spec_mean_accepted_length": s.mean_accepted_length,
         }
 
     def generate(

@@ -25,6 +25,7 @@ from nanoqwen.runtime.sampling.structured import TokenMasks, masked_logits
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
+from nanoqwen.runtime.spec.verify import Verified, verify_rows
 from nanoqwen.runtime.step_buffer import StepBuffer
 from nanoqwen.runtime.step_inputs import (
     StepInputBuilder,
@@ -196,6 +197,19 @@ class ModelRunner:
             else:
                 self.sample(out)
         return out
+
+    @torch.inference_mode()
+    def verify(self, batch: Batch) -> Verified:
+        """Runs a decode step with proposals (spec/verify.py) and waits for its tokens."""
+        ids, meta, rows = self.upload(self.inputs.verify(batch))
+        x, residual = self.model(ids, meta)
+        logits = self.model.compute_logits((x[rows], residual[rows]))
+        filtering = self.sampler.filtering
+
+        def sample(row_logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+            return self._sample(row_logits, seqs, filtering)
+
+        return verify_rows(logits, batch.seqs, batch.proposals, sample, self.sampler, self._tensor)
 
     def compute_logits(self, batch: Batch) -> torch.Tensor:
         """[number of sequences that complete this step, vocab] float32 logits (the step's

@@ -36,6 +36,9 @@ class Batch:
     is_prefill: bool
     # Tokens each sequence feeds this step: a prompt chunk in prefill, always 1 in decode.
     num_new_tokens: list[int]
+    # Speculative decoding: tokens proposed to follow each sequence (decode only), which
+    # the step checks after its newest token; None when nothing is proposed.
+    proposals: list[list[int]] | None = None
 
     def completes(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, and so samples a new one."""
@@ -49,12 +52,15 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         on_release: Callable[[Sequence], None] | None = None,
+        propose: Callable[[Sequence], list[int]] | None = None,
     ) -> None:
         self.config = config
         self.blocks = block_manager
         # Told when a sequence samples no more (retired, finished or preempted), so the
         # sampler can hand its slot on.
         self.on_release = on_release or (lambda seq: None)
+        # Speculative decoding: the tokens proposed to follow a running sequence.
+        self.propose = propose
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # oldest first
@@ -118,19 +124,26 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         scheduled: list[Sequence] = []
+        proposals: list[list[int]] = []
         running = deque(self.running)
         while running:
             seq = running.popleft()
+            proposal = self.propose(seq) if self.propose is not None else []
+            if proposal and not self.blocks.can_grow(seq, len(seq) + len(proposal)):
+                proposal = []  # a guess never preempts anyone
             while not self.blocks.can_grow(seq, len(seq)):
                 victim = running.pop() if running else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq, len(seq))
+                self.blocks.grow(seq, len(seq) + len(proposal))
                 scheduled.append(seq)
+                proposals.append(proposal)
         self.running = scheduled
-        return Batch(scheduled, False, [1] * len(scheduled)) if scheduled else None
+        if not scheduled:
+            return None
+        return Batch(scheduled, False, [1] * len(scheduled), proposals if any(proposals) else None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -155,6 +155,36 @@ class StepInputBuilder:
             prompt_rows=prompt_rows,
         )
 
+    def verify(self, batch: Batch) -> StepInputs:
+        """A decode step with proposals: each sequence feeds its newest token (known by now)
+        and its proposed tokens, laid out as a prefill chunk, and every row gets logits."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q, cu_k, ctx = [0], [0], []
+        for seq, proposal in zip(batch.seqs, batch.proposals):
+            start = len(seq) - 1
+            end = start + 1 + len(proposal)
+            ids += [seq.token_ids[-1], *proposal]
+            positions.extend(range(start, end))
+            slots.extend(self.blocks.slots(seq, start, end))
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+            ctx.append(end)
+        return StepInputs(
+            is_prefill=True,
+            ids=ids,
+            positions=positions,
+            slots=slots,
+            context_lens=ctx,
+            block_tables=self._block_tables(batch),
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_seqlen_k=max(ctx),
+            cu_seqlens_k=cu_k,
+            logit_rows=list(range(len(ids))),
+        )
+
     def decode(
         self, batch: Batch, rows: int, ids: list[int], sources: list[int] | None
     ) -> StepInputs:

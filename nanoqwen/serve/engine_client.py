@@ -258,10 +258,7 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.generation_tokens.inc(num_tokens)  # once, not per request
         if self.metrics is not None and self._stats is not None:
-            s = self._stats
-            self.metrics.set_engine_state(
-                s.num_running, s.num_waiting, s.num_free_blocks, s.num_blocks, s.num_preemptions
-            )
+            self.metrics.set_engine_state(self._stats)
 
     def _record(self, r: EngineRequest, part: ChoiceOutput, now: float) -> None:
         num_new = len(part.token_ids)

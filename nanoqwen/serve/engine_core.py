@@ -163,6 +163,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         sched = self.llm.scheduler
+        spec = self.llm.speculator.stats if self.llm.speculator is not None else None
         return EngineStats(
             len(sched.running),
             len(sched.waiting),
@@ -170,6 +171,7 @@ class EngineCore:
             sched.blocks.num_blocks,
             sched.num_preemptions,
             self.num_added,
+            *((spec.num_verified, spec.num_proposed, spec.num_accepted) if spec else ()),
         )
 
     def _fail_all(self, error: Exception, out: StepOutputs) -> None:

@@ -57,6 +57,11 @@ class EngineStats:
     num_blocks: int
     num_preemptions: int
     num_added: int  # AddRequests taken in since the start, failed ones too
+    # Speculative decoding, since the start: (sequence, step) pairs that checked proposals,
+    # proposed tokens, accepted ones.
+    num_spec_verified: int = 0
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 @dataclass

@@ -13,6 +13,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from nanoqwen.serve.messages import EngineStats
+
 # Seconds: from a few ms (a GPU decode step) to minutes (a long answer on the CPU).
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -69,22 +71,37 @@ class ServingMetrics:
         self.output_len = histogram(
             "request_generation_tokens", "Generated tokens per sequence.", _TOKEN_BUCKETS
         )
-        self._preemptions_seen = 0
+        # Speculative decoding, named as vLLM names them (acceptance rate: accepted tokens
+        # over draft tokens; mean accepted length: 1 + accepted tokens over drafts).
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Sequence steps that checked proposed tokens."
+        )
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens.")
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens accepted."
+        )
+        self._seen: dict[str, int] = {}
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model_name, reason).inc()
 
-    def set_engine_state(
-        self, running: int, waiting: int, free_blocks: int, total_blocks: int, preemptions: int
-    ) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_free.set(free_blocks)
-        self.kv_total.set(total_blocks)
-        self.kv_usage.set(1.0 - free_blocks / total_blocks)
-        if preemptions > self._preemptions_seen:
-            self.preemptions.inc(preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
+    def set_engine_state(self, s: EngineStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_free.set(s.num_free_blocks)
+        self.kv_total.set(s.num_blocks)
+        self.kv_usage.set(1.0 - s.num_free_blocks / s.num_blocks)
+        # The engine counts since its start; the counters move by what is new.
+        for counter, name in (
+            (self.preemptions, "num_preemptions"),
+            (self.spec_drafts, "num_spec_verified"),
+            (self.spec_draft_tokens, "num_spec_proposed"),
+            (self.spec_accepted_tokens, "num_spec_accepted"),
+        ):
+            value = getattr(s, name)
+            if value > self._seen.get(name, 0):
+                counter.inc(value - self._seen.get(name, 0))
+                self._seen[name] = value
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

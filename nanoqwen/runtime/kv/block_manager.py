@@ -85,6 +85,14 @@ class BlockManager:
             )
         seq.block_table.extend(self._take(missing))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back seq's blocks past those num_tokens tokens need (taken for proposed
+        tokens that were rejected: uncomputed, so never registered)."""
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.pool.release(block)
+        del seq.block_table[keep:]
+
     def _take(self, n: int) -> list[int]:
         """n device blocks; cached content evicted for them moves to the host tier."""
         blocks, evicted = self.pool.take(n)

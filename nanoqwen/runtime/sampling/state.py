@@ -220,3 +220,10 @@ class SamplingState:
             (slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
         )
         self.out_pos.index_add_(0, slots, torch.ones_like(slots))
+
+    def unrecord(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Takes back record(slots, tokens): speculative rows past a rejection."""
+        self.counts.index_put_(
+            (slots, tokens), torch.full_like(tokens, -1, dtype=torch.int32), accumulate=True
+        )
+        self.out_pos.index_add_(0, slots, torch.full_like(slots, -1))
