@@ -336,6 +336,24 @@ def test_engine_flags_reach_the_engine(model, llm):
     ]
 
 
+def test_speculative_config_flag_keeps_the_answers(model, llm):
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    r = run("generate", "--model", model, *QUICK, "--speculative-config", spec, "--json",
+            "Hello world", "def fib(n):")  # fmt: skip
+    rows = json_rows(r)
+    assert [row["text"] for row in rows] == [
+        expected_text(llm, p) for p in ("Hello world", "def fib(n):")
+    ]
+
+
+def test_a_bad_speculative_config_flag_is_one_line(model):
+    r = run("generate", "--model", model, "--speculative-config", '{"method": "eagle"}', "Hi")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "nanoqwen: error: --speculative-config.method='eagle' is unknown: allowed ngram, draft"
+    )
+
+
 # ---- help, the CLI reference -------------------------------------------------------------
 CLI_REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 

@@ -1,15 +1,15 @@
 """Speculative decoding on a code-editing workload: the plain engine against each
 --speculative-config, one after the other in one process, greedy, one request at a time.
 
-    python3 tools/spec_bench.py [--model PATH] [--device cpu] \
+    python3 tools/spec_bench.py [--model PATH] [--device cpu] [--quantization none] \
         --spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ...
 
 The workload (tools/data/code_edit.json): 8 Python files of 300-600 tokens, each sent as a
 chat message asking for the whole file back with one change, which is where prompt lookup
-pays: most of the answer is in the prompt. Each engine answers every prompt once unmeasured
-(warm-up), then --reps timed passes; a figure is output tokens over wall time of a pass
-(prefill included), the median pass. Every speculative answer must equal the plain one,
-token for token: the run fails otherwise."""
+pays: most of the answer is in the prompt. Each engine answers one short request unmeasured
+(warm-up), then makes --reps timed passes over the prompts; a figure is output tokens over
+the wall time of a pass (prefill included), the median pass. Every speculative answer must
+equal the plain one, token for token: the run fails otherwise."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ def conversations() -> list[list[dict]]:
 
 
 def run(engine: LLM, prompts, params: SamplingParams, reps: int) -> tuple[float, list, dict]:
-    outputs = [engine.chat(p, params)[0].output.token_ids for p in prompts]  # warm-up
+    engine.chat(prompts[0], SamplingParams(temperature=0, max_tokens=16))  # warm-up
     before = engine.stats()
     rates = []
     for _ in range(reps):
-        start, tokens = time.perf_counter(), 0
+        start, outputs = time.perf_counter(), []
         for p in prompts:
-            tokens += len(engine.chat(p, params)[0].output.token_ids)
-        rates.append(tokens / (time.perf_counter() - start))
+            outputs.append(engine.chat(p, params)[0].output.token_ids)
+        rates.append(sum(map(len, outputs)) / (time.perf_counter() - start))
     after = engine.stats()
     stats = {k: after[k] - before[k] for k in after if k.startswith("spec_") and "rate" not in k
              and "length" not in k}  # fmt: skip
@@ -56,6 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the CLI's default model")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quantization", default="auto", help="the target's (none: bf16 weights)")
     ap.add_argument("--spec", action="append", default=[], help="a speculative_config (JSON)")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=1)
@@ -65,7 +66,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     rows, plain = [], None
     for spec in [None, *a.spec]:
-        engine = LLM(a.model, device=a.device, speculative_config=spec, progress=False)
+        engine = LLM(a.model, device=a.device, quantization=a.quantization,
+                     speculative_config=spec, progress=False)  # fmt: skip
         rate, outputs, stats = run(engine, prompts, params, a.reps)
         del engine
         gc.collect()

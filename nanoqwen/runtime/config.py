@@ -112,8 +112,9 @@ class EngineConfig:
         None,
         "speculative decoding, as JSON (or a dict in Python): prompt lookup with "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 4}; greedy output is unchanged and sampled output keeps its '
-        "distribution (docs/speculative-decoding.md)",
+        '"prompt_lookup_max": 4}, or a draft model with {"method": "draft", "model": PATH, '
+        '"num_speculative_tokens": 4}; greedy output is unchanged and sampled output keeps '
+        "its distribution (docs/speculative-decoding.md)",
         type=str,
         metavar="JSON",
     )

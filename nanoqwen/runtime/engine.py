@@ -22,6 +22,7 @@ from nanoqwen.runtime.outputs import RequestOutput, StreamChunk, request_output,
 from nanoqwen.runtime.sampling.structured import GrammarCompiler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
+from nanoqwen.runtime.spec.proposers import make_proposer
 from nanoqwen.runtime.spec.speculator import Speculator
 from nanoqwen.validation import (
     check_prompt_length,
@@ -72,7 +73,17 @@ class LLM:
         self._launched: LaunchedStep | None = None
         self._grammars: GrammarCompiler | None = None  # at the first structured request
         spec = self.engine_config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = None
+        if spec is not None:
+            proposer = make_proposer(spec, self.engine_config, parts)
+            self.speculator = Speculator(spec, self.max_model_len, proposer)
+            release_slot = self.scheduler.on_release
+
+            def release(seq: Sequence) -> None:
+                release_slot(seq)
+                proposer.release(seq)
+
+            self.scheduler.on_release = release
         if self.speculator is not None:
             self.scheduler.propose = self.speculator.propose
 

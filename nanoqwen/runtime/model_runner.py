@@ -211,6 +211,14 @@ class ModelRunner:
 
         return verify_rows(logits, batch.seqs, batch.proposals, sample, self.sampler, self._tensor)
 
+    @torch.inference_mode()
+    def last_logits(self, batch: Batch) -> torch.Tensor:
+        """Logits after each sequence's last fed token, laid out as a prefill chunk (any
+        number of tokens per sequence), without sampling: a draft model's steps."""
+        ids, meta, rows = self.prepare_prefill(batch)
+        x, residual = self.model(ids, meta)
+        return self.model.compute_logits((x[rows], residual[rows]))
+
     def compute_logits(self, batch: Batch) -> torch.Tensor:
         """[number of sequences that complete this step, vocab] float32 logits (the step's
         sampler runs too)."""

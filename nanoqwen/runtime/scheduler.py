@@ -52,14 +52,14 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         on_release: Callable[[Sequence], None] | None = None,
-        propose: Callable[[Sequence], list[int]] | None = None,
+        propose: Callable[[list[Sequence]], list[list[int]]] | None = None,
     ) -> None:
         self.config = config
         self.blocks = block_manager
         # Told when a sequence samples no more (retired, finished or preempted), so the
         # sampler can hand its slot on.
         self.on_release = on_release or (lambda seq: None)
-        # Speculative decoding: the tokens proposed to follow a running sequence.
+        # Speculative decoding: the tokens proposed to follow each of the running sequences.
         self.propose = propose
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -126,9 +126,12 @@ class Scheduler:
         scheduled: list[Sequence] = []
         proposals: list[list[int]] = []
         running = deque(self.running)
+        guesses = {}
+        if self.propose is not None and running:
+            guesses = {s.seq_id: p for s, p in zip(running, self.propose(list(running)))}
         while running:
             seq = running.popleft()
-            proposal = self.propose(seq) if self.propose is not None else []
+            proposal = guesses.get(seq.seq_id, [])
             if proposal and not self.blocks.can_grow(seq, len(seq) + len(proposal)):
                 proposal = []  # a guess never preempts anyone
             while not self.blocks.can_grow(seq, len(seq)):

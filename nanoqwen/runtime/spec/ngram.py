@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from nanoqwen.runtime.sequence import Sequence
+
 
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int, num_tokens: int) -> None:
@@ -12,7 +14,14 @@ class NgramProposer:
         self.max_n = max_n
         self.num_tokens = num_tokens
 
-    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """For each sequence, at most its limit of tokens to follow it."""
+        return [self.lookup(s.token_ids, limit) for s, limit in zip(seqs, limits)]
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing to let go of: lookups keep no state between steps."""
+
+    def lookup(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to min(num_tokens, limit) tokens to follow token_ids; [] when nothing matches."""
         k = self.num_tokens if limit is None else min(self.num_tokens, limit)
         if k <= 0 or len(token_ids) <= self.min_n:

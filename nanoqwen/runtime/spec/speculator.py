@@ -4,11 +4,19 @@ the counts that the benchmark and /metrics report."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from nanoqwen.runtime.sequence import Sequence
 from nanoqwen.runtime.spec.config import SpeculativeConfig
-from nanoqwen.runtime.spec.ngram import NgramProposer
 from nanoqwen.runtime.spec.verify import Verified
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """For each sequence, at most its limit of tokens guessed to follow it."""
+
+    def release(self, seq: Sequence) -> None:
+        """seq stopped running: whatever the proposer keeps for it can go."""
 
 
 @dataclass
@@ -29,23 +37,23 @@ class SpeculationStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(
-            config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
-        )
+        self.proposer = proposer
         self.stats = SpeculationStats()
 
-    def propose(self, seq: Sequence) -> list[int]:
-        """Tokens to check after seq's newest one: never more than the request may still
-        produce beyond the step's own token, nor past the longest sequence."""
-        if seq.grammar is not None:
-            return []  # its mask for a later position depends on the tokens before it
-        room = min(
-            seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)
-        )  # fmt: skip
-        return self.proposer.propose(seq.token_ids, room - 1)
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Tokens to check after each sequence's newest one: never more than the request may
+        still produce beyond the step's own token, nor past the longest sequence, and none
+        for structured output (its mask at a later position depends on the tokens before)."""
+        limits = [
+            0 if s.grammar is not None
+            else min(s.params.max_tokens - s.num_output_tokens, self.max_model_len - len(s)) - 1
+            for s in seqs
+        ]  # fmt: skip
+        return self.proposer.propose(seqs, [min(n, self.config.num_speculative_tokens)
+                                            for n in limits])  # fmt: skip
 
     def count(self, verified: Verified, proposals: list[list[int]]) -> None:
         self.stats.num_verified += sum(1 for p in proposals if p)

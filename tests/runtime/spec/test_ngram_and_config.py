@@ -26,26 +26,26 @@ def plain_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]
 
 def test_the_tokens_after_the_latest_longest_match_are_proposed():
     p = NgramProposer(min_n=2, max_n=4, num_tokens=3)
-    assert p.propose([1, 2, 3, 4, 5, 6, 1, 2, 3]) == [4, 5, 6]
+    assert p.lookup([1, 2, 3, 4, 5, 6, 1, 2, 3]) == [4, 5, 6]
     # [2, 3] occurs twice: the later occurrence wins.
-    assert p.propose([2, 3, 7, 7, 2, 3, 8, 9, 2, 3]) == [8, 9, 2]
+    assert p.lookup([2, 3, 7, 7, 2, 3, 8, 9, 2, 3]) == [8, 9, 2]
     # A 3-gram match beats a later 2-gram one.
-    assert p.propose([1, 2, 3, 10, 5, 2, 3, 11, 1, 2, 3]) == [10, 5, 2]
+    assert p.lookup([1, 2, 3, 10, 5, 2, 3, 11, 1, 2, 3]) == [10, 5, 2]
 
 
 def test_nothing_is_proposed_without_a_match_of_min_n_tokens():
     p = NgramProposer(min_n=2, max_n=4, num_tokens=3)
-    assert p.propose([1, 2, 3, 4, 5, 3]) == []  # only a 1-token match
-    assert p.propose([7]) == []
-    assert NgramProposer(1, 4, 3).propose([1, 2, 3, 4, 5, 3]) == [4, 5, 3]
+    assert p.lookup([1, 2, 3, 4, 5, 3]) == []  # only a 1-token match
+    assert p.lookup([7]) == []
+    assert NgramProposer(1, 4, 3).lookup([1, 2, 3, 4, 5, 3]) == [4, 5, 3]
 
 
 def test_the_limit_caps_the_proposal():
     p = NgramProposer(min_n=1, max_n=2, num_tokens=5)
     tokens = [1, 2, 3, 4, 5, 6, 7, 1]
-    assert p.propose(tokens) == [2, 3, 4, 5, 6]
-    assert p.propose(tokens, limit=2) == [2, 3]
-    assert p.propose(tokens, limit=0) == []
+    assert p.lookup(tokens) == [2, 3, 4, 5, 6]
+    assert p.lookup(tokens, limit=2) == [2, 3]
+    assert p.lookup(tokens, limit=0) == []
 
 
 @settings(max_examples=300, deadline=None)
@@ -57,7 +57,7 @@ def test_the_limit_caps_the_proposal():
 )
 def test_proposals_equal_a_plain_search(tokens, min_n, extra, k):
     max_n = min_n + extra
-    assert NgramProposer(min_n, max_n, k).propose(tokens) == plain_lookup(tokens, min_n, max_n, k)
+    assert NgramProposer(min_n, max_n, k).lookup(tokens) == plain_lookup(tokens, min_n, max_n, k)
 
 
 def test_config_defaults_follow_vllm():
@@ -76,9 +76,9 @@ BAD = [
      f"quotes): {MAPPING}"),
     (3, f"speculative_config=3 is an int: {MAPPING}"),
     ({"num_speculative_tokens": 4},
-     "speculative_config={'num_speculative_tokens': 4} has no method: allowed ngram"),
+     "speculative_config={'num_speculative_tokens': 4} has no method: allowed ngram, draft"),
     ({"method": "eagle", "num_speculative_tokens": 4},
-     "speculative_config.method='eagle' is unknown: allowed ngram"),
+     "speculative_config.method='eagle' is unknown: allowed ngram, draft"),
     ({"method": "ngram"}, f"{K}=None is not an integer: allowed an integer from 1 to 16"),
     ({"method": "ngram", "num_speculative_tokens": 17},
      f"{K}=17 is out of range: allowed an integer from 1 to 16"),
@@ -91,7 +91,15 @@ BAD = [
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1},
      "speculative_config={'method': 'ngram', 'num_speculative_tokens': 2, 'k': 1} has the key "
      "'k': allowed the keys method, num_speculative_tokens, prompt_lookup_min, "
-     "prompt_lookup_max"),
+     "prompt_lookup_max, model"),
+    ({"method": "draft", "num_speculative_tokens": 2},
+     "speculative_config.model=None is not a path: allowed the draft model's checkpoint "
+     "directory, GGUF file or hub id"),
+    ({"method": "draft", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "speculative_config.prompt_lookup_max=3 is for method ngram: allowed no prompt_lookup_* "
+     "with method draft"),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 2},
+     "speculative_config.model='d' is for method draft: allowed no model with method ngram"),
 ]  # fmt: skip
 
 

@@ -1,0 +1,114 @@
+"""DraftProposer: a second, cheaper Qwen2.5 model (a smaller one, or the same one quantized)
+proposes tokens by greedy decoding over its own paged KV cache, whose sequences follow the
+target's: each step they take in the tokens the target accepted, keep the K/V of the prefix
+both agree on, and decode up to k tokens ahead."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.builder import build_engine, log
+from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.runtime.scheduler import Batch
+from nanoqwen.runtime.sequence import Sequence
+from nanoqwen.runtime.spec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from nanoqwen.runtime.builder import EngineParts
+    from nanoqwen.runtime.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0)
+MAX_STEP_TOKENS = 8192  # tokens one draft step feeds, over all its sequences
+
+
+class DraftProposer:
+    def __init__(self, spec: SpeculativeConfig, engine: EngineConfig, target: EngineParts):
+        # As many blocks as the target's pool: the draft's sequences are the target's.
+        config = type(engine)(
+            model=spec.model, device=engine.device, dtype=engine.dtype,
+            block_size=engine.block_size, num_kv_blocks=target.scheduler.blocks.num_blocks,
+            max_num_seqs=engine.max_num_seqs, enforce_eager=True,
+            enable_prefix_caching=False, swap_space=0, progress=False,
+        )  # fmt: skip
+        parts = build_engine(config)
+        mine, theirs = parts.tokenizer, target.tokenizer
+        if mine is not None and theirs is not None and mine.vocab() != theirs.vocab():
+            raise InvalidInputError(
+                f"speculative_config.model={spec.model!r} has another tokenizer than the "
+                "model: allowed a draft model with the same tokenizer",
+                param="speculative_config",
+            )
+        if engine.progress:
+            log(
+                f"draft model: {spec.model} ({parts.config.num_parameters() / 1e9:.2f}B parameters)"
+            )
+        self.runner = parts.runner
+        self.blocks = parts.scheduler.blocks
+        self.max_len = parts.max_model_len
+        # Proposals are target token ids: the draft's extra vocabulary rows, if any, never win.
+        self.vocab = min(target.config.vocab_size, parts.config.vocab_size)
+        self.seqs: dict[int, Sequence] = {}  # target seq_id -> the draft's copy
+        self.synced: dict[int, int] = {}  # target seq_id -> its length at the last sync
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        running = {s.seq_id for s in seqs}
+        for seq_id in [i for i in self.seqs if i not in running]:
+            self._drop(seq_id)  # finished or preempted: a preempted one starts over
+        work = []  # (row, draft sequence, tokens to propose)
+        for row, (seq, limit) in enumerate(zip(seqs, limits)):
+            limit = min(limit, self.max_len - len(seq))
+            if limit <= 0:
+                continue
+            draft = self._follow(seq)
+            # It writes K/V up to its last proposal but one.
+            if not self.blocks.can_grow(draft, len(seq) + limit - 1):
+                self._drop(seq.seq_id)
+                continue
+            self.blocks.grow(draft, len(seq) + limit - 1)
+            work.append((row, draft, limit))
+        proposals: list[list[int]] = [[] for _ in seqs]
+        while work:
+            # New sequences take in their prompts first, MAX_STEP_TOKENS at a time in all.
+            budget, fed = MAX_STEP_TOKENS, []
+            for _, draft, _ in work:
+                fed.append(min(len(draft) - draft.num_computed_tokens, max(budget, 0)))
+                budget -= fed[-1]
+            batch = Batch([d for (_, d, _), n in zip(work, fed) if n], True, [n for n in fed if n])
+            tokens = iter(self.runner.last_logits(batch)[:, : self.vocab].argmax(-1).tolist())
+            ahead = []
+            for (row, draft, limit), n in zip(work, fed):
+                draft.num_computed_tokens += n
+                if n and draft.num_computed_tokens == len(draft):
+                    draft.token_ids.append(next(tokens))
+                    proposals[row].append(draft.token_ids[-1])
+                if len(proposals[row]) < limit:
+                    ahead.append((row, draft, limit))
+            work = ahead
+        return proposals
+
+    def _follow(self, seq: Sequence) -> Sequence:
+        """The draft's copy of seq with seq's tokens: K/V kept for the prefix that both
+        agree on (what the target accepted of the last proposals)."""
+        draft = self.seqs.get(seq.seq_id)
+        if draft is None:
+            draft = self.seqs[seq.seq_id] = Sequence(list(seq.token_ids), GREEDY)
+            self.synced[seq.seq_id] = len(seq)
+            return draft
+        same = self.synced[seq.seq_id]  # the target's tokens before it never change
+        end = min(len(draft.token_ids), len(seq.token_ids))
+        while same < end and draft.token_ids[same] == seq.token_ids[same]:
+            same += 1
+        draft.num_computed_tokens = min(draft.num_computed_tokens, same, len(seq) - 1)
+        draft.token_ids[same:] = seq.token_ids[same:]
+        self.synced[seq.seq_id] = len(seq)
+        return draft
+
+    def release(self, seq: Sequence) -> None:
+        """seq stopped running (finished, retired or preempted): its copy's blocks go back."""
+        if seq.seq_id in self.seqs:
+            self._drop(seq.seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        self.blocks.free(self.seqs.pop(seq_id))
+        del self.synced[seq_id]
