@@ -80,11 +80,15 @@ def create_backend(
     dtype: torch.dtype,
     head_dim: int,
     block_size: int,
+    fp8_kv: bool = False,
 ) -> AttentionBackend:
     """auto: the Triton backend on any CUDA GPU with float16/bfloat16 (with flash-attn's
     kernels inside where flash-attn imports and fits), the native one on a CPU in bfloat16
-    where its C library builds, else torch."""
+    where its C library builds, else torch. fp8_kv (a float8 KV cache): the Triton backend
+    without flash-attn's kernels, which read the cache in the model's dtype."""
     choice("attention_backend", name, BACKENDS)
+    if fp8_kv:
+        return _fp8_backend(name, rotary, scale, device, dtype, head_dim)
     if name == "native" or (name == "auto" and device.type == "cpu"):
         problem = native_problem(device, dtype)
         if problem is None:
@@ -110,3 +114,20 @@ def create_backend(
 
     use_flash = flash_attn_problem(device, dtype, head_dim, block_size) is None
     return TritonAttention(rotary, scale, use_flash_attn=use_flash)
+
+
+def _fp8_backend(name, rotary, scale, device, dtype, head_dim) -> AttentionBackend:
+    allowed = "auto, or fp8 with the Triton attention on a CUDA GPU in float16/bfloat16"
+    if name not in ("auto", "triton"):
+        raise invalid(
+            "kv_cache_dtype", "fp8", f"does not work with attention_backend={name!r}", allowed
+        )
+    problem = triton_problem(device, dtype, head_dim)
+    if problem:
+        raise invalid(
+            "kv_cache_dtype", "fp8", f"needs the Triton attention, unavailable here ({problem})",
+            allowed,
+        )  # fmt: skip
+    from nanoqwen.attention.triton_backend import TritonAttention
+
+    return TritonAttention(rotary, scale, use_flash_attn=False)

@@ -29,9 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=SHAPES, default="0.5B", help="random-weight Qwen2.5 shape")
     p.add_argument(
         "--mode",
-        choices=("latency", "throughput", "all"),
+        choices=("latency", "throughput", "all", "long"),
         default="all",
-        help="which benchmark to run",
+        help="which benchmark to run (all: latency and throughput; long: the long-context "
+        "benchmark, run on its own)",
     )
     p.add_argument(
         "--batch-sizes",
@@ -61,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="throughput requests given to HF (default: all of --num-requests)",
     )
+    p.add_argument("--long-prompt-len", type=int, default=32768,
+                   help="long mode: tokens of the long prompt")  # fmt: skip
+    p.add_argument("--streams", type=int, default=64,
+                   help="long mode: streams decoding when the long prompt arrives")  # fmt: skip
+    p.add_argument("--long-new-tokens", type=int, default=128,
+                   help="long mode: tokens decoded after the long prompt, alone")  # fmt: skip
     p.add_argument("--json", dest="json_path",
                    help="write all results to this JSON file (default: none)")  # fmt: skip
     g = p.add_argument_group("sampling")
@@ -101,6 +108,9 @@ def check_args(args: argparse.Namespace) -> None:
         ("--prefix-len", args.prefix_len, 0),
         ("--suffix-len", args.suffix_len, 1),
         ("--output-len", args.output_len, 1),
+        ("--long-prompt-len", args.long_prompt_len, 1),
+        ("--streams", args.streams, 1),
+        ("--long-new-tokens", args.long_new_tokens, 2),
     ):
         if value < minimum:
             raise InvalidInputError(f"{flag} {value} is out of range: allowed >= {minimum}")
@@ -115,10 +125,15 @@ def check_args(args: argparse.Namespace) -> None:
     util = args.gpu_memory_utilization
     if util is not None and not 0 < util <= 1:
         raise InvalidInputError(f"--gpu-memory-utilization {util} is out of range: allowed (0, 1]")
-    if args.mode != "throughput" and max(args.batch_sizes) > args.max_num_seqs:
+    if args.mode in ("latency", "all") and max(args.batch_sizes) > args.max_num_seqs:
         raise InvalidInputError(
             f"--batch-sizes {max(args.batch_sizes)} is more than --max-num-seqs "
             f"{args.max_num_seqs}: allowed batch sizes up to --max-num-seqs"
+        )
+    if args.mode == "long" and args.streams + 1 > args.max_num_seqs:
+        raise InvalidInputError(
+            f"--streams {args.streams} needs --max-num-seqs {args.streams + 1} or more: the "
+            "streams and the long prompt run together"
         )
     for name in args.sampling.split(",") + [args.throughput_sampling]:
         preset(name, args)

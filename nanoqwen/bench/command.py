@@ -11,7 +11,13 @@ import sys
 import torch
 
 from nanoqwen.bench.args import check_args
-from nanoqwen.bench.report import THROUGHPUT_COLUMNS, latency_columns, print_table
+from nanoqwen.bench.long_context import long_context_run
+from nanoqwen.bench.report import (
+    LONG_CONTEXT_COLUMNS,
+    THROUGHPUT_COLUMNS,
+    latency_columns,
+    print_table,
+)
 from nanoqwen.bench.runs import (
     copy_ceiling_gbps,
     latency_run,
@@ -108,6 +114,20 @@ def _throughput(args, llm: LLM, hf, results: dict) -> None:
     )
 
 
+def _long_context(args, llm: LLM, rng: random.Random, results: dict) -> None:
+    sampling = preset(args.throughput_sampling, args)
+    row = long_context_run(
+        llm, args.long_prompt_len, args.streams, args.long_new_tokens, rng, sampling
+    )
+    results["long_context"] = row
+    print_table(
+        f"long context: {args.long_prompt_len}-token prompt, {args.streams} streams decoding "
+        f"when it arrives, --max-num-batched-tokens {args.max_num_batched_tokens}",
+        [row],
+        LONG_CONTEXT_COLUMNS,
+    )
+
+
 def run(args) -> int:
     from nanoqwen.bench.hf import hf_model_from
 
@@ -122,6 +142,8 @@ def run(args) -> int:
         _latency(args, llm, setup, hf, rng, results)
     if args.mode in ("throughput", "all"):
         _throughput(args, llm, hf, results)
+    if args.mode == "long":
+        _long_context(args, llm, rng, results)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)

@@ -47,3 +47,14 @@ THROUGHPUT_COLUMNS = [
     ("spec acceptance", "spec_acceptance_rate", ".1%"),
     ("spec mean accepted length", "spec_mean_accepted_length", ".2f"),
 ]  # fmt: skip
+
+
+LONG_CONTEXT_COLUMNS = [
+    ("prompt", "prompt_len", "d"), ("TTFT ms", "ttft_ms", ",.0f"),
+    ("decode tok/s", "decode_tok_s", ",.1f"), ("streams", "streams", "d"),
+    ("TTFT ms with streams", "ttft_ms_with_streams", ",.0f"),
+    ("stream ITL ms p50 before", "itl_ms_p50_before", ".2f"),
+    ("p50 / p99 / max during", "itl_ms_p50_during", ".2f"), ("", "itl_ms_p99_during", ".2f"),
+    ("", "itl_ms_max_during", ".2f"),
+    ("p99 during / p50 before", "itl_p99_during_over_p50_before", ".2f"),
+]  # fmt: skip

@@ -142,6 +142,7 @@ def _assemble(
     worker = parallel is not None and parallel.tp.rank > 0
     net = Qwen2ForCausalLM(cfg, torch_dtype, dev, parallel.tp if parallel else None)
     # Before the weights load, so an impossible backend choice fails at once.
+    fp8_kv = c.kv_cache_dtype != "auto"
     backend = create_backend(
         c.attention_backend,
         net.rotary,
@@ -150,7 +151,9 @@ def _assemble(
         torch_dtype,
         cfg.head_dim,
         block_size,
+        fp8_kv,
     )
+    kv_dtype = torch.float8_e4m3fn if fp8_kv else torch_dtype
     net.set_attention_backend(backend)
     # Before loading: quantization swaps in layers that keep their own kernels.
     if dev.type == "cuda" and torch_dtype in (torch.float16, torch.bfloat16):
@@ -173,7 +176,7 @@ def _assemble(
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     # Before the KV pool is sized: the sampler's per-slot token tables take memory too.
     sampler = None if worker else Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
-    per_block = KVCache.bytes_per_block(net.config, block_size, torch_dtype)
+    per_block = KVCache.bytes_per_block(net.config, block_size, kv_dtype)
     if num_kv_blocks is None:
         tokens = min(c.max_num_batched_tokens, max_model_len or cfg.max_positions)
         num_kv_blocks = fitting_num_blocks(
@@ -191,10 +194,11 @@ def _assemble(
         )
         raise invalid("max_model_len", max_model_len, "is too long", f"at most {limit}, {why}")
     max_len = max_model_len or limit
-    kv = KVCache.allocate(net.config, num_kv_blocks, block_size, torch_dtype, dev)
+    kv = KVCache.allocate(net.config, num_kv_blocks, block_size, kv_dtype, dev)
     if progress:
         log(
-            f"KV cache: {num_kv_blocks} blocks of {block_size} tokens = "
+            f"KV cache ({str(kv_dtype).removeprefix('torch.')}): {num_kv_blocks} blocks of "
+            f"{block_size} tokens = "
             f"{num_kv_blocks * block_size} tokens ({num_kv_blocks * per_block / 2**30:.2f} GiB), "
             f"{num_kv_blocks * block_size // max_len} sequences of max length {max_len}"
         )

@@ -85,6 +85,13 @@ class EngineConfig:
         "less)",
         type=int,
     )
+    kv_cache_dtype: str = _setting(
+        "auto",
+        "auto: the model's dtype; fp8 (or fp8_e4m3): float8 e4m3 keys and values with scale "
+        "1, as vLLM defaults to (twice the tokens in the same memory; the GPU's Triton "
+        "attention only)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     max_num_seqs: int = _setting(256, "sequences in one batch, at most")
     max_num_batched_tokens: int = _setting(
         8192, "tokens in one step, at most (longer prompts prefill in chunks)"
@@ -149,6 +156,7 @@ class EngineConfig:
         )
         optional_integer("num_kv_blocks", self.num_kv_blocks, lambda v: v >= 1, "an integer >= 1")
         optional_integer("max_model_len", self.max_model_len, lambda v: v >= 2, "an integer >= 2")
+        choice("kv_cache_dtype", self.kv_cache_dtype, ["auto", "fp8", "fp8_e4m3"])
         integer("max_num_seqs", self.max_num_seqs, lambda v: v >= 1, "an integer >= 1")
         integer(
             "max_num_batched_tokens",

@@ -113,7 +113,14 @@ class ModelRunner:
             f.ids.copy_(self.fill_placeholders(f.ids, f.sources))
 
     def prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        return self.upload(self.inputs.prefill(batch))
+        inputs = self.inputs.prefill(batch)
+        if PLACEHOLDER in inputs.ids:
+            # A running sequence decoding in this step: its newest token may be in flight.
+            inputs.sources = [0] * len(inputs.ids)
+            for seq, end in zip(batch.seqs, inputs.cu_seqlens_q[1:]):
+                if inputs.ids[end - 1] == PLACEHOLDER:
+                    inputs.sources[end - 1] = self._last_rows[seq.seq_id]
+        return self.upload(inputs)
 
     def prepare_decode(self, batch: Batch, rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
         ids, meta, _ = self.upload(self.decode_inputs(batch, rows))
@@ -148,7 +155,8 @@ class ModelRunner:
         sample_later, a step with structured output stops at the logits (sample() then)."""
         seqs = [s for i, s in enumerate(batch.seqs) if batch.completes(i)]
         if batch.is_prefill:
-            self.sampler.admit(seqs)
+            # Sequences that sample their first token; running ones beside them have slots.
+            self.sampler.admit([s for s in seqs if not self.sampler.has_slot(s)])
         filtering = self.sampler.filtering
         n = len(batch.seqs)
         prompt_lp: list = []

@@ -1,4 +1,5 @@
-"""Continuous batching: decides which sequences run in each step, prefill first."""
+"""Continuous batching: decides which sequences run in each step: waiting prompts' chunks
+beside the running sequences' next tokens, in one token budget."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class SchedulerConfig:
 @dataclass
 class Batch:
     seqs: list[Sequence]
+    # A prefill step lays its tokens out as chunks, and may carry running sequences' next
+    # tokens too (chunks of 1); a decode step is one token per sequence.
     is_prefill: bool
     # Tokens each sequence feeds this step: a prompt chunk in prefill, always 1 in decode.
     num_new_tokens: list[int]
@@ -81,7 +84,24 @@ class Scheduler:
         for seq in self.running:
             self.blocks.register_computed(seq)
         self._swap_in()
+        if self.running and self.waiting and self.propose is None:
+            return self._schedule_mixed()
         return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_mixed(self) -> Batch | None:
+        """Every running sequence decodes, and waiting prompts prefill in the token budget
+        left, so a long prompt arriving does not stop the running streams for its whole
+        prefill. (With speculative decoding, prompts go first: a verify step has its own
+        layout.)"""
+        decode = self._schedule_decode()
+        if decode is None:  # all preempted
+            return self._schedule_prefill()
+        seqs, counts = list(decode.seqs), list(decode.num_new_tokens)  # prefill adds to running
+        budget = self.config.max_num_batched_tokens - len(seqs)
+        prefill = self._schedule_prefill(budget) if budget > 0 else None
+        if prefill is None:
+            return decode
+        return Batch(seqs + prefill.seqs, True, counts + prefill.num_new_tokens)
 
     def _swap_in(self) -> None:
         """Swapped-out sequences come back, oldest first, as soon as they fit."""
@@ -95,8 +115,8 @@ class Scheduler:
             # In arrival order, so the newest running sequence is still the next victim.
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
 
-    def _schedule_prefill(self) -> Batch | None:
-        budget = self.config.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int | None = None) -> Batch | None:
+        budget = self.config.max_num_batched_tokens if budget is None else budget
         seqs: list[Sequence] = []
         counts: list[int] = []
         while self.waiting and budget > 0:

@@ -165,3 +165,28 @@ def test_a_string_prompt_without_a_tokenizer_is_refused(tiny_model):
         "prompt is a string but this engine has no tokenizer: allowed token id lists"
     )
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids  # token ids still work
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "kv_cache_dtype='fp8' needs the Triton attention, unavailable here (it needs a CUDA "
+         "device): allowed auto, or fp8 with the Triton attention on a CUDA GPU in "
+         "float16/bfloat16"),
+        ({"attention_backend": "torch"}, "kv_cache_dtype='fp8' does not work with "
+         "attention_backend='torch': allowed auto, or fp8 with the Triton attention on a CUDA "
+         "GPU in float16/bfloat16"),
+    ],
+)  # fmt: skip
+def test_a_float8_kv_cache_is_refused_where_the_triton_attention_cannot_run(
+    tiny_model, options, message
+):
+    with pytest.raises(InvalidInputError) as e:
+        LLM(str(tiny_model[0]), kv_cache_dtype="fp8", progress=False, **options)
+    assert str(e.value) == message
+
+
+def test_an_unknown_kv_cache_dtype_is_one_line():
+    with pytest.raises(InvalidInputError) as e:
+        EngineConfig(kv_cache_dtype="int8")
+    assert str(e.value) == "kv_cache_dtype='int8' is unknown: allowed auto, fp8, fp8_e4m3"

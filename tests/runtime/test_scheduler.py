@@ -1,4 +1,5 @@
-"""Scheduler: prefill first, limits, chunked prefill, preemption, freeing, no deadlock.
+"""Scheduler: prompts beside running decodes, limits, chunked prefill, preemption, freeing,
+no deadlock.
 
 Most tests drive the scheduler alone, standing in for the engine with `advance` (which does
 what LLM.step does with a batch); the last ones run a real LLM on a tiny model."""
@@ -56,20 +57,21 @@ def test_nothing_to_do():
     assert not sched.has_unfinished()
 
 
-def test_prefill_runs_before_decode():
+def test_a_new_prompt_prefills_beside_the_running_decodes():
     sched = make_scheduler()
     a = add(sched, 5)
     b1 = step(sched)
     assert b1.is_prefill and b1.seqs == [a] and b1.num_new_tokens == [5]
     assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens == 5 and len(a) == 6
     b = add(sched, 3)
-    b2 = step(sched)  # a could decode, but the new prompt goes first
-    assert b2.is_prefill and b2.seqs == [b] and b2.num_new_tokens == [3]
+    b2 = sched.schedule()  # a decodes, b's prompt goes in the same step
+    assert b2.is_prefill and b2.seqs == [a, b] and b2.num_new_tokens == [1, 3]
+    assert [b2.completes(i) for i in range(2)] == [True, True]
+    advance(sched, b2)
     b3 = step(sched)
     assert not b3.is_prefill
     assert b3.seqs == [a, b] and b3.num_new_tokens == [1, 1]
-    assert [b3.completes(i) for i in range(2)] == [True, True]
-    assert a.output_token_ids == [NEXT_TOKEN, NEXT_TOKEN]
+    assert a.output_token_ids == [NEXT_TOKEN] * 3 and b.output_token_ids == [NEXT_TOKEN] * 2
 
 
 def test_prefill_batches_several_prompts_in_arrival_order():
@@ -109,9 +111,9 @@ def test_max_num_batched_tokens_caps_prefill_and_splits_the_last_prompt():
     assert list(sched.waiting) == [c, d] and sched.running == [a, b]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 2
     assert len(c.block_table) == 1 and len(c) == 4 and c.output_token_ids == []
-    b2 = sched.schedule()
-    assert b2.is_prefill and b2.seqs == [c, d] and b2.num_new_tokens == [2, 4]
-    assert [b2.completes(i) for i in range(2)] == [True, True]
+    b2 = sched.schedule()  # a and b decode beside the rest of c and all of d
+    assert b2.is_prefill and b2.seqs == [a, b, c, d] and b2.num_new_tokens == [1, 1, 2, 4]
+    assert [b2.completes(i) for i in range(4)] == [True, True, True, True]
     advance(sched, b2)
     assert sched.running == [a, b, c, d] and not sched.waiting
 
@@ -133,16 +135,30 @@ def test_chunked_prefill_keeps_the_partial_prompt_at_the_head():
     assert sched.running == [long, short]
 
 
-def test_decode_waits_while_a_prompt_is_being_chunked():
+def test_running_sequences_keep_decoding_while_a_prompt_is_chunked():
+    """The budget holds the running sequences' tokens first, the prompt's chunks the rest:
+    no step of a long prefill leaves a running stream without its next token."""
     sched = make_scheduler(max_num_batched_tokens=8)
-    a = add(sched, 2)
+    a = add(sched, 2, max_tokens=32)
     step(sched)
     b = add(sched, 20)
     batches = [step(sched) for _ in range(3)]
-    assert [bt.seqs for bt in batches] == [[b], [b], [b]]
-    assert [bt.num_new_tokens for bt in batches] == [[8], [8], [4]]
+    assert [bt.seqs for bt in batches] == [[a, b], [a, b], [a, b]]
+    assert [bt.num_new_tokens for bt in batches] == [[1, 7], [1, 7], [1, 6]]
+    # b samples once, after its last chunk; a once a step.
+    assert len(a.output_token_ids) == 4 and len(b.output_token_ids) == 1
     decode = step(sched)
     assert not decode.is_prefill and decode.seqs == [a, b]
+
+
+def test_running_sequences_past_the_budget_leave_no_room_for_prompts():
+    sched = make_scheduler(max_num_batched_tokens=3)
+    running = [add(sched, 1, max_tokens=8) for _ in range(3)]
+    step(sched)
+    waiting = add(sched, 4)
+    batch = step(sched)
+    assert not batch.is_prefill and batch.seqs == running
+    assert list(sched.waiting) == [waiting]
 
 
 def test_preemption_evicts_the_newest_and_requeues_it_first():
@@ -164,8 +180,9 @@ def test_preemption_evicts_the_newest_and_requeues_it_first():
 
     sched.finish(a, "stop")
     batch = step(sched)
-    # c comes back first and recomputes its prompt and its generated token in one go.
-    assert batch.is_prefill and batch.seqs == [c, d] and batch.num_new_tokens == [3, 4]
+    # c comes back first and recomputes its prompt and its generated token in one go,
+    # beside b's decode.
+    assert batch.is_prefill and batch.seqs == [b, c, d] and batch.num_new_tokens == [1, 3, 4]
     assert c.output_token_ids == [NEXT_TOKEN, NEXT_TOKEN]
 
 
@@ -224,7 +241,7 @@ def test_a_cached_prefix_is_not_prefilled_again():
     assert [step(sched).num_new_tokens for _ in range(2)] == [[6], [4]]
     b = add(sched, 11)  # the first 8 tokens equal a's two full blocks
     batch = step(sched)
-    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [3]
+    assert batch.is_prefill and batch.seqs == [a, b] and batch.num_new_tokens == [1, 3]
     assert b.block_table[:2] == a.block_table[:2] and b.num_computed_tokens == 11
     assert sched.blocks.stats.hits == 8 and sched.blocks.stats.queries == 21
 

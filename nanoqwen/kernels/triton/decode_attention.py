@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.kernels.triton.rope import _rotate
+from nanoqwen.kernels.triton.rope import _rotate, to_cache
 
 TILE = 64  # keys per inner step
 # From LARGE_BATCH (sequence, KV head) pairs up: longer tiles and fewer splits. With uneven
@@ -105,10 +105,12 @@ def _decode_kernel(
         n_mask = n < end
         block = tl.load(table + n // PAGE, mask=n_mask, other=0).to(tl.int64)
         base = ((block * PAGE + n % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+        # A float8 cache's keys and values widen to q's dtype for the dots.
         k1 = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
         k2 = tl.load(
             k_cache_ptr + base[:, None] + half + d[None, :], mask=n_mask[:, None], other=0.0
         )
+        k1, k2 = k1.to(dtype), k2.to(dtype)
         s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
         s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -116,7 +118,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
         m_i = m_new
 
     if split == used - 1:
@@ -124,7 +126,9 @@ def _decode_kernel(
         k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
         v_row = row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
         k1n, k2n = _rotate(tl.load(k_row + d), tl.load(k_row + half + d), cos, sin, dtype)
-        vn = tl.load(v_row + dv)
+        # As later steps will read them back from the cache.
+        k1n, k2n = to_cache(k1n, k_cache_ptr), to_cache(k2n, k_cache_ptr)
+        vn = to_cache(tl.load(v_row + dv), v_cache_ptr)
         slot = tl.load(slot_ptr + seq)
         dst = (slot * NUM_KV_HEADS + kvh) * HEAD_DIM
         tl.store(k_cache_ptr + dst + d, k1n)

@@ -92,13 +92,13 @@ def _prefill_kernel(
     visible_end = (cached + m0) // BLOCK_N * BLOCK_N
     for n0 in range(0, visible_end, BLOCK_N):
         base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, None)
-        k = tl.load(k_cache_ptr + base[None, :] + d[:, None])
+        k = tl.load(k_cache_ptr + base[None, :] + d[:, None]).to(dtype)  # float8 widens
         s = tl.dot(q, k) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :])
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :]).to(dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
         m_i = m_new
 
@@ -109,6 +109,7 @@ def _prefill_kernel(
         n_mask = n < end
         base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, n_mask)
         k = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)
+        k = k.to(dtype)
         s = tl.dot(q, k) * scale_log2
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -116,7 +117,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
         m_i = m_new
 
     # Every row saw key 0 at least, so l_i > 0; rows past the sequence's tokens are dropped.

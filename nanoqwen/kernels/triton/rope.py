@@ -23,6 +23,29 @@ def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x as the KV cache holds it: in its dtype; for a float8 e4m3 cache (scale 1, as vLLM
+    defaults to) rounded to nearest even and saturated at +-448, the format's largest finite
+    value, rather than NaN. The rounding is done in float32, so the cast itself is exact:
+    Triton's CPU interpreter, which the tests run, mis-rounds the cast where it carries into
+    the next power of two and below e4m3's smallest normal, 2^-6."""
+    if cache_ptr.dtype.element_ty.is_fp8():
+        x = x.to(tl.float32)
+        # Normal range: round the float32 mantissa to e4m3's 3 bits (a carry moves the
+        # exponent up by itself).
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+        normal = bits.to(tl.float32, bitcast=True)
+        # Subnormal range: multiples of 2^-9 (adding 1.5 * 2^14 leaves no finer bit), signed
+        # as the cast signs them, zeros included.
+        small = (tl.abs(x) + 24576.0) - 24576.0
+        small = tl.where(x < 0, small * -1.0, small)
+        x = tl.where(tl.abs(x) < 0.015625, small, normal)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rope_store_kernel(
     qkv_ptr, qkv_stride, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -51,13 +74,12 @@ def _rope_store_kernel(
         x1 = tl.load(k_row + h * HEAD_DIM + d)
         x2 = tl.load(k_row + h * HEAD_DIM + half + d)
         r1, r2 = _rotate(x1, x2, cos, sin, dtype)
-        tl.store(k_cache_ptr + cache + h * HEAD_DIM + d, r1)
-        tl.store(k_cache_ptr + cache + h * HEAD_DIM + half + d, r2)
-        tl.store(v_cache_ptr + cache + h * HEAD_DIM + d, tl.load(v_row + h * HEAD_DIM + d))
-        tl.store(
-            v_cache_ptr + cache + h * HEAD_DIM + half + d,
-            tl.load(v_row + h * HEAD_DIM + half + d),
-        )
+        tl.store(k_cache_ptr + cache + h * HEAD_DIM + d, to_cache(r1, k_cache_ptr))
+        tl.store(k_cache_ptr + cache + h * HEAD_DIM + half + d, to_cache(r2, k_cache_ptr))
+        v1 = tl.load(v_row + h * HEAD_DIM + d)
+        v2 = tl.load(v_row + h * HEAD_DIM + half + d)
+        tl.store(v_cache_ptr + cache + h * HEAD_DIM + d, to_cache(v1, v_cache_ptr))
+        tl.store(v_cache_ptr + cache + h * HEAD_DIM + half + d, to_cache(v2, v_cache_ptr))
 
 
 def rope_and_store(

@@ -59,6 +59,9 @@ class Sampler:
     def release(self, seq: Sequence) -> None:
         self.state.release(seq)
 
+    def has_slot(self, seq: Sequence) -> bool:
+        return self.state.has_slot(seq)
+
     def slots(self, seqs: list[Sequence]) -> list[int]:
         return [self.state.slot(s) for s in seqs]
 

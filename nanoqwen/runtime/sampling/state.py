@@ -110,6 +110,9 @@ class SamplingState:
             if not self._logprobs[settings.logprobs]:
                 del self._logprobs[settings.logprobs]
 
+    def has_slot(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._slot_of
+
     def slot(self, seq: Sequence) -> int:
         return self._slot_of[seq.seq_id]
 

@@ -1,0 +1,68 @@
+"""Speculative decoding and mixed steps on the GPU (bfloat16, Triton attention, CUDA graphs
+for decode-only steps): prompt lookup and a draft model give plain decoding's greedy tokens,
+and a prompt arriving while others decode (its chunks beside their next tokens, whose ids
+may still be in flight on the device) changes no request's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoqwen import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7] * 3, [40, 41, 42, 43] * 5, list(range(100, 160))]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from conftest import write_tiny_model
+
+    path = tmp_path_factory.mktemp("gpu-spec")
+    write_tiny_model(path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, intermediate_size=512, num_hidden_layers=3)  # fmt: skip
+    return path
+
+
+def engine(path, **options) -> LLM:
+    return LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+               attention_backend="triton", progress=False, **options)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        {"method": "draft", "num_speculative_tokens": 3},
+    ],  # fmt: skip
+    ids=["ngram", "draft"],
+)
+def test_speculative_greedy_output_is_plain_output(model_dir, spec):
+    if spec["method"] == "draft":
+        spec = spec | {"model": str(model_dir)}  # the model as its own draft
+    plain = engine(model_dir)
+    # One request at a time: the same kernels and shapes on both sides but for the verify
+    # step's rows, which bfloat16 may round differently only at near-ties.
+    expected = [plain.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    spec_llm = engine(model_dir, speculative_config=spec)
+    got = [spec_llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    assert got == expected
+    assert spec_llm.stats()["spec_accepted_tokens"] > 0
+
+
+def test_a_prompt_arriving_mid_decode_changes_no_tokens(model_dir):
+    llm = engine(model_dir, max_num_batched_tokens=32)
+    streams = [llm.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    for _ in range(6):
+        llm.step()
+    late = llm.add_request(PROMPTS[2] * 2, GREEDY)  # 120 tokens: four mixed steps
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    llm.drain()
+    alone = engine(model_dir)
+    for seq, prompt in zip([*streams, late], [*PROMPTS[:2], PROMPTS[2] * 2]):
+        assert seq.output_token_ids == alone.generate([prompt], GREEDY)[0].token_ids
