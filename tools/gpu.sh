@@ -20,11 +20,18 @@
 #   serve-bench [SHAPE ...]
 #       the serving benchmark per shape of random weights (carry .serve-wheels too): see
 #       serve_bench below.
+#   speculation [SHAPE ...]
+#       tools/spec_step_bench.py (a verify step of k = 4 against a decode step, batch 1) per
+#       shape, then the GPU tests of speculation, mixed steps and the float8 KV cache.
+#   long-context
+#       nanoqwen bench --mode long at 7B with YaRN (carry .peer for the tokenizer): a
+#       131,072-token prompt, then 64 streams while a 32K prompt arrives (BUDGET tokens a
+#       step, default 2048), with the bf16 and the fp8 KV cache.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context [ARGS...]" >&2
   exit 2
 }
 
@@ -233,11 +240,50 @@ PY
   done
 }
 
+speculation() {
+  # The verify step of k = 4 at batch 1 against a plain decode step, per shape; then the GPU
+  # tests of speculation, mixed steps and the float8 cache.
+  gpu_env optional
+  local shapes=("$@"); [[ ${#shapes[@]} -eq 0 ]] && shapes=(0.5B 7B)
+  for shape in "${shapes[@]}"; do
+    python3 tools/spec_step_bench.py --shape "$shape" --k 4 2>&1 | tee -a "$OUT/spec_step.log"
+  done
+  python3 -m pytest tests/gpu/test_speculative_and_mixed_gpu.py tests/gpu/test_fp8_kv_gpu.py \
+    -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log"
+}
+
+long_context() {
+  # 7B with YaRN (factor 4 over 32,768: Qwen2.5's documented 128K setting) on random weights
+  # with Qwen's tokenizer (.peer/pair.py prepares them; carry .peer): one 131,072-token
+  # prompt, then 64 streams while a 32K prompt arrives, bf16 then fp8 KV cache.
+  gpu_env optional
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
+  python3 .peer/pair.py --run prepare --shape 7B > /dev/null
+  python3 - <<'PY'
+import json, pathlib
+p = pathlib.Path("/tmp/pair-model-7B/config.json")
+c = json.loads(p.read_text())
+c["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+p.write_text(json.dumps(c))
+PY
+  local model=(--model /tmp/pair-model-7B --max-model-len 131072)
+  python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 131000 --streams 1 \
+    --max-num-batched-tokens 16384 --json "$OUT/long_131k.json" 2>&1 | grep -v $'\r' \
+    | tee "$OUT/long_131k.log"
+  for kv in auto fp8; do
+    python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 32768 --streams 64 \
+      --max-num-batched-tokens "${BUDGET:-2048}" --kv-cache-dtype "$kv" \
+      --json "$OUT/long_32k_$kv.json" 2>&1 | grep -v $'\r' | tee "$OUT/long_32k_$kv.log"
+  done
+}
+
 mode=${1:-}; shift || true
 case $mode in
   check) check "$@" ;;
   kv-cache) kv_cache "$@" ;;
   tp) tp "$@" ;;
   serve-bench) serve_bench "$@" ;;
+  speculation) speculation "$@" ;;
+  long-context) long_context "$@" ;;
   *) usage ;;
 esac

@@ -124,51 +124,19 @@ class StepInputBuilder:
         tables = [s.block_table + [pad] * (width - len(s.block_table)) for s in batch.seqs]
         return tables + [[pad] * width] * ((rows or len(tables)) - len(tables))
 
-    def prefill(self, batch: Batch) -> StepInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q, cu_k, ctx, logit_rows = [0], [0], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self.blocks.slots(seq, start, end))
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            ctx.append(end)
-            if batch.completes(i):
-                logit_rows.append(cu_q[-1] - 1)
-        prompt_rows = [(r.start, r.stop) for _, _, r, _ in prompt_logprob_plan(batch)]
-        return StepInputs(
-            is_prefill=True,
-            ids=ids,
-            positions=positions,
-            slots=slots,
-            context_lens=ctx,
-            block_tables=self._block_tables(batch),
-            cu_seqlens_q=cu_q,
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_seqlen_k=max(ctx),
-            cu_seqlens_k=cu_k,
-            logit_rows=logit_rows,
-            prompt_rows=prompt_rows,
-        )
-
-    def verify(self, batch: Batch) -> StepInputs:
-        """A decode step with proposals: each sequence feeds its newest token (known by now)
-        and its proposed tokens, laid out as a prefill chunk, and every row gets logits."""
+    def _chunks(self, batch: Batch, chunks: list[tuple[int, list[int]]]) -> StepInputs:
+        """Prefill-shaped inputs: for each sequence of batch, (first position, token ids)
+        fed this step, attending to everything cached before them; no logit rows yet."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu_q, cu_k, ctx = [0], [0], []
-        for seq, proposal in zip(batch.seqs, batch.proposals):
-            start = len(seq) - 1
-            end = start + 1 + len(proposal)
-            ids += [seq.token_ids[-1], *proposal]
+        for seq, (start, chunk) in zip(batch.seqs, chunks):
+            end = start + len(chunk)
+            ids += chunk
             positions.extend(range(start, end))
             slots.extend(self.blocks.slots(seq, start, end))
-            cu_q.append(cu_q[-1] + end - start)
+            cu_q.append(cu_q[-1] + len(chunk))
             cu_k.append(cu_k[-1] + end)
             ctx.append(end)
         return StepInputs(
@@ -179,11 +147,32 @@ class StepInputBuilder:
             context_lens=ctx,
             block_tables=self._block_tables(batch),
             cu_seqlens_q=cu_q,
-            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_seqlen_q=max(len(chunk) for _, chunk in chunks),
             max_seqlen_k=max(ctx),
             cu_seqlens_k=cu_k,
-            logit_rows=list(range(len(ids))),
         )
+
+    def prefill(self, batch: Batch) -> StepInputs:
+        chunks = [
+            (s.num_computed_tokens, s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
+            for s, n in zip(batch.seqs, batch.num_new_tokens)
+        ]
+        inputs = self._chunks(batch, chunks)
+        ends = inputs.cu_seqlens_q[1:]
+        inputs.logit_rows = [end - 1 for i, end in enumerate(ends) if batch.completes(i)]
+        inputs.prompt_rows = [(r.start, r.stop) for _, _, r, _ in prompt_logprob_plan(batch)]
+        return inputs
+
+    def verify(self, batch: Batch) -> StepInputs:
+        """A decode step with proposals: each sequence feeds its newest token (known by now)
+        and its proposed tokens, laid out as a prefill chunk, and every row gets logits."""
+        chunks = [
+            (len(s) - 1, [s.token_ids[-1], *proposal])
+            for s, proposal in zip(batch.seqs, batch.proposals)
+        ]
+        inputs = self._chunks(batch, chunks)
+        inputs.logit_rows = list(range(len(inputs.ids)))
+        return inputs
 
     def decode(
         self, batch: Batch, rows: int, ids: list[int], sources: list[int] | None

@@ -9,9 +9,10 @@ import os
 
 import pytest
 import torch
-from conftest import shuffled_paged_cache
+from test_decode_attention import _decode_step
+from test_prefill_attention import _prefill_step
 
-from nanoqwen.attention.metadata import AttentionMetadata, split_qkv
+from nanoqwen.attention.metadata import split_qkv
 from nanoqwen.attention.rotary import RotaryEmbedding, apply_rotary
 from nanoqwen.attention.torch_backend import TorchAttention, paged_attention
 
@@ -28,11 +29,6 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 14, 2, 64, 16
 
 def fp8(t: torch.Tensor) -> torch.Tensor:
     return t.float().clamp(-448, 448).to(FP8)
-
-
-def caches(lengths, gen):
-    tables, k, v = shuffled_paged_cache(lengths, PAGE, KV_HEADS, HEAD_DIM, torch.float16, gen)
-    return tables, fp8(k), fp8(v)
 
 
 def reference(qkv, k8, v8, meta, rotary):
@@ -58,24 +54,10 @@ def check(out, ref, k8, v8, k16, v16):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("magnitude", [1.0, 1000.0], ids=["in-range", "saturating"])
 def test_decode_writes_float8_and_attends_over_it(splits, magnitude):
-    gen = torch.Generator().manual_seed(0)
-    lengths = [1, 17, 65, 300]
-    tables, k8, v8 = caches(lengths, gen)
-    qkv = torch.randn(len(lengths), (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    qkv, k16, v16, meta = _decode_step([1, 17, 65, 300], HEADS, KV_HEADS, HEAD_DIM, PAGE,
+                                       torch.float16)  # fmt: skip
     qkv[:, HEADS * HEAD_DIM :] *= magnitude  # the new keys and values
-    qkv = qkv.half()
-    meta = AttentionMetadata(
-        is_prefill=False,
-        positions=torch.tensor([n - 1 for n in lengths]),
-        slot_mapping=torch.tensor(
-            [int(tables[i, (n - 1) // PAGE]) * PAGE + (n - 1) % PAGE for i, n in enumerate(lengths)]
-        ),  # fmt: skip
-        context_lens=torch.tensor(lengths, dtype=torch.int32),
-        block_tables=tables,
-        cu_seqlens_q=torch.arange(len(lengths) + 1, dtype=torch.int32),
-        max_seqlen_q=1,
-        max_seqlen_k=max(lengths),
-    )
+    k8, v8 = fp8(k16), fp8(v16)
     rotary = RotaryEmbedding(HEAD_DIM, 1024, 1e6, "cpu")
     ref, k_ref, v_ref = reference(qkv, k8, v8, meta, rotary)
     out = decode_attention(
@@ -91,30 +73,10 @@ def test_decode_writes_float8_and_attends_over_it(splits, magnitude):
 
 
 def test_prefill_writes_float8_and_attends_over_it():
-    gen = torch.Generator().manual_seed(1)
     runs = [(0, 5), (30, 9), (100, 3)]  # (cached tokens, new tokens)
-    lengths = [c + n for c, n in runs]
-    tables, k8, v8 = caches(lengths, gen)
-    positions = [p for c, n in runs for p in range(c, c + n)]
-    seq_of = [i for i, (_, n) in enumerate(runs) for _ in range(n)]
-    cu_q, cu_k = [0], [0]
-    for (_, n), total in zip(runs, lengths):
-        cu_q.append(cu_q[-1] + n)
-        cu_k.append(cu_k[-1] + total)
-    meta = AttentionMetadata(
-        is_prefill=True,
-        positions=torch.tensor(positions),
-        slot_mapping=torch.tensor(
-            [int(tables[i, p // PAGE]) * PAGE + p % PAGE for i, p in zip(seq_of, positions)]
-        ),  # fmt: skip
-        context_lens=torch.tensor(lengths, dtype=torch.int32),
-        block_tables=tables,
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-        max_seqlen_q=max(n for _, n in runs),
-        max_seqlen_k=max(lengths),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
-    )
-    qkv = torch.randn(len(positions), (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).half()
+    qkv, k16, v16, meta = _prefill_step(runs, HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float16)
+    qkv = (qkv / 2).half()  # _prefill_step's keys are doubled: back to float8's finer range
+    k8, v8 = fp8(k16), fp8(v16)
     rotary = RotaryEmbedding(HEAD_DIM, 1024, 1e6, "cpu")
     ref, k_ref, v_ref = reference(qkv, k8, v8, meta, rotary)
     out = TritonAttention(rotary, 0.125, use_flash_attn=False).forward(qkv, k8, v8, meta)

@@ -12,16 +12,21 @@ import pytest
 from nanoqwen import LLM, SamplingParams
 
 WORKLOAD = Path(__file__).resolve().parents[3] / "tools" / "data" / "code_edit.json"
+OPTIONS = dict(dtype="float32", num_kv_blocks=16, progress=False)
+
+
+def plain_answer(model_dir, item: int, max_tokens: int):
+    """(messages, greedy params, the plain engine's answer) for one code-editing prompt."""
+    it = json.loads(WORKLOAD.read_text())[item]
+    messages = [{"role": "user", "content": f"{it['instruction']}. Answer with the whole "
+                 f"changed file.\n\n```python\n{it['code']}```"}]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return messages, params, LLM(str(model_dir), **OPTIONS).chat(messages, params)[0].output
 
 
 @pytest.mark.real_model
 def test_prompt_lookup_keeps_the_real_models_greedy_answer(real_model_dir):
-    item = json.loads(WORKLOAD.read_text())[2]
-    messages = [{"role": "user", "content": f"{item['instruction']}. Answer with the whole "
-                 f"changed file.\n\n```python\n{item['code']}```"}]  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=96)
-    options = dict(dtype="float32", num_kv_blocks=16, progress=False)
-    plain = LLM(str(real_model_dir), **options).chat(messages, params)[0].output
+    messages, params, plain = plain_answer(real_model_dir, 2, 96)
     spec = LLM(
         str(real_model_dir),
         speculative_config={
@@ -30,7 +35,7 @@ def test_prompt_lookup_keeps_the_real_models_greedy_answer(real_model_dir):
             "prompt_lookup_min": 2,
             "prompt_lookup_max": 4,
         },  # fmt: skip
-        **options,
+        **OPTIONS,
     )
     got = spec.chat(messages, params)[0].output
     assert got.token_ids == plain.token_ids
@@ -41,12 +46,7 @@ def test_prompt_lookup_keeps_the_real_models_greedy_answer(real_model_dir):
 
 @pytest.mark.real_model
 def test_the_q4_gguf_drafting_for_its_float_checkpoint_keeps_the_answer(real_model_dir, gguf_path):
-    item = json.loads(WORKLOAD.read_text())[0]
-    messages = [{"role": "user", "content": f"{item['instruction']}. Answer with the whole "
-                 f"changed file.\n\n```python\n{item['code']}```"}]  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=64)
-    options = dict(dtype="float32", num_kv_blocks=16, progress=False)
-    plain = LLM(str(real_model_dir), **options).chat(messages, params)[0].output
+    messages, params, plain = plain_answer(real_model_dir, 0, 64)
     spec = LLM(
         str(real_model_dir),
         speculative_config={
@@ -54,7 +54,7 @@ def test_the_q4_gguf_drafting_for_its_float_checkpoint_keeps_the_answer(real_mod
             "model": str(gguf_path),
             "num_speculative_tokens": 4,
         },  # fmt: skip
-        **options,
+        **OPTIONS,
     )
     assert spec.chat(messages, params)[0].output.token_ids == plain.token_ids
     stats = spec.stats()
