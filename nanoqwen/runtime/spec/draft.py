@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.builder import build_engine, log
 from nanoqwen.runtime.sampling_params import SamplingParams
@@ -31,7 +33,17 @@ class DraftProposer:
             max_num_seqs=engine.max_num_seqs, enforce_eager=True,
             enable_prefix_caching=False, swap_space=0, progress=False,
         )  # fmt: skip
-        parts = build_engine(config)
+        try:
+            parts = build_engine(config)
+        except torch.cuda.OutOfMemoryError:
+            # The model sized its KV pool from gpu_memory_utilization first.
+            raise InvalidInputError(
+                f"speculative_config.model={spec.model!r} does not fit on the GPU beside the "
+                f"model (gpu_memory_utilization={engine.gpu_memory_utilization}): allowed a "
+                "lower gpu_memory_utilization, which leaves the draft its weights and a KV "
+                "pool of as many blocks as the model's",
+                param="speculative_config",
+            ) from None
         mine, theirs = parts.tokenizer, target.tokenizer
         if mine is not None and theirs is not None and mine.vocab() != theirs.vocab():
             raise InvalidInputError(
