@@ -56,12 +56,18 @@ def engine_death_stops_the_server(
         with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
+            # Read as a client does meanwhile: a stream nobody reads backs up in the server.
+            events: list[str] = []
+            reader = threading.Thread(
+                target=lambda: events.extend(x for x in lines if x.startswith("data: "))
+            )
+            reader.start()
             waiter.start()
             wait_for(server, lambda m: m["nanoqwen:num_requests_running"] == 2, "two running")
             engine = server.engine_pid()
             os.kill(engine, signal.SIGKILL)
             killed = time.monotonic()
-            events = [line for line in lines if line.startswith("data: ")]
+            reader.join(BOUND_S)
         waiter.join(30)
         server.proc.wait(timeout=BOUND_S)
         took = time.monotonic() - killed
