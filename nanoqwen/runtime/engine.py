@@ -84,7 +84,6 @@ class LLM:
                 proposer.release(seq)
 
             self.scheduler.on_release = release
-        if self.speculator is not None:
             self.scheduler.propose = self.speculator.propose
 
     # ---- requests -------------------------------------------------------------------------

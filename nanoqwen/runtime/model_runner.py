@@ -221,8 +221,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def last_logits(self, batch: Batch) -> torch.Tensor:
-        """Logits after each sequence's last fed token, laid out as a prefill chunk (any
-        number of tokens per sequence), without sampling: a draft model's steps."""
+        """Logits after each sequence's last fed token, without sampling (a draft model's
+        steps): a decode step when each feeds one token, else laid out as prefill chunks."""
+        if all(n == 1 for n in batch.num_new_tokens):
+            ids, meta = self.prepare_decode(batch, len(batch.seqs))
+            return self.model.compute_logits(self.model(ids, meta))
         ids, meta, rows = self.prepare_prefill(batch)
         x, residual = self.model(ids, meta)
         return self.model.compute_logits((x[rows], residual[rows]))
