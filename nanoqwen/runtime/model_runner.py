@@ -230,6 +230,12 @@ class ModelRunner:
         x, residual = self.model(ids, meta)
         return self.model.compute_logits((x[rows], residual[rows]))
 
+    def keep_last(self, tokens: torch.Tensor, seqs: list[Sequence]) -> None:
+        """tokens (on the device) are the newest, still in flight, of seqs in turn: the
+        next step takes them from there (a draft model's steps, which do not sample)."""
+        self._last_tokens = tokens
+        self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+
     def compute_logits(self, batch: Batch) -> torch.Tensor:
         """[number of sequences that complete this step, vocab] float32 logits (the step's
         sampler runs too)."""

@@ -11,6 +11,7 @@ import torch
 
 from nanoqwen.errors import InvalidInputError
 from nanoqwen.runtime.builder import build_engine, log
+from nanoqwen.runtime.launched_step import PLACEHOLDER
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
@@ -79,24 +80,37 @@ class DraftProposer:
                 continue
             self.blocks.grow(draft, len(seq) + limit - 1)
             work.append((row, draft, limit))
-        proposals: list[list[int]] = [[] for _ in seqs]
+        made: list[torch.Tensor] = []  # each step's tokens, left on the device
+        spots: list[tuple[int, Sequence, int]] = []  # (row, draft, position) of each, in order
+        counts = [0] * len(seqs)
         while work:
-            # New sequences take in their prompts first, MAX_STEP_TOKENS at a time in all.
+            # A token in flight always goes in; new sequences' prompts share MAX_STEP_TOKENS.
             budget, fed = MAX_STEP_TOKENS, []
             for _, draft, _ in work:
-                fed.append(min(len(draft) - draft.num_computed_tokens, max(budget, 0)))
+                need = len(draft) - draft.num_computed_tokens
+                fed.append(need if need == 1 else min(need, max(budget, 0)))
                 budget -= fed[-1]
             batch = Batch([d for (_, d, _), n in zip(work, fed) if n], True, [n for n in fed if n])
-            tokens = iter(self.runner.last_logits(batch)[:, : self.vocab].argmax(-1).tolist())
-            ahead = []
+            tokens = self.runner.last_logits(batch)[:, : self.vocab].argmax(-1)
+            done, ahead = [], []
             for (row, draft, limit), n in zip(work, fed):
                 draft.num_computed_tokens += n
                 if n and draft.num_computed_tokens == len(draft):
-                    draft.token_ids.append(next(tokens))
-                    proposals[row].append(draft.token_ids[-1])
-                if len(proposals[row]) < limit:
+                    # Read back below; meanwhile the next step takes it from the device.
+                    draft.token_ids.append(PLACEHOLDER)
+                    done.append(draft)
+                    spots.append((row, draft, len(draft) - 1))
+                    counts[row] += 1
+                if counts[row] < limit:
                     ahead.append((row, draft, limit))
+            self.runner.keep_last(tokens, done)
+            made.append(tokens)
             work = ahead
+        proposals: list[list[int]] = [[] for _ in seqs]
+        # The proposals' one wait for the device.
+        for (row, draft, pos), token in zip(spots, torch.cat(made).tolist() if made else []):
+            draft.token_ids[pos] = token
+            proposals[row].append(token)
         return proposals
 
     def _follow(self, seq: Sequence) -> Sequence:
