@@ -267,7 +267,7 @@ c["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embed
 p.write_text(json.dumps(c))
 PY
   local model=(--model /tmp/pair-model-7B --max-model-len 131072)
-  python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 131000 --streams 1 \
+  python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 130944 --streams 1 \
     --max-num-batched-tokens 16384 --json "$OUT/long_131k.json" 2>&1 | grep -v $'\r' \
     | tee "$OUT/long_131k.log"
   for kv in auto fp8; do
