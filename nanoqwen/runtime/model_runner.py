@@ -117,9 +117,10 @@ class ModelRunner:
         if PLACEHOLDER in inputs.ids:
             # A running sequence decoding in this step: its newest token may be in flight.
             inputs.sources = [0] * len(inputs.ids)
-            for seq, end in zip(batch.seqs, inputs.cu_seqlens_q[1:]):
+            _, rows, _ = self.token_sources(batch.seqs)
+            for row, end in zip(rows, inputs.cu_seqlens_q[1:]):
                 if inputs.ids[end - 1] == PLACEHOLDER:
-                    inputs.sources[end - 1] = self._last_rows[seq.seq_id]
+                    inputs.sources[end - 1] = row
         return self.upload(inputs)
 
     def prepare_decode(self, batch: Batch, rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
