@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.bench.runs import speculation
 
 WORKLOAD = Path(__file__).with_name("data") / "code_edit.json"
 
@@ -44,12 +45,9 @@ def run(engine: LLM, prompts, params: SamplingParams, reps: int) -> tuple[float,
             outputs.append(engine.chat(p, params)[0].output.token_ids)
         rates.append(sum(map(len, outputs)) / (time.perf_counter() - start))
     after = engine.stats()
-    stats = {k: after[k] - before[k] for k in after if k.startswith("spec_") and "rate" not in k
-             and "length" not in k}  # fmt: skip
-    if stats.get("spec_proposed_tokens"):
-        stats["acceptance_rate"] = stats["spec_accepted_tokens"] / stats["spec_proposed_tokens"]
-        stats["mean_accepted_length"] = 1 + stats["spec_accepted_tokens"] / stats["spec_verified"]
-    return statistics.median(rates), outputs, stats
+    counts = ("spec_verified", "spec_proposed_tokens", "spec_accepted_tokens")
+    stats = {k: after[k] - before[k] for k in counts if k in after}
+    return statistics.median(rates), outputs, stats | speculation(before, after)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from nanoqwen.bench.workloads import throughput_workload
 from nanoqwen.model.quantize import quantized_bytes
 from nanoqwen.runtime.engine import LLM
 from nanoqwen.runtime.sampling_params import SamplingParams
+from nanoqwen.runtime.spec.speculator import SpeculationStats
 
 
 def copy_ceiling_gbps(device: torch.device) -> float:
@@ -62,12 +63,13 @@ def speculation(before: dict, after: dict) -> dict:
     """Speculative decoding's acceptance between two LLM.stats(); {} without it."""
     if "spec_proposed_tokens" not in after:
         return {}
-    proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
-    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    verified = after["spec_verified"] - before["spec_verified"]
+    since = SpeculationStats(
+        *(after[k] - before[k] for k in ("spec_verified", "spec_proposed_tokens",
+                                         "spec_accepted_tokens"))
+    )  # fmt: skip
     return {
-        "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
-        "spec_mean_accepted_length": 1 + accepted / verified if verified else 0.0,
+        "spec_acceptance_rate": since.acceptance_rate,
+        "spec_mean_accepted_length": since.mean_accepted_length,
     }
 
 

@@ -223,11 +223,10 @@ class LLM:
     def _verify(self, batch) -> list[tuple[Sequence, int]]:
         """Runs a decode step with proposals and applies each sequence's accepted tokens."""
         verified = self.runner.verify(batch)
-        self.speculator.count(verified, batch.proposals)
+        self.speculator.count(verified)
         now = time.perf_counter()
         resolved = []
-        # A copy: batch.seqs is the scheduler's running list, which finishing sequences leave.
-        for i, (seq, tokens) in enumerate(zip(list(batch.seqs), verified.tokens)):
+        for i, (seq, tokens) in enumerate(zip(batch.seqs, verified.tokens)):
             # Its newest token and the accepted proposals have their K/V in the cache now.
             seq.num_computed_tokens = len(seq) - 1 + len(tokens)
             for n, token in enumerate(tokens):

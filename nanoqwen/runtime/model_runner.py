@@ -233,7 +233,7 @@ class ModelRunner:
 
     def keep_last(self, tokens: torch.Tensor, seqs: list[Sequence]) -> None:
         """tokens (on the device) are the newest, still in flight, of seqs in turn: the
-        next step takes them from there (a draft model's steps, which do not sample)."""
+        next step takes them from there (a launched step's, or a draft model's step's)."""
         self._last_tokens = tokens
         self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
 
@@ -302,8 +302,7 @@ class ModelRunner:
             raw = self.sampler.logprobs(out.logits, tokens, top)
             step.logprobs = tuple(self._to_host(t) for t in raw)
         if seqs:
-            self._last_tokens = tokens
-            self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+            self.keep_last(tokens, seqs)
         step.tokens, step.host = tokens, self._to_host(tokens)
         if self._pin:
             step.done = torch.cuda.Event()

@@ -96,12 +96,13 @@ class Scheduler:
         decode = self._schedule_decode()
         if decode is None:  # all preempted
             return self._schedule_prefill()
-        seqs, counts = list(decode.seqs), list(decode.num_new_tokens)  # prefill adds to running
-        budget = self.config.max_num_batched_tokens - len(seqs)
+        budget = self.config.max_num_batched_tokens - len(decode.seqs)
         prefill = self._schedule_prefill(budget) if budget > 0 else None
         if prefill is None:
             return decode
-        return Batch(seqs + prefill.seqs, True, counts + prefill.num_new_tokens)
+        return Batch(
+            decode.seqs + prefill.seqs, True, decode.num_new_tokens + prefill.num_new_tokens
+        )
 
     def _swap_in(self) -> None:
         """Swapped-out sequences come back, oldest first, as soon as they fit."""
@@ -166,7 +167,9 @@ class Scheduler:
         self.running = scheduled
         if not scheduled:
             return None
-        return Batch(scheduled, False, [1] * len(scheduled), proposals if any(proposals) else None)
+        # A list of its own: finishing and admitted sequences change self.running.
+        seqs = list(scheduled)
+        return Batch(seqs, False, [1] * len(seqs), proposals if any(proposals) else None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

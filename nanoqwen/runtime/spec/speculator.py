@@ -55,7 +55,7 @@ class Speculator:
         return self.proposer.propose(seqs, [min(n, self.config.num_speculative_tokens)
                                             for n in limits])  # fmt: skip
 
-    def count(self, verified: Verified, proposals: list[list[int]]) -> None:
-        self.stats.num_verified += sum(1 for p in proposals if p)
+    def count(self, verified: Verified) -> None:
+        self.stats.num_verified += verified.num_verified
         self.stats.num_proposed += verified.num_proposed
         self.stats.num_accepted += verified.num_accepted

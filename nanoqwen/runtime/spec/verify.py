@@ -35,6 +35,7 @@ ToDevice = Callable[[list, torch.dtype], torch.Tensor]
 class Verified:
     tokens: list[list[int]]  # per sequence: its accepted proposals, then one sampled token
     logprobs: list[list[TokenLogprobs]] | None  # the target's entries for those tokens
+    num_verified: int  # sequences that had proposals to check
     num_proposed: int
     num_accepted: int
 
@@ -85,6 +86,7 @@ def verify_rows(
     return Verified(
         tokens=[tokens[: a + 1] for tokens, a in zip(table, accepted)],
         logprobs=entries,
+        num_verified=sum(1 for p in proposals if p),
         num_proposed=sum(len(p) for p in proposals),
         num_accepted=sum(accepted),
     )
