@@ -21,12 +21,14 @@
 #       the serving benchmark per shape of random weights (carry .serve-wheels too): see
 #       serve_bench below.
 #   speculation [SHAPE ...]
-#       tools/spec_step_bench.py (a verify step of k = 4 against a decode step, batch 1) per
-#       shape, then the GPU tests of speculation, mixed steps and the float8 KV cache.
-#   long-context
+#       tools/spec_step_bench.py (a verify step of k = 4 against a decode step, batch 1) and
+#       batch-1 greedy decoding plain vs prompt lookup per shape, then the GPU tests of
+#       speculation, mixed steps and the float8 KV cache.
+#   long-context [131k|streams|decode ...]
 #       nanoqwen bench --mode long at 7B with YaRN (carry .peer for the tokenizer): a
-#       131,072-token prompt, then 64 streams while a 32K prompt arrives (BUDGET tokens a
-#       step, default 2048), with the bf16 and the fp8 KV cache.
+#       131,072-token prompt; 64 streams while a 32K prompt arrives (BUDGET tokens a step,
+#       default 2048), with the bf16 and the fp8 KV cache; decode at 64 sequences x 8K
+#       context (FP8_SHAPE, default 7B), bf16 and fp8 KV cache. Default: all three.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 
@@ -247,34 +249,57 @@ speculation() {
   local shapes=("$@"); [[ ${#shapes[@]} -eq 0 ]] && shapes=(0.5B 7B)
   for shape in "${shapes[@]}"; do
     python3 tools/spec_step_bench.py --shape "$shape" --k 4 2>&1 | tee -a "$OUT/spec_step.log"
+    # End to end at batch 1, greedy: plain, then prompt lookup at the acceptance that random
+    # weights give.
+    for spec in none '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'; do
+      local flag=(); [[ $spec != none ]] && flag=(--speculative-config "$spec")
+      python3 -m nanoqwen.bench --shape "$shape" --mode latency --batch-sizes 1 \
+        --prompt-len 512 --new-tokens 512 --temperature 0 "${flag[@]}" 2>&1 | grep -v $'\r' \
+        | tee -a "$OUT/spec_e2e.log"
+    done
   done
   python3 -m pytest tests/gpu/test_speculative_and_mixed_gpu.py tests/gpu/test_fp8_kv_gpu.py \
-    -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log"
+    -q -s -rs -p no:cacheprovider 2>&1 | tee "$OUT/spec_tests.log"
 }
 
 long_context() {
-  # 7B with YaRN (factor 4 over 32,768: Qwen2.5's documented 128K setting) on random weights
-  # with Qwen's tokenizer (.peer/pair.py prepares them; carry .peer): one 131,072-token
-  # prompt, then 64 streams while a 32K prompt arrives, bf16 then fp8 KV cache.
+  # Parts (default all): 131k: 7B with YaRN (factor 4 over 32,768: Qwen2.5's documented
+  # 128K setting) on random weights with Qwen's tokenizer (.peer/pair.py prepares them;
+  # carry .peer), one 131,072-token prompt; streams: 64 streams while a 32K prompt arrives,
+  # bf16 then fp8 KV cache; decode: 64 sequences x 8K context, bf16 then fp8 KV cache.
   gpu_env optional
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
-  python3 .peer/pair.py --run prepare --shape 7B > /dev/null
-  python3 - <<'PY'
+  local parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(131k streams decode)
+  local model=(--model /tmp/pair-model-7B --max-model-len 131072)
+  if [[ " ${parts[*]} " == *" 131k "* || " ${parts[*]} " == *" streams "* ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
+    python3 .peer/pair.py --run prepare --shape 7B > /dev/null
+    python3 - <<'PY'
 import json, pathlib
 p = pathlib.Path("/tmp/pair-model-7B/config.json")
 c = json.loads(p.read_text())
 c["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 p.write_text(json.dumps(c))
 PY
-  local model=(--model /tmp/pair-model-7B --max-model-len 131072)
-  python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 130944 --streams 1 \
-    --max-num-batched-tokens 16384 --json "$OUT/long_131k.json" 2>&1 | grep -v $'\r' \
-    | tee "$OUT/long_131k.log"
-  for kv in auto fp8; do
-    python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 32768 --streams 64 \
-      --max-num-batched-tokens "${BUDGET:-2048}" --kv-cache-dtype "$kv" \
-      --json "$OUT/long_32k_$kv.json" 2>&1 | grep -v $'\r' | tee "$OUT/long_32k_$kv.log"
-  done
+  fi
+  if [[ " ${parts[*]} " == *" 131k "* ]]; then
+    python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 130944 --streams 1 \
+      --max-num-batched-tokens 16384 --json "$OUT/long_131k.json" 2>&1 | grep -v $'\r' \
+      | tee "$OUT/long_131k.log"
+  fi
+  if [[ " ${parts[*]} " == *" streams "* ]]; then
+    for kv in auto fp8; do
+      python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 32768 --streams 64 \
+        --max-num-batched-tokens "${BUDGET:-2048}" --kv-cache-dtype "$kv" \
+        --json "$OUT/long_32k_$kv.json" 2>&1 | grep -v $'\r' | tee "$OUT/long_32k_$kv.log"
+    done
+  fi
+  if [[ " ${parts[*]} " == *" decode "* ]]; then
+    for kv in auto fp8; do
+      python3 -m nanoqwen.bench --shape "${FP8_SHAPE:-7B}" --mode latency --batch-sizes 64 \
+        --prompt-len 8192 --new-tokens 64 --max-num-seqs 64 --kv-cache-dtype "$kv" 2>&1 \
+        | grep -v $'\r' | tee -a "$OUT/decode_64x8k.log"
+    done
+  fi
 }
 
 mode=${1:-}; shift || true

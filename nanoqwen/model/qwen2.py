@@ -92,6 +92,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_positions, cfg.rope_theta, device, cfg.rope_scaling
         )
+        self.attention_backend: AttentionBackend | None = None  # set_attention_backend's
 
     def set_ops(self, ops: LayerOps) -> None:
         """The device's kernels for every norm and MLP, and its single-row GEMV for the
@@ -107,6 +108,7 @@ class Qwen2ForCausalLM(nn.Module):
                 module.gemv = ops.gemv_silu_mul is not None and ops.gemv_pays(weight)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
+        self.attention_backend = backend
         for layer in self.layers:
             layer.self_attn.backend = backend
 

@@ -37,6 +37,7 @@ from nanoqwen.runtime.parallel.worker import WorkerRunner
 from nanoqwen.runtime.prefill_graph import PrefillGraphRunner
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
+from nanoqwen.runtime.spec.verify_graph import VerifyGraphRunner
 from nanoqwen.validation import invalid
 from nanoqwen.weights.gguf import GGUFCheckpoint, is_gguf
 from nanoqwen.weights.hub import default_tokenizer_dir, resolve_default_gguf, resolve_model
@@ -230,14 +231,29 @@ def _assemble(
     sched_config = SchedulerConfig(max_num_seqs, c.max_num_batched_tokens, c.preemption_mode)
     scheduler = Scheduler(sched_config, blocks, sampler.release)
     if parallel is None:
-        runner = ModelRunner(net, kv, blocks, sampler, graphs, prefill_graphs)
+        verify_graphs = _verify_graphs(c, graphs, backend, kv)
+        runner = ModelRunner(net, kv, blocks, sampler, graphs, prefill_graphs, verify_graphs)
     else:
         channel = StepChannel(parallel)
         runner = ParallelModelRunner(
             net, kv, blocks, sampler, graphs, prefill_graphs, channel, workers
         )
     _capture(runner, max_len, variants, backend.cascade_from, progress)
+    if runner.verify_graphs is not None:
+        runner.verify_graphs.capture(runner, max_len, runner.graphs.pool, progress)
     return EngineParts(cfg, tokenizer, net, scheduler, runner, max_len, eos)
+
+
+def capture_logits_graphs(parts: EngineParts, progress: bool = False) -> None:
+    """Decode graphs that stop at the logits, for an engine built eagerly whose steps are
+    sampled by someone else (a draft model's, spec/draft.py)."""
+    runner, kv = parts.runner, parts.runner.kv
+    if runner.device.type != "cuda":
+        return
+    variants = parts.model.attention_backend.graph_variants(parts.max_model_len)
+    graphs = CUDAGraphRunner(parts.scheduler.config.max_num_seqs, kv, runner.sampler.state.scratch)
+    graphs.capture(runner, parts.max_model_len, variants, progress, sampling=False)
+    runner.graphs = graphs
 
 
 def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int):
@@ -246,6 +262,15 @@ def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int):
     if graphs is None or not backend.captures_prefill:
         return None
     return PrefillGraphRunner(max_tokens, kv, graphs.sampler_scratch)
+
+
+def _verify_graphs(c: EngineConfig, graphs, backend, kv: KVCache):
+    """Graphs for speculative verify steps, which are laid out as prefill chunks."""
+    spec = c.speculative_config
+    if spec is None or graphs is None or not backend.captures_prefill:
+        return None
+    k = spec.num_speculative_tokens
+    return VerifyGraphRunner(k, c.max_num_seqs, kv, graphs.sampler_scratch)
 
 
 def _capture(runner, max_len: int, variants, cascade_from: int | None, progress: bool) -> None:

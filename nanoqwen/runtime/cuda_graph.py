@@ -140,9 +140,11 @@ class CUDAGraphRunner:
         variants: list[tuple[int, int]],
         progress: bool = True,
         cascade_from: int | None = None,
+        sampling: bool = True,
     ) -> None:
         """variants: the attention backend's graph_variants(max_model_len); cascade_from:
-        its cascade_from (None: no cascade graphs)."""
+        its cascade_from (None: no cascade graphs); sampling False: logits-only graphs
+        alone (a draft model's, spec/draft.py)."""
         self._allocate(runner.device, max_model_len, variants)
         self.cascade_from = cascade_from
         self.model, self.sampler = runner.model, runner.sampler
@@ -152,7 +154,7 @@ class CUDAGraphRunner:
             (bs, i, filtering, cascade)
             for bs in sorted(self.sizes, reverse=True)
             for i in range(len(variants))
-            for filtering in (False, True)
+            for filtering in ((False, True) if sampling else (None,))
             for cascade in (False, True)
             if not cascade or (cascade_from is not None and bs >= cascade_from)
         ]

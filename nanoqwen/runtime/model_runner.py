@@ -25,7 +25,7 @@ from nanoqwen.runtime.sampling.structured import TokenMasks, masked_logits
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.sequence import Sequence
-from nanoqwen.runtime.spec.verify import Verified, verify_rows
+from nanoqwen.runtime.spec.verify import Verified, conclude, verify_rows
 from nanoqwen.runtime.step_buffer import StepBuffer
 from nanoqwen.runtime.step_inputs import (
     StepInputBuilder,
@@ -57,6 +57,7 @@ class ModelRunner:
         sampler: Sampler,
         graphs=None,
         prefill_graphs=None,
+        verify_graphs=None,
     ) -> None:
         self.model = model
         self.kv = kv_cache
@@ -65,6 +66,7 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs  # CUDAGraphRunner for decode, or None for eager
         self.prefill_graphs = prefill_graphs  # PrefillGraphRunner, or None
+        self.verify_graphs = verify_graphs  # spec/verify_graph.py's, or None
         self.device = model.embed_tokens.device
         self._pin = self.device.type == "cuda"
         model.bind_kv_cache(kv_cache.k, kv_cache.v)
@@ -134,6 +136,11 @@ class ModelRunner:
     def _announce_prefill_graph(self, key) -> None:
         """The same for a prefill graph (prefill_graph.py)."""
 
+    @staticmethod
+    def _processed(seqs: list[Sequence]) -> bool:
+        """Whether the step's logits are masked or biased before the sampler sees them."""
+        return any(s.grammar is not None or s.params.logit_bias for s in seqs)
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool, slots=None):
         slots = self._tensor(self.sampler.slots(seqs) if slots is None else slots, torch.int64)
         logits = biased_logits(logits, [s.params.logit_bias for s in seqs], self._tensor)
@@ -143,6 +150,22 @@ class ModelRunner:
                 self._masks = TokenMasks(logits.shape[-1], self.device)
             logits = masked_logits(logits, states, self._masks)
         return self.sampler(logits, slots, filtering)
+
+    def _replay_decode(self, seqs: list[Sequence], filtering: bool | None):
+        """The decode graph's logits and tokens for seqs (filtering None: logits only, and
+        tokens None)."""
+        n = len(seqs)
+        ids, sources, pending = self.token_sources(seqs)
+        # Logits only: no sampler in the graph (and a draft model's sequences have no slots).
+        scratch = [self.graphs.sampler_scratch] * n
+        slots = scratch if filtering is None else self.sampler.slots(seqs)
+        key = self.graphs.prepare(seqs, ids, sources, slots, filtering)
+        if pending:
+            f = self.graphs.fields
+            f.ids[:n].copy_(self.fill_placeholders(f.ids[:n], f.sources[:n]))
+        self._announce_graph(key)
+        logits, tokens = self.graphs.replay(key)
+        return logits[:n], None if tokens is None else tokens[:n]
 
     @torch.inference_mode()
     def sample(self, out: StepOutput) -> None:
@@ -164,7 +187,7 @@ class ModelRunner:
         constrained = any(s.grammar is not None for s in seqs)
         # Graphs with the sampler inside serve steps whose logits go to it as they are; a
         # decode step with masks or biases replays a logits-only graph.
-        processed = constrained or any(s.params.logit_bias for s in seqs)
+        processed = self._processed(seqs)
         graphs_allowed = not processed
         if (
             batch.is_prefill
@@ -182,18 +205,7 @@ class ModelRunner:
             logits = self.model.compute_logits((x[rows], residual[rows]))
             tokens = None
         elif self.graphs is not None and self.graphs.can_run(n, logits_only=processed):
-            ids, sources, pending = self.token_sources(batch.seqs)
-            key = self.graphs.prepare(
-                batch.seqs, ids, sources, self.sampler.slots(batch.seqs),
-                None if processed else filtering,
-            )  # fmt: skip
-            if pending:
-                f = self.graphs.fields
-                f.ids[:n].copy_(self.fill_placeholders(f.ids[:n], f.sources[:n]))
-            self._announce_graph(key)
-            logits, tokens = self.graphs.replay(key)
-            logits = logits[:n]
-            tokens = None if tokens is None else tokens[:n]
+            logits, tokens = self._replay_decode(batch.seqs, None if processed else filtering)
         else:
             ids, meta = self.prepare_decode(batch, n)
             logits = self.model.compute_logits(self.model(ids, meta))
@@ -210,22 +222,37 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, batch: Batch) -> Verified:
         """Runs a decode step with proposals (spec/verify.py) and waits for its tokens."""
+        seqs, proposals = batch.seqs, batch.proposals
+        filtering = self.sampler.filtering
+        graphs = self.verify_graphs
+        if graphs is not None and not self._processed(seqs) and graphs.can_run(seqs, proposals):
+            kv_slots = [self.blocks.slots(s, len(s) - 1, len(s) + len(p))
+                        for s, p in zip(seqs, proposals)]  # fmt: skip
+            key = graphs.prepare(seqs, proposals, kv_slots, self.sampler.slots(seqs), filtering)
+            logits, tokens = graphs.replay(key)
+            order = [(i, j) for j in range(graphs.width) for i, p in enumerate(proposals)
+                     if j <= len(p)]  # fmt: skip
+            rows = self._tensor([i * graphs.width + j for i, j in order], torch.int64)
+            flat = tokens.view(-1)[self._tensor([j * key[0] + i for i, j in order], torch.int64)]
+            return conclude(logits[rows], flat, order, seqs, proposals, self.sampler, self._tensor)
         ids, meta, rows = self.upload(self.inputs.verify(batch))
         x, residual = self.model(ids, meta)
         logits = self.model.compute_logits((x[rows], residual[rows]))
-        filtering = self.sampler.filtering
 
-        def sample(row_logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-            return self._sample(row_logits, seqs, filtering)
+        def sample(row_logits: torch.Tensor, row_seqs: list[Sequence]) -> torch.Tensor:
+            return self._sample(row_logits, row_seqs, filtering)
 
-        return verify_rows(logits, batch.seqs, batch.proposals, sample, self.sampler, self._tensor)
+        return verify_rows(logits, seqs, proposals, sample, self.sampler, self._tensor)
 
     @torch.inference_mode()
     def last_logits(self, batch: Batch) -> torch.Tensor:
         """Logits after each sequence's last fed token, without sampling (a draft model's
         steps): a decode step when each feeds one token, else laid out as prefill chunks."""
         if all(n == 1 for n in batch.num_new_tokens):
-            ids, meta = self.prepare_decode(batch, len(batch.seqs))
+            n = len(batch.seqs)
+            if self.graphs is not None and self.graphs.can_run(n, logits_only=True):
+                return self._replay_decode(batch.seqs, None)[0]
+            ids, meta = self.prepare_decode(batch, n)
             return self.model.compute_logits(self.model(ids, meta))
         ids, meta, rows = self.prepare_prefill(batch)
         x, residual = self.model(ids, meta)

@@ -50,3 +50,34 @@ def test_twice_the_blocks_graphs_equal_eager_and_logits_stay_close(prompts):
         diff = (lf.log_softmax(-1) - lb.log_softmax(-1)).abs()
         assert diff.mean() < 0.05, diff.mean()
         assert (lf.argmax(-1) == lb.argmax(-1)).float().mean() > 0.9
+
+
+def test_fp8_logprob_gap_is_within_twice_the_bf16_noise(prompts):
+    """The float8 cache's mean |log p| gap to the bfloat16 cache, on the tokens the bfloat16
+    engine chooses after each prompt, against the bfloat16 engine's own gap to HF in float32
+    on the same (bfloat16) weights: the noise that bfloat16 arithmetic already brings."""
+    from nanoqwen.bench.hf import hf_model_from
+
+    bf16 = LLM(random_shape="0.5B", device="cuda", block_size=16, num_kv_blocks=256,
+               progress=False)  # fmt: skip
+    fp8 = LLM(random_shape="0.5B", device="cuda", block_size=16, num_kv_blocks=256,
+              kv_cache_dtype="fp8", progress=False)  # fmt: skip
+    hf = hf_model_from(bf16).float()
+    fp8_gaps, noise = [], []
+    for prompt, out in zip(prompts, bf16.generate(prompts, GREEDY)):
+        tokens = prompt + out.token_ids
+        chosen = torch.tensor(out.token_ids, device="cuda").unsqueeze(1)
+        n = len(out.token_ids)
+        ours = _logprobs(bf16.runner.prompt_logits(tokens[:-1], last=n), chosen)
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens[:-1]], device="cuda")).logits[0, -n:]
+        noise.append((ours - _logprobs(ref, chosen)).abs())
+        theirs = _logprobs(fp8.runner.prompt_logits(tokens[:-1], last=n), chosen)
+        fp8_gaps.append((theirs - ours).abs())
+    gap, floor = torch.cat(fp8_gaps).mean().item(), torch.cat(noise).mean().item()
+    print(f"\nfp8 KV vs bf16 KV mean |logprob gap| {gap:.4f}; bf16 vs HF float32 {floor:.4f}")
+    assert gap <= 2 * floor
+
+
+def _logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return logits.float().log_softmax(-1).gather(1, chosen).squeeze(1)

@@ -5,6 +5,8 @@ may still be in flight on the device) changes no request's tokens."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ pytestmark = [
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7] * 3, [40, 41, 42, 43] * 5, list(range(100, 160))]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def engine(path, **options) -> LLM:
 @pytest.mark.parametrize(
     "spec",
     [
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        NGRAM,
         {"method": "draft", "num_speculative_tokens": 3},
     ],  # fmt: skip
     ids=["ngram", "draft"],
@@ -49,9 +52,27 @@ def test_speculative_greedy_output_is_plain_output(model_dir, spec):
     # step's rows, which bfloat16 may round differently only at near-ties.
     expected = [plain.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     spec_llm = engine(model_dir, speculative_config=spec)
+    replays = count_replays(spec_llm.runner.verify_graphs)
+    draft = getattr(spec_llm.speculator.proposer, "runner", None)
+    draft_replays = count_replays(draft.graphs) if draft is not None else None
     got = [spec_llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     assert got == expected
     assert spec_llm.stats()["spec_accepted_tokens"] > 0
+    # Verify steps (and the draft's decode steps) ran as graphs.
+    assert replays[0] > 0
+    assert draft_replays is None or draft_replays[0] > 0
+
+
+def count_replays(graphs) -> list[int]:
+    count = [0]
+    replay = graphs.replay
+
+    def counted(key):
+        count[0] += 1
+        return replay(key)
+
+    graphs.replay = counted
+    return count
 
 
 def test_a_prompt_arriving_mid_decode_changes_no_tokens(model_dir):
@@ -66,3 +87,25 @@ def test_a_prompt_arriving_mid_decode_changes_no_tokens(model_dir):
     alone = engine(model_dir)
     for seq, prompt in zip([*streams, late], [*PROMPTS[:2], PROMPTS[2] * 2]):
         assert seq.output_token_ids == alone.generate([prompt], GREEDY)[0].token_ids
+
+
+def test_a_graphed_verify_step_waits_for_the_device_once(model_dir):
+    """The one wait is for the sampled rows, which the host compares with the proposals."""
+    llm = engine(model_dir, speculative_config=NGRAM)
+    seq = llm.add_request(PROMPTS[0], GREEDY)
+    while seq.num_output_tokens < 2:
+        llm.step()
+    batch = llm.scheduler.schedule()
+    assert batch.proposals is not None and batch.proposals[0]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            verified = llm.runner.verify(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert verified.num_verified == 1
+    llm.abort([seq])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoqwen.errors import InvalidInputError
-from nanoqwen.runtime.builder import build_engine, log
+from nanoqwen.runtime.builder import build_engine, capture_logits_graphs, log
 from nanoqwen.runtime.launched_step import PLACEHOLDER
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.scheduler import Batch
@@ -31,7 +31,7 @@ class DraftProposer:
         config = type(engine)(
             model=spec.model, device=engine.device, dtype=engine.dtype,
             block_size=engine.block_size, num_kv_blocks=target.scheduler.blocks.num_blocks,
-            max_num_seqs=engine.max_num_seqs, enforce_eager=True,
+            max_num_seqs=engine.max_num_seqs, enforce_eager=True,  # its graphs: below
             enable_prefix_caching=False, swap_space=0, progress=False,
         )  # fmt: skip
         try:
@@ -52,6 +52,8 @@ class DraftProposer:
                 "model: allowed a draft model with the same tokenizer",
                 param="speculative_config",
             )
+        if not engine.enforce_eager:
+            capture_logits_graphs(parts)
         if engine.progress:
             log(
                 f"draft model: {spec.model} ({parts.config.num_parameters() / 1e9:.2f}B parameters)"

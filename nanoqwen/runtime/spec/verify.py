@@ -64,18 +64,32 @@ def verify_rows(
         order += [(i, j) for i in members]
     flat_rows = torch.cat([r for r, _ in sampled])
     flat = torch.cat([t for _, t in sampled])
+    return conclude(logits[flat_rows], flat, order, seqs, proposals, sampler, to_device)
+
+
+def conclude(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    order: list[tuple[int, int]],
+    seqs: list[Sequence],
+    proposals: list[list[int]],
+    sampler: Sampler,
+    to_device: ToDevice,
+) -> Verified:
+    """What the sampled rows accept. tokens[n] (on the device) was sampled at depth j of
+    sequence i for (i, j) = order[n], from logits[n]; depths run 0..len(proposal) for each."""
     top = sampler.state.max_logprobs
-    raw = sampler.logprobs(logits[flat_rows], flat, top) if top is not None else None
-    host = flat.tolist()  # the step's one wait for the device
+    raw = sampler.logprobs(logits, tokens, top) if top is not None else None
+    host = tokens.tolist()  # the step's one wait for the device
     table: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
     where: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
     for n, (i, j) in enumerate(order):
         table[i][j] = host[n]
         where[i][j] = n
     accepted = []
-    for proposal, tokens in zip(proposals, table):
+    for proposal, row_tokens in zip(proposals, table):
         a = 0
-        while a < len(proposal) and tokens[a] == proposal[a]:
+        while a < len(proposal) and row_tokens[a] == proposal[a]:
             a += 1
         accepted.append(a)
     _forget_rejected(sampler, seqs, table, accepted, to_device)
@@ -84,7 +98,7 @@ def verify_rows(
         all_entries = logprob_entries(tuple(t.cpu() for t in raw), host)
         entries = [[all_entries[where[i][j]] for j in range(a + 1)] for i, a in enumerate(accepted)]
     return Verified(
-        tokens=[tokens[: a + 1] for tokens, a in zip(table, accepted)],
+        tokens=[row_tokens[: a + 1] for row_tokens, a in zip(table, accepted)],
         logprobs=entries,
         num_verified=sum(1 for p in proposals if p),
         num_proposed=sum(len(p) for p in proposals),
