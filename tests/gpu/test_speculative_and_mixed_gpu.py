@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.scheduler import Batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,6 +19,8 @@ pytestmark = [
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7] * 3, [40, 41, 42, 43] * 5, list(range(100, 160))]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+# bfloat16 rounding of these logits stays well under this (test_fidelity_hf.py's margin).
+MARGIN = 0.1
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
 
@@ -52,15 +55,57 @@ def test_speculative_greedy_output_is_plain_output(model_dir, spec):
     # step's rows, which bfloat16 may round differently only at near-ties.
     expected = [plain.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     spec_llm = engine(model_dir, speculative_config=spec)
+    if spec["method"] == "ngram":  # random weights seldom repeat their prompt: an oracle
+        spec_llm.speculator.proposer = Oracle([p + e for p, e in zip(PROMPTS, expected)])
     replays = count_replays(spec_llm.runner.verify_graphs)
     draft = getattr(spec_llm.speculator.proposer, "runner", None)
     draft_replays = count_replays(draft.graphs) if draft is not None else None
-    got = [spec_llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-    assert got == expected
-    assert spec_llm.stats()["spec_accepted_tokens"] > 0
+    for prompt, want in zip(PROMPTS, expected):
+        got = spec_llm.generate([prompt], GREEDY)[0].token_ids
+        assert_plain_up_to_near_ties(plain, prompt, got, want)
+    stats = spec_llm.stats()
+    assert stats["spec_accepted_tokens"] > 0
     # Verify steps (and the draft's decode steps) ran as graphs.
     assert replays[0] > 0
     assert draft_replays is None or draft_replays[0] > 0
+
+
+class Oracle:
+    """Proposes what plain decoding produced next, every third proposal's last token
+    changed: accepted runs and rejections."""
+
+    def __init__(self, finished: list[list[int]]) -> None:
+        self.finished, self.calls = finished, 0
+
+    def propose(self, seqs, limits: list[int]) -> list[list[int]]:
+        out = []
+        for seq, limit in zip(seqs, limits):
+            ids = seq.token_ids
+            full = next((f for f in self.finished if f[: len(ids)] == ids), [])
+            proposal = full[len(ids) : len(ids) + limit]
+            self.calls += 1
+            if proposal and self.calls % 3 == 0:
+                proposal[-1] = (proposal[-1] + 1) % 512
+            out.append(proposal)
+        return out
+
+    def release(self, seq) -> None:
+        pass
+
+
+def assert_plain_up_to_near_ties(plain: LLM, prompt: list[int], got, expected) -> None:
+    """got is plain decoding's greedy output, or each of its tokens is a greedy choice of
+    the plain model but for bfloat16 rounding: within MARGIN of the best logit after the
+    tokens before it (a wrong key, position or row moves these logits by far more)."""
+    if got == expected:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(got))
+    logits = plain.runner.prompt_logits(prompt + got[:-1], last=len(got)).float()
+    chosen = logits.gather(1, torch.tensor(got, device="cuda").unsqueeze(1)).squeeze(1)
+    short = (logits.max(-1).values - chosen).tolist()
+    assert max(short) <= MARGIN, (first, [round(x, 3) for x in short])
+    print(f"\nparted from plain decoding at token {first}, {short[first]:.3f} below the best")
+    assert len(got) == len(expected)
 
 
 def count_replays(graphs) -> list[int]:
@@ -86,7 +131,8 @@ def test_a_prompt_arriving_mid_decode_changes_no_tokens(model_dir):
     llm.drain()
     alone = engine(model_dir)
     for seq, prompt in zip([*streams, late], [*PROMPTS[:2], PROMPTS[2] * 2]):
-        assert seq.output_token_ids == alone.generate([prompt], GREEDY)[0].token_ids
+        expected = alone.generate([prompt], GREEDY)[0].token_ids
+        assert_plain_up_to_near_ties(alone, prompt, seq.output_token_ids, expected)
 
 
 def test_a_graphed_verify_step_waits_for_the_device_once(model_dir):
@@ -95,8 +141,9 @@ def test_a_graphed_verify_step_waits_for_the_device_once(model_dir):
     seq = llm.add_request(PROMPTS[0], GREEDY)
     while seq.num_output_tokens < 2:
         llm.step()
-    batch = llm.scheduler.schedule()
-    assert batch.proposals is not None and batch.proposals[0]
+    llm.scheduler.blocks.grow(seq, len(seq) + 4)
+    batch = Batch([seq], False, [1], [[7, 8, 9, 10]])
+    llm.runner.verify(batch)  # graphs warm
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -107,5 +154,5 @@ def test_a_graphed_verify_step_waits_for_the_device_once(model_dir):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
-    assert verified.num_verified == 1
+    assert verified.num_verified == 1 and verified.num_proposed == 4
     llm.abort([seq])

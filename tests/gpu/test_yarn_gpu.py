@@ -45,9 +45,11 @@ def test_prefill_logits_follow_the_torch_backend_past_the_original_context(yarn_
         pytest.importorskip("flash_attn")
     reference = engine(yarn_model, "torch", "float32").runner.prompt_logits(IDS)
     got = engine(yarn_model, backend).runner.prompt_logits(IDS)
-    bf16_noise = (engine(yarn_model, "torch").runner.prompt_logits(IDS) - reference).abs().mean()
-    assert (got - reference).abs().mean() < 1.5 * bf16_noise
-    assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.95
+    bf16 = engine(yarn_model, "torch").runner.prompt_logits(IDS)
+    assert (got - reference).abs().mean() < 1.5 * (bf16 - reference).abs().mean()
+    # Top tokens agree with float32's about as often as bfloat16 arithmetic lets them.
+    agree = (got.argmax(-1) == reference.argmax(-1)).float().mean()
+    assert agree >= (bf16.argmax(-1) == reference.argmax(-1)).float().mean() - 0.05
 
 
 def test_graph_decode_past_the_original_context_equals_eager(yarn_model):
