@@ -27,7 +27,7 @@
 #   long-context [131k|streams|decode ...]
 #       nanoqwen bench --mode long at 7B with YaRN (carry .peer for the tokenizer): a
 #       131,072-token prompt; 64 streams while a 32K prompt arrives (BUDGET tokens a step,
-#       default 2048), with the bf16 and the fp8 KV cache; decode at 64 sequences x 8K
+#       default 2048), with the bf16 and the fp8 KV cache (KV_DTYPES); decode at 64 sequences x 8K
 #       context (FP8_SHAPE, default 7B), bf16 and fp8 KV cache. Default: all three.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
@@ -287,7 +287,7 @@ PY
       | tee "$OUT/long_131k.log"
   fi
   if [[ " ${parts[*]} " == *" streams "* ]]; then
-    for kv in auto fp8; do
+    for kv in ${KV_DTYPES:-auto fp8}; do
       python3 -m nanoqwen.bench "${model[@]}" --mode long --long-prompt-len 32768 --streams 64 \
         --max-num-batched-tokens "${BUDGET:-2048}" --kv-cache-dtype "$kv" \
         --json "$OUT/long_32k_$kv.json" 2>&1 | grep -v $'\r' | tee "$OUT/long_32k_$kv.log"

@@ -6,6 +6,7 @@ bfloat16 arithmetic itself moves them."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import random
 
@@ -63,7 +64,8 @@ def test_fp8_logprob_gap_is_within_twice_the_bf16_noise(prompts):
                progress=False)  # fmt: skip
     fp8 = LLM(random_shape="0.5B", device="cuda", block_size=16, num_kv_blocks=256,
               kv_cache_dtype="fp8", progress=False)  # fmt: skip
-    hf = hf_model_from(bf16).float()
+    # A copy: the HF model shares its tensors with the engine's, which stay bfloat16.
+    hf = copy.deepcopy(hf_model_from(bf16)).float()
     fp8_gaps, noise = [], []
     for prompt, out in zip(prompts, bf16.generate(prompts, GREEDY)):
         tokens = prompt + out.token_ids

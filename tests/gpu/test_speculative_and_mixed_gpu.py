@@ -152,7 +152,7 @@ def test_a_graphed_verify_step_waits_for_the_device_once(model_dir):
             verified = llm.runner.verify(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert verified.num_verified == 1 and verified.num_proposed == 4
     llm.abort([seq])
