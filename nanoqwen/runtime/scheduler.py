@@ -84,9 +84,18 @@ class Scheduler:
         for seq in self.running:
             self.blocks.register_computed(seq)
         self._swap_in()
-        if self.running and self.waiting and self.propose is None:
+        if self.running and self.waiting and self.propose is None and self._needs_chunks():
             return self._schedule_mixed()
         return self._schedule_prefill() or self._schedule_decode()
+
+    def _needs_chunks(self) -> bool:
+        """Whether the next prompt is longer than one step takes beside the running
+        sequences (or is part-way through its chunks). A shorter one prefills in a step of
+        its own, as short as that mixed step would be, and the decode steps around it keep
+        their CUDA graphs: mixed steps run eagerly."""
+        head = self.waiting[0]
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        return bool(head.block_table) or head.num_uncomputed_tokens > budget
 
     def _schedule_mixed(self) -> Batch | None:
         """Every running sequence decodes, and waiting prompts prefill in the token budget

@@ -58,3 +58,23 @@ def test_seeded_and_penalised_requests_keep_their_tokens_in_mixed_steps(tiny_mod
         want = alone.generate([prompt], seq.params)[0]
         assert seq.output_token_ids == want.token_ids
     assert llm.scheduler.blocks.num_free_blocks == llm.scheduler.blocks.num_blocks
+
+
+def test_only_a_prompt_longer_than_one_step_shares_steps_with_running_streams(tiny_model):
+    """A prompt that fits in one step prefills alone (the decode steps around it keep their
+    graphs); one that needs chunks goes beside the running streams' tokens."""
+    llm = engine(tiny_model[0], max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    streams = [llm.add_request(p, params) for p in SHORT]
+    while any(s.num_output_tokens < 2 for s in streams):
+        llm.step()
+    llm.drain()
+    short = llm.add_request(LONG_PROMPT[:61], params)  # 61 = 64 - 3 running: fits
+    batch = llm.scheduler.schedule()
+    assert batch.is_prefill and batch.seqs == [short] and batch.num_new_tokens == [61]
+    llm.abort([short])
+    long = llm.add_request(LONG_PROMPT[:62], params)
+    batch = llm.scheduler.schedule()
+    assert batch.is_prefill and batch.seqs == [*streams, long]
+    assert batch.num_new_tokens == [1, 1, 1, 61]
+    llm.abort([*streams, long])

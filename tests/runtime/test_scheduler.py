@@ -57,21 +57,26 @@ def test_nothing_to_do():
     assert not sched.has_unfinished()
 
 
-def test_a_new_prompt_prefills_beside_the_running_decodes():
-    sched = make_scheduler()
+def test_a_short_prompt_prefills_alone_and_a_long_one_beside_the_running_decodes():
+    sched = make_scheduler(max_num_batched_tokens=8)
     a = add(sched, 5)
     b1 = step(sched)
     assert b1.is_prefill and b1.seqs == [a] and b1.num_new_tokens == [5]
     assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens == 5 and len(a) == 6
-    b = add(sched, 3)
-    b2 = sched.schedule()  # a decodes, b's prompt goes in the same step
-    assert b2.is_prefill and b2.seqs == [a, b] and b2.num_new_tokens == [1, 3]
-    assert [b2.completes(i) for i in range(2)] == [True, True]
-    advance(sched, b2)
-    b3 = step(sched)
-    assert not b3.is_prefill
-    assert b3.seqs == [a, b] and b3.num_new_tokens == [1, 1]
-    assert a.output_token_ids == [NEXT_TOKEN] * 3 and b.output_token_ids == [NEXT_TOKEN] * 2
+    b = add(sched, 7)  # 7 = 8 - 1 running: one step of its own
+    b2 = step(sched)
+    assert b2.is_prefill and b2.seqs == [b] and b2.num_new_tokens == [7]
+    c = add(sched, 10)  # needs chunks: they go beside a's and b's next tokens
+    b3 = sched.schedule()
+    assert b3.is_prefill and b3.seqs == [a, b, c] and b3.num_new_tokens == [1, 1, 6]
+    assert [b3.completes(i) for i in range(3)] == [True, True, False]
+    advance(sched, b3)
+    b4 = step(sched)  # the rest of c, still beside them
+    assert b4.seqs == [a, b, c] and b4.num_new_tokens == [1, 1, 4]
+    b5 = step(sched)
+    assert not b5.is_prefill
+    assert b5.seqs == [a, b, c] and b5.num_new_tokens == [1, 1, 1]
+    assert a.output_token_ids == [NEXT_TOKEN] * 4 and c.output_token_ids == [NEXT_TOKEN] * 2
 
 
 def test_prefill_batches_several_prompts_in_arrival_order():
@@ -180,9 +185,9 @@ def test_preemption_evicts_the_newest_and_requeues_it_first():
 
     sched.finish(a, "stop")
     batch = step(sched)
-    # c comes back first and recomputes its prompt and its generated token in one go,
-    # beside b's decode.
-    assert batch.is_prefill and batch.seqs == [b, c, d] and batch.num_new_tokens == [1, 3, 4]
+    # c comes back first and recomputes its prompt and its generated token in one go; d
+    # follows in the same step, and b decodes in the next.
+    assert batch.is_prefill and batch.seqs == [c, d] and batch.num_new_tokens == [3, 4]
     assert c.output_token_ids == [NEXT_TOKEN, NEXT_TOKEN]
 
 
