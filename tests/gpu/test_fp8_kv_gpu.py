@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from test_fidelity_hf import MAX_LOGPROB_GAP
 
 from nanoqwen import LLM, SamplingParams
 
@@ -54,10 +55,11 @@ def test_twice_the_blocks_graphs_equal_eager_and_logits_stay_close(prompts):
         assert diff.mean() < 0.05, diff.mean()
 
 
-def test_fp8_logprob_gap_is_within_twice_the_bf16_noise(prompts):
-    """The float8 cache's mean |log p| gap to the bfloat16 cache, on the tokens the bfloat16
-    engine chooses after each prompt, against the bfloat16 engine's own gap to HF in float32
-    on the same (bfloat16) weights: the noise that bfloat16 arithmetic already brings."""
+def test_fp8_logprob_gaps_stay_within_twice_what_the_fidelity_tests_allow(prompts):
+    """The float8 cache's |log p| gap to the bfloat16 cache, on the tokens the bfloat16
+    engine chooses after each prompt: at most twice the per-token gap to HF that the
+    bfloat16 fidelity tests allow. Printed beside it: the bfloat16 engine's own gap to HF in
+    float32 on the same (bfloat16) weights, the noise bfloat16 arithmetic brings."""
     from nanoqwen.bench.hf import hf_model_from
 
     bf16 = LLM(random_shape="0.5B", device="cuda", block_size=16, num_kv_blocks=256,
@@ -77,9 +79,12 @@ def test_fp8_logprob_gap_is_within_twice_the_bf16_noise(prompts):
         noise.append((ours - _logprobs(ref, chosen)).abs())
         theirs = _logprobs(fp8.runner.prompt_logits(tokens[:-1], last=n), chosen)
         fp8_gaps.append((theirs - ours).abs())
-    gap, floor = torch.cat(fp8_gaps).mean().item(), torch.cat(noise).mean().item()
-    print(f"\nfp8 KV vs bf16 KV mean |logprob gap| {gap:.4f}; bf16 vs HF float32 {floor:.4f}")
-    assert gap <= 2 * floor
+    gaps, floor = torch.cat(fp8_gaps), torch.cat(noise)
+    print(
+        f"\nfp8 KV vs bf16 KV |logprob gap| mean {gaps.mean():.4f} max {gaps.max():.4f}; "
+        f"bf16 vs HF float32 mean {floor.mean():.4f} max {floor.max():.4f}"
+    )
+    assert gaps.max() <= 2 * MAX_LOGPROB_GAP
 
 
 def _logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
