@@ -15,10 +15,9 @@ from nanoqwen.runtime.builder import EngineParts, build_engine
 from nanoqwen.runtime.chat.output import ChatOutput, chat_output
 from nanoqwen.runtime.chat.request import chat_request, constrained, conversations
 from nanoqwen.runtime.config import EngineConfig
-from nanoqwen.runtime.detokenizer import IncrementalDetokenizer
-from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep, logprob_entries
-from nanoqwen.runtime.logprobs import TokenLogprobs
-from nanoqwen.runtime.outputs import RequestOutput, StreamChunk, request_output, stream_chunk
+from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
+from nanoqwen.runtime.output_processor import OutputProcessor
+from nanoqwen.runtime.outputs import RequestOutput, StreamChunk
 from nanoqwen.runtime.sampling.structured import GrammarCompiler
 from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.runtime.sequence import Sequence
@@ -33,12 +32,6 @@ from nanoqwen.validation import (
 )
 
 Prompt = str | list[int]
-
-
-def _cut(entry: TokenLogprobs, top: int) -> TokenLogprobs:
-    """entry with only the top alternatives its request asked for."""
-    entry.top = entry.top[:top]
-    return entry
 
 
 class LLM:
@@ -68,8 +61,9 @@ class LLM:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.max_model_len = parts.max_model_len
-        self.eos_token_ids = parts.eos_token_ids
-        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.tokenizer, parts.eos_token_ids, self.max_model_len
+        )
         self._launched: LaunchedStep | None = None
         self._grammars: GrammarCompiler | None = None  # at the first structured request
         spec = self.engine_config.speculative_config
@@ -86,6 +80,15 @@ class LLM:
             self.scheduler.on_release = release
             self.scheduler.propose = self.speculator.propose
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a request (unless ignore_eos)."""
+        return self.output_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.output_processor.eos_token_ids = ids
+
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids; InvalidInputError for anything but a str or token ids."""
@@ -101,10 +104,7 @@ class LLM:
         if params.structured_output is not None:
             seq.grammar = self._grammar_compiler().compile(params.structured_output)
         seq.arrival_time = time.perf_counter()
-        if (detokenize or params.stop_strings) and self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, params.stop_strings, params.min_tokens
-            )
+        self.output_processor.track(seq, detokenize)
         self.scheduler.add(seq)
         return seq
 
@@ -134,110 +134,28 @@ class LLM:
         return seqs
 
     # ---- stepping -------------------------------------------------------------------------
-    def _reaches_length_limit(self, seq: Sequence, length: int) -> bool:
-        """Whether seq, once `length` tokens long, has to end whatever its last token is."""
-        outputs = length - seq.num_prompt_tokens
-        return outputs >= seq.params.max_tokens or length >= self.max_model_len
-
-    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
-        """Why seq ends with token at position length - 1, or None to go on."""
-        p = seq.params
-        if seq.grammar is not None:
-            # Its mask allowed token; the grammar's end (or EOS after it) ends the request.
-            if not seq.grammar.accept(token):  # only a dead end lets one through
-                seq.stop_reason = "grammar"
-                return "stop"
-            if seq.grammar.finished or token in self.eos_token_ids:
-                return "stop"
-        if token in p.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        outputs = length - seq.num_prompt_tokens
-        if not p.ignore_eos and token in self.eos_token_ids and outputs >= p.min_tokens:
-            return "stop"
-        return "length" if self._reaches_length_limit(seq, length) else None
-
     def _launch(self, batch) -> LaunchedStep:
         launched = self.runner.launch(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         for seq in launched.seqs:
             seq.token_ids.append(PLACEHOLDER)
-            if self._reaches_length_limit(seq, len(seq)):
+            if self.output_processor.reaches_length_limit(seq, len(seq)):
                 # It ends with this token whatever the token is: schedule it no further.
                 self.scheduler.retire(seq)
         return launched
 
     def _resolve(self) -> list[tuple[Sequence, int]]:
-        """Reads back the launched step's tokens and applies them: stop checks, detokenizing,
-        freeing finished sequences. Returns (sequence, token) for each live sequence."""
+        """Reads back the launched step's tokens and applies them. Returns (sequence, token)
+        for each live sequence."""
         launched, self._launched = self._launched, None
-        if launched is None:
-            return []
-        now = time.perf_counter()
-        resolved = []
-        tokens = launched.result()
-        for seq, first, tensors in launched.prompt_logprobs:
-            if seq.prompt_logprobs is None:
-                seq.prompt_logprobs = [None]
-            targets = seq.token_ids[first : first + len(tensors[0])]
-            top = seq.params.prompt_logprobs
-            seq.prompt_logprobs += [_cut(e, top) for e in logprob_entries(tensors, targets)]
-        entries = logprob_entries(launched.logprobs, tokens) if launched.logprobs else None
-        for row, (seq, token) in enumerate(zip(launched.seqs, tokens)):
-            if seq.is_finished:  # aborted while its token was in flight
-                continue
-            # At most two tokens are in flight per sequence; this step's is the older one.
-            pos = len(seq.token_ids) - 1
-            if seq.token_ids[pos - 1] == PLACEHOLDER and pos > seq.num_prompt_tokens:
-                pos -= 1
-            seq.token_ids[pos] = token
-            self._apply(seq, token, pos + 1, now, entries[row] if entries else None)
-            resolved.append((seq, token))
-        return resolved
-
-    def _apply(
-        self, seq: Sequence, token: int, length: int, now: float, entry: TokenLogprobs | None
-    ) -> bool:
-        """Takes in seq's token at position length - 1 (already in token_ids): streaming,
-        logprobs, stop checks, detokenizing. Returns whether seq finished with it."""
-        if seq.unstreamed is not None:
-            seq.unstreamed.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if seq.logprobs is not None:
-            seq.logprobs.append(_cut(entry, seq.params.logprobs))
-        reason = self._finish_reason(seq, token, length)
-        detok = self._detok.get(seq.seq_id)
-        if detok is not None:
-            detok.add([token], final=reason is not None)
-            if detok.stopped and reason is None:
-                reason = "stop"
-        if reason is None:
-            return False
-        del seq.token_ids[length:]  # a newer step's token in flight, if any
-        seq.finish_time = now
-        self.scheduler.finish(seq, reason)
-        return True
+        return [] if launched is None else self.output_processor.apply_launched(launched)
 
     def _verify(self, batch) -> list[tuple[Sequence, int]]:
         """Runs a decode step with proposals and applies each sequence's accepted tokens."""
         verified = self.runner.verify(batch)
         self.speculator.count(verified)
-        now = time.perf_counter()
-        resolved = []
-        for i, (seq, tokens) in enumerate(zip(batch.seqs, verified.tokens)):
-            # Its newest token and the accepted proposals have their K/V in the cache now.
-            seq.num_computed_tokens = len(seq) - 1 + len(tokens)
-            for n, token in enumerate(tokens):
-                seq.token_ids.append(token)
-                entry = verified.logprobs[i][n] if verified.logprobs else None
-                resolved.append((seq, token))
-                if self._apply(seq, token, len(seq), now, entry):
-                    break
-            if not seq.is_finished:
-                self.scheduler.blocks.trim(seq, len(seq))
-        return resolved
+        return self.output_processor.apply_verified(batch, verified)
 
     def step(self) -> list[tuple[Sequence, int]]:
         """Schedules and launches one step, then applies the previous step's tokens, so the
@@ -280,10 +198,7 @@ class LLM:
                 while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
                     seq.token_ids.pop()
                 self.scheduler.finish(seq, "abort")
-                self._detok.pop(seq.seq_id, None)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return request_output(seq, self._detok.pop(seq.seq_id, None), self.tokenizer)
+                self.output_processor.forget(seq)
 
     # ---- public API -----------------------------------------------------------------------
     def close(self) -> None:
@@ -347,7 +262,7 @@ class LLM:
         finally:
             bar.close()
             self.abort(seqs)  # only an exception leaves any unfinished
-        return [self._output(s) for s in seqs]
+        return [self.output_processor.output(s) for s in seqs]
 
     def chat(
         self,
@@ -413,8 +328,4 @@ class LLM:
         """The tokens and text seq made since the last call (the pieces join to exactly its
         final text, as in stream()), or None when there is nothing new. Once a chunk with
         finished=True is taken, seq is done with: it is not to be passed again."""
-        if not seq.unstreamed and not seq.is_finished:
-            return None
-        # A finished request's detokenizer is done with: drop it.
-        detok = (self._detok.pop if seq.is_finished else self._detok.get)(seq.seq_id, None)
-        return stream_chunk(seq, detok, index)
+        return self.output_processor.take_output(seq, index)

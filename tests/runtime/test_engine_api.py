@@ -30,7 +30,7 @@ def assert_idle(llm: LLM) -> None:
     sched = llm.scheduler
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
     assert not sched.waiting and not sched.running
-    assert not llm._detok
+    assert not llm.output_processor.detokenizers
 
 
 def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:

@@ -30,7 +30,7 @@ def refusal(call, *args, **kwargs) -> InvalidInputError:
 def assert_idle(llm: LLM) -> None:
     sched = llm.scheduler
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
-    assert not sched.waiting and not sched.running and not llm._detok
+    assert not sched.waiting and not sched.running and not llm.output_processor.detokenizers
 
 
 # ---- LLM(...) arguments ----------------------------------------------------------------------
