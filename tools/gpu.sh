@@ -29,11 +29,14 @@
 #       131,072-token prompt; 64 streams while a 32K prompt arrives (BUDGET tokens a step,
 #       default 2048), with the bf16 and the fp8 KV cache (KV_DTYPES); decode at 64 sequences x 8K
 #       context (FP8_SHAPE, default 7B), bf16 and fp8 KV cache. Default: all three.
+#   profile-steps
+#       tools/profile_step.py's kernel profiles: a 7B mixed step, a 0.5B verify step, 0.5B
+#       decode at 64 x 8K with the bf16 and the fp8 KV cache.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps [ARGS...]" >&2
   exit 2
 }
 
@@ -302,6 +305,21 @@ PY
   fi
 }
 
+profile_steps() {
+  # Kernel profiles of the steps that miss their goals: a mixed step (7B, 64 streams beside a
+  # 30K prompt, budget 256), a verify step (0.5B, k = 4), decode at 64 x 8K with the bf16
+  # and the fp8 KV cache (0.5B).
+  gpu_env optional
+  python3 tools/profile_step.py --shape 7B --step mixed --streams 64 --prompt-len 30000 \
+    --budget 256 2>&1 | tee "$OUT/profile_mixed.log"
+  python3 tools/profile_step.py --shape 0.5B --step verify --k 4 2>&1 \
+    | tee "$OUT/profile_verify.log"
+  for kv in auto fp8; do
+    python3 tools/profile_step.py --shape 0.5B --step decode --streams 64 --context 8192 \
+      --kv-cache-dtype "$kv" 2>&1 | tee -a "$OUT/profile_decode_64x8k.log"
+  done
+}
+
 mode=${1:-}; shift || true
 case $mode in
   check) check "$@" ;;
@@ -310,5 +328,6 @@ case $mode in
   serve-bench) serve_bench "$@" ;;
   speculation) speculation "$@" ;;
   long-context) long_context "$@" ;;
+  profile-steps) profile_steps "$@" ;;
   *) usage ;;
 esac

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -61,7 +62,10 @@ def main() -> None:
         step = median_ms(llm.step)
         batch = llm.scheduler.schedule()
         phases = {"schedule": lambda: llm.scheduler.schedule()}
-        phases["prepare+copy"] = lambda b=batch: graphs.prepare(llm.runner, b.seqs)
+        ids, sources, _ = llm.runner.token_sources(batch.seqs)
+        slots = llm.runner.sampler.slots(batch.seqs)
+        filtering = llm.runner.sampler.filtering
+        phases["prepare+copy"] = partial(graphs.prepare, batch.seqs, ids, sources, slots, filtering)
         logits = llm.runner.compute_logits(batch)
         torch.cuda.synchronize()
         slots = torch.tensor(llm.runner.sampler.slots(batch.seqs), device="cuda")
