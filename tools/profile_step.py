@@ -8,32 +8,21 @@ chunk of a long prompt).
     python3 tools/profile_step.py --shape 0.5B --step decode --streams 64 --context 8192 \
         --kv-cache-dtype fp8
 
-Prints the wall time of a step (median, each between two synchronisations), the GPU time
+Prints the wall time of a step (median after 10 unmeasured, each between two
+synchronisations), the GPU time
 of its kernels (summed, per step) and the kernels that take most of it."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from spec_step_bench import timed  # tools/, beside this script
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.runtime.scheduler import Batch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
-
-
-def wall_ms(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def profile(fn, steps: int, rows: int) -> None:
@@ -75,7 +64,11 @@ def mixed_setup(llm: LLM, a) -> tuple:
     for _ in range(3):  # warm: the first mixed steps compile and tune
         step()
     left = (len(long) - long.num_computed_tokens) // max(1, a.budget - a.streams)
-    return step, max(1, min(20, left - 2))
+    # Profiled, then timed after 10 more: all of them while the prompt still has chunks.
+    steps = min(20, (left - 13) // 2)
+    if steps < 1:
+        raise SystemExit(f"--prompt-len {a.prompt_len} gives too few mixed steps to measure")
+    return step, steps
 
 
 def main() -> None:
@@ -102,9 +95,9 @@ def main() -> None:
     )
     if a.step == "mixed":  # each mixed step happens once: profile them, time them alike
         profile(fn, steps, a.rows)
-        print(f"mixed step wall time: {wall_ms(fn, steps):.3f} ms (median of {steps})")
+        print(f"mixed step wall time: {timed(fn, steps):.3f} ms (median of {steps})")
         return
-    print(f"{a.step} step wall time: {wall_ms(fn, steps):.3f} ms (median of {steps})")
+    print(f"{a.step} step wall time: {timed(fn, steps):.3f} ms (median of {steps})")
     profile(fn, 10, a.rows)
 
 
