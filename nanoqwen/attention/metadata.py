@@ -42,6 +42,10 @@ class AttentionMetadata:
     # Prefill graphs (runtime/prefill_graph.py): the last sequence is padding rows, and the
     # step is captured, so only kernels the backend's captures_prefill vouches for may run.
     padded: bool = False
+    # Verify steps (runtime/spec/verify_graph.py): every sequence has exactly this many new
+    # rows, the last of its context_lens keys, which backends with a kernel for the shape use
+    # (kernels/triton/verify_attention.py); 0 otherwise.
+    uniform_q: int = 0
     # What every layer of the step would compute alike (RoPE rows, the decode mask): the
     # first layer stores it, the others reuse it. On the CPU each small op costs ~10 us.
     shared: dict = field(default_factory=dict, repr=False)

@@ -5,7 +5,10 @@ slots, then the paged prefill kernel (kernels/triton/prefill_attention.py) atten
 which holds the cached context too. Decode: one launch of kernels/triton/decode_attention.py rotates
 q and the new key, writes the new K/V and attends, each context split over up to 16 programs
 per KV head (4 from 128 (sequence, KV head) pairs, 2 from 256, one from 512), the sequences
-launched longest context first (the decode graphs pass that order).
+launched longest context first (the decode graphs pass that order). A speculative verify
+step (the same few new rows in every sequence, AttentionMetadata.uniform_q) runs
+rope_and_store, then kernels/triton/verify_attention.py, whose programs split the context as
+decode does.
 
 flash-attn is optional. Where it imports and fits (block size a multiple of 256), prefill
 takes flash-attn's varlen forward (PREFILL_WITH_FLASH_ATTN; tools/prefill_bench.py measures the
@@ -23,6 +26,7 @@ from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.kernels.triton.decode_attention import decode_attention
 from nanoqwen.kernels.triton.prefill_attention import prefill_attention
 from nanoqwen.kernels.triton.rope import rope_and_store
+from nanoqwen.kernels.triton.verify_attention import verify_attention
 
 PREFILL_WITH_FLASH_ATTN = True
 
@@ -52,6 +56,8 @@ class TritonAttention:
         return None if self.flash is None else self.flash.cascade_from
 
     def forward(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.uniform_q:
+            return self.verify(qkv, k_cache, v_cache, meta)
         if meta.is_prefill:
             if self.flash is not None and PREFILL_WITH_FLASH_ATTN and not meta.padded:
                 return self.flash.forward(qkv, k_cache, v_cache, meta)
@@ -63,6 +69,16 @@ class TritonAttention:
             self.rotary.cos_half, self.rotary.sin_half, k_cache, v_cache, self.scale,
             num_splits=meta.num_splits, order=meta.decode_order,
         )  # fmt: skip
+
+    def verify(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, _ = split_qkv(qkv, k_cache)
+        rope_and_store(
+            q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
+            meta.slot_mapping, k_cache, v_cache,
+        )  # fmt: skip
+        return verify_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.uniform_q, self.scale
+        )
 
     def prefill(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, _ = split_qkv(qkv, k_cache)

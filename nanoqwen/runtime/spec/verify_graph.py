@@ -91,6 +91,7 @@ class VerifyGraphRunner:
             max_seqlen_k=self.max_model_len + self.width,
             cu_seqlens_k=f.cu_k[: bs + 1],
             padded=True,
+            uniform_q=self.width,
         )
 
     def setup(self, runner, max_model_len: int) -> None:

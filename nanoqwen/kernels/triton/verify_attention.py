@@ -1,0 +1,161 @@
+"""Paged attention for speculative verify steps in Triton: every sequence has the same few new
+rows (its newest token and its k proposals), each attending to the cached context and
+causally to the rows before it, the context split over many programs as in decode.
+
+The prefill kernel gives each (query tile, head) one program that walks the whole context:
+for a verify step of 5 rows that is 14 programs at 0.5B for the whole GPU, each latency
+bound. Here a program owns one KV head of one sequence and one slice of its keys, with all
+of the group's heads for all of the new rows as the rows of its dots (rows x group padded to
+the next power of two), so the context is read once per KV head and split like decode
+(decode_attention.num_splits_for); a second kernel merges the slices' partial softmaxes.
+
+rope_and_store (kernels/triton/rope.py) rotates q and writes the new K/V before, so every key,
+the new rows' included, is read from the cache: new row j of a sequence of context length
+ctx sits at position ctx - Q + j and sees the keys up to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoqwen.kernels.triton.decode_attention import num_splits_for
+
+TILE = 64  # keys per inner step
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _verify_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, tables_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_stride, table_stride, scale_log2,
+    Q: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, PAGE: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    ctx = tl.load(ctx_ptr + seq)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE_N) * TILE_N, TILE_N)
+    start = split * chunk
+    if start >= ctx:
+        return
+    end = tl.minimum(ctx, start + chunk)
+    dtype: tl.constexpr = q_ptr.dtype.element_ty
+    d = tl.arange(0, HEAD_DIM)
+    r = tl.arange(0, ROWS)
+    j = r // GROUP  # the new row (token) of each dot row
+    head = kvh * GROUP + r % GROUP
+    r_mask = r < Q * GROUP
+    token = seq * Q + j
+    q = tl.load(
+        q_ptr + token[:, None] * q_stride + head[:, None] * HEAD_DIM + d[None, :],
+        mask=r_mask[:, None],
+        other=0.0,
+    )
+    last = ctx - Q + j  # each row's own position: the last key it sees
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    table = tables_ptr + seq * table_stride
+    for n0 in range(start, end, TILE_N):
+        n = n0 + tl.arange(0, TILE_N)
+        n_mask = n < end
+        block = tl.load(table + n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        base = ((block * PAGE + n % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+        # A float8 cache's keys and values widen to q's dtype for the dots.
+        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(dtype)))
+        seen = n_mask[None, :] & (n[None, :] <= last[:, None])
+        s = tl.where(seen, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so that
+        # exp2(-inf - -inf) never makes a NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + (token[:, None] * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+    else:
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=r_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=r_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
+    Q: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, TILE_N: tl.constexpr,
+):  # fmt: skip
+    """One program per (new row, head): the partial outputs of the splits that hold keys,
+    weighted by their mass. The split holding a row's own key always saw some key, so the
+    largest weight is finite; a later split may have seen none (lse -inf, weight 0)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + token // Q)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE_N) * TILE_N, TILE_N)
+    used = tl.cdiv(ctx, chunk)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < used)[:, None],
+                other=0.0)  # fmt: skip
+    out = tl.sum(w[:, None] * o, 0)
+    tl.store(out_ptr + (token * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    rows_per_seq: int,
+    scale: float,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """q: [seqs * rows_per_seq, heads, head_dim] with RoPE applied, sequence by sequence;
+    their K/V are in the cache already, the last rows_per_seq of each sequence's
+    context_lens keys. Returns [tokens, heads, head_dim] in q's dtype."""
+    tokens, heads, head_dim = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim, "each row's heads must be contiguous"
+    _, page, kv_heads, _ = k_cache.shape
+    seqs = tokens // rows_per_seq
+    group = heads // kv_heads
+    splits = num_splits or num_splits_for(seqs, kv_heads)
+    rows = max(16, triton.next_power_of_2(rows_per_seq * group))
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    part_out = part_lse = out  # unused with one split
+    if splits > 1:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_out = torch.empty(tokens, heads, splits, head_dim, **f32)
+        part_lse = torch.empty(tokens, heads, splits, **f32)
+    _verify_kernel[(splits, kv_heads, seqs)](
+        q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_lse,
+        q.stride(0), block_tables.stride(0), scale * LOG2_E,
+        Q=rows_per_seq, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
+        ROWS=rows, PAGE=page, TILE_N=TILE, NUM_SPLITS=splits,
+        num_warps=4 if rows * head_dim <= 64 * 64 else 8, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(tokens, heads)](
+            part_out, part_lse, context_lens, out, Q=rows_per_seq, NUM_HEADS=heads,
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            TILE_N=TILE, num_warps=1,
+        )  # fmt: skip
+    return out
