@@ -31,7 +31,8 @@
 #       context (FP8_SHAPE, default 7B), bf16 and fp8 KV cache. Default: all three.
 #   profile-steps
 #       tools/profile_step.py's kernel profiles: a 7B mixed step, a 0.5B verify step, 0.5B
-#       decode at 64 x 8K with the bf16 and the fp8 KV cache.
+#       decode at 64 x 8K with the bf16 and the fp8 KV cache; then tools/kernel_bench.py
+#       --fp8 (the decode kernel's tiles and splits over both caches).
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 
@@ -318,6 +319,7 @@ profile_steps() {
     python3 tools/profile_step.py --shape 0.5B --step decode --streams 64 --context 8192 \
       --kv-cache-dtype "$kv" 2>&1 | tee -a "$OUT/profile_decode_64x8k.log"
   done
+  python3 tools/kernel_bench.py --shapes 0.5B,7B --fp8 2>&1 | tee "$OUT/kernel_fp8.log"
 }
 
 mode=${1:-}; shift || true

@@ -5,7 +5,7 @@ counts, next to flash_attn_with_kvcache as the flash-attn backend calls it. The 
 read 20 times, so small contexts sit in L2: compare kernels here, and confirm a choice with
 tools/profile_decode.py, which times the kernels inside the real decode graph.
 
-Usage: python tools/kernel_bench.py [--shapes 0.5B,7B] [--large | --balance]
+Usage: python tools/kernel_bench.py [--shapes 0.5B,7B] [--large | --balance | --fp8]
 """
 
 from __future__ import annotations
@@ -107,13 +107,61 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
     )
 
 
+def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
+    """The Triton decode kernel over a bfloat16 and a float8 cache of bs sequences of ctx
+    tokens, over tile sizes and split counts: a float8 tile of the same keys moves half the
+    bytes, so its best tile or split count may differ."""
+    cfg = shape_config(shape)
+    h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dev = torch.device("cuda")
+    rotary = RotaryEmbedding(d, 40960, cfg.rope_theta, dev)
+    width = -(-ctx // PAGE)
+    blocks = bs * width + 1
+    tables = torch.randperm(blocks - 1, device=dev).to(torch.int32).view(bs, width)
+    qkv = torch.randn(bs, (h + 2 * kvh) * d, device=dev, dtype=torch.bfloat16)
+    ctx_t = torch.full((bs,), ctx, device=dev, dtype=torch.int32)
+    pos = (ctx_t - 1).long()
+    slots = tables[torch.arange(bs, device=dev), pos // PAGE].long() * PAGE + pos % PAGE
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        k_cache = torch.randn(blocks, PAGE, kvh, d, device=dev).to(kv_dtype)
+        v_cache = torch.randn(blocks, PAGE, kvh, d, device=dev).to(kv_dtype)
+        kv_bytes = bs * ctx * kvh * d * 2 * k_cache.element_size()
+        row = {}
+        for tile, splits in itertools.product((64, 128, 256), (0, 1, 2, 4, 8)):
+            da.TILE = da.LARGE_TILE = tile
+
+            def tr(s=splits, k=k_cache, v=v_cache):
+                da.decode_attention(
+                    qkv, pos, slots, ctx_t, tables, rotary.cos_half, rotary.sin_half,
+                    k, v, d**-0.5, num_splits=s,
+                )  # fmt: skip
+
+            try:
+                row[f"tile={tile} splits={splits or 'default'}"] = graph_us(tr)
+            except Exception as e:  # out of shared memory or registers
+                print(f"  tile={tile}: {type(e).__name__}")
+        da.TILE, da.LARGE_TILE = 64, 128
+        best = sorted((v, k) for k, v in row.items())[:4]
+        print(
+            f"{shape} bs {bs} ctx {ctx} {str(kv_dtype).removeprefix('torch.')} "
+            f"({kv_bytes / 1e6:.0f} MB of KV): default "
+            f"{row.get('tile=128 splits=default', float('nan')):.1f} µs; best: "
+            + "; ".join(f"{k} {v:.1f} ({kv_bytes / v / 1e6:.2f} TB/s)" for v, k in best),
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="0.5B,7B")
     p.add_argument("--large", action="store_true", help="large decode batches, swept")
     p.add_argument("--balance", action="store_true", help="split counts and launch order")
+    p.add_argument("--fp8", action="store_true", help="bf16 vs float8 cache, 64 x 8K")
     args = p.parse_args()
     for shape in args.shapes.split(","):
+        if args.fp8:
+            fp8_sweep(shape, 64, 8192)
+            continue
         if args.balance:  # the throughput workload's decode batches, as its batch decays
             attention(shape, [32, 64, 96, 128, 192, 256], [0, 1024], False, balance=True)
             continue
