@@ -70,12 +70,14 @@ class LLM:
         self.speculator = None
         if spec is not None:
             proposer = make_proposer(spec, self.engine_config, parts)
-            self.speculator = Speculator(spec, self.max_model_len, proposer)
+            on_gpu = self.runner.device.type == "cuda"
+            speculator = Speculator(spec, self.max_model_len, proposer, backs_off=on_gpu)
+            self.speculator = speculator
             release_slot = self.scheduler.on_release
 
             def release(seq: Sequence) -> None:
                 release_slot(seq)
-                proposer.release(seq)
+                speculator.release(seq)
 
             self.scheduler.on_release = release
             self.scheduler.propose = self.speculator.propose
@@ -154,7 +156,7 @@ class LLM:
     def _verify(self, batch) -> list[tuple[Sequence, int]]:
         """Runs a decode step with proposals and applies each sequence's accepted tokens."""
         verified = self.runner.verify(batch)
-        self.speculator.count(verified)
+        self.speculator.count(verified, batch.seqs, batch.proposals)
         return self.output_processor.apply_verified(batch, verified)
 
     def step(self) -> list[tuple[Sequence, int]]:
@@ -164,6 +166,9 @@ class LLM:
         Returns (sequence, new token) for the sequences whose token was applied."""
         if self.speculator is not None:
             return self._step_speculative()
+        return self._step_ahead()
+
+    def _step_ahead(self) -> list[tuple[Sequence, int]]:
         batch = self.scheduler.schedule()
         if batch is None:
             return self._resolve()
@@ -177,16 +182,20 @@ class LLM:
 
     def _step_speculative(self) -> list[tuple[Sequence, int]]:
         """One step, waited for: proposals follow a sequence's newest token, so it has to be
-        read back before the next step is scheduled."""
+        read back before the next step is scheduled. While every running sequence backs off
+        from proposing (spec/speculator.py), plain steps run one step ahead instead."""
+        if not self.speculator.due(self.scheduler.running):
+            return self._step_ahead()
+        resolved = self._resolve()  # a step still in flight: the proposals follow its tokens
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return resolved
         if batch.proposals is not None:
-            return self._verify(batch)
+            return resolved + self._verify(batch)
         launched = self._launch(batch)
         launched.complete()
         self._launched = launched
-        return self._resolve()
+        return resolved + self._resolve()
 
     def drain(self) -> list[tuple[Sequence, int]]:
         """Applies the step still in flight, if any."""

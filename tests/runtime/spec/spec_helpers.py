@@ -43,6 +43,9 @@ class OracleProposer:
             proposal[-1] = (proposal[-1] + 1) % 512
         return proposal
 
+    def release(self, seq) -> None:
+        pass
+
 
 def engine(model_dir, spec=NGRAM, **options) -> LLM:
     options.setdefault("num_kv_blocks", 128)
