@@ -64,11 +64,12 @@ def verify_rows(
         order += [(i, j) for i in members]
     flat_rows = torch.cat([r for r, _ in sampled])
     flat = torch.cat([t for _, t in sampled])
-    return conclude(logits[flat_rows], flat, order, seqs, proposals, sampler, to_device)
+    return conclude(logits, flat_rows, flat, order, seqs, proposals, sampler, to_device)
 
 
 def conclude(
     logits: torch.Tensor,
+    rows: torch.Tensor | None,
     tokens: torch.Tensor,
     order: list[tuple[int, int]],
     seqs: list[Sequence],
@@ -77,9 +78,10 @@ def conclude(
     to_device: ToDevice,
 ) -> Verified:
     """What the sampled rows accept. tokens[n] (on the device) was sampled at depth j of
-    sequence i for (i, j) = order[n], from logits[n]; depths run 0..len(proposal) for each."""
+    sequence i for (i, j) = order[n], from logits[rows[n]] (rows: needed with logprobs
+    only); depths run 0..len(proposal) for each."""
     top = sampler.state.max_logprobs
-    raw = sampler.logprobs(logits, tokens, top) if top is not None else None
+    raw = sampler.logprobs(logits[rows], tokens, top) if top is not None else None
     host = tokens.tolist()  # the step's one wait for the device
     table: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
     where: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
