@@ -48,7 +48,8 @@ def decode_setup(llm: LLM, a) -> tuple:
 
 
 def verify_setup(llm: LLM, a) -> tuple:
-    seq = llm.add_request(list(range(1, a.context + 1)), GREEDY)
+    vocab = min(10_000, llm.config.vocab_size)
+    seq = llm.add_request([(j + 1) % vocab for j in range(a.context)], GREEDY)
     while seq.num_output_tokens < 2:
         llm.step()
     llm.drain()
@@ -60,7 +61,8 @@ def verify_setup(llm: LLM, a) -> tuple:
 def mixed_setup(llm: LLM, a) -> tuple:
     """Streams decoding, then a long prompt: each step until it is in is a mixed step."""
     step, _ = decode_setup(llm, argparse.Namespace(streams=a.streams, context=128))
-    long = llm.add_request([(7 * j) % 10_000 + 1 for j in range(a.prompt_len)], GREEDY)
+    vocab = min(10_000, llm.config.vocab_size)
+    long = llm.add_request([(7 * j + 1) % vocab for j in range(a.prompt_len)], GREEDY)
     for _ in range(3):  # warm: the first mixed steps compile and tune
         step()
     left = (len(long) - long.num_computed_tokens) // max(1, a.budget - a.streams)
