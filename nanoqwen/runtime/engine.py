@@ -185,7 +185,11 @@ class LLM:
         read back before the next step is scheduled. While every running sequence backs off
         from proposing (spec/speculator.py), plain steps run one step ahead instead."""
         if not self.speculator.due(self.scheduler.running):
-            return self._step_ahead()
+            self.speculator.holding = True
+            try:
+                return self._step_ahead()
+            finally:
+                self.speculator.holding = False
         resolved = self._resolve()  # a step still in flight: the proposals follow its tokens
         batch = self.scheduler.schedule()
         if batch is None:

@@ -65,6 +65,9 @@ class Speculator:
         self.proposer = proposer
         self.stats = SpeculationStats()
         self.step = 0  # schedule() calls so far
+        # Set while the engine runs a plain step ahead: a sequence swapped back in may be
+        # due, but another step's tokens are still in flight.
+        self.holding = False
         # seq_id -> (misses in a row, the step from which it proposes again)
         self.backoff: dict[int, tuple[int, int]] = {}
 
@@ -82,7 +85,7 @@ class Speculator:
         or for a sequence backing off."""
         self.step += 1
         limits = [
-            0 if s.grammar is not None or self._resumes(s) > self.step
+            0 if self.holding or s.grammar is not None or self._resumes(s) > self.step
             else min(s.params.max_tokens - s.num_output_tokens, self.max_model_len - len(s)) - 1
             for s in seqs
         ]  # fmt: skip

@@ -124,3 +124,13 @@ def _count_calls(llm, name: str) -> list[int]:
 
     setattr(llm, name, counted)
     return count
+
+
+def test_nothing_is_proposed_while_a_plain_step_runs_ahead():
+    """The engine holds proposals while it runs a step ahead (a sequence due to propose,
+    e.g. one swapped back in, would read a token still in flight); the steps still count."""
+    spec, seq = _speculator([7, 7, 7, 7])
+    spec.holding = True
+    assert spec.propose([seq]) == [[]] and spec.step == 1
+    spec.holding = False
+    assert spec.propose([seq]) == [[7, 7, 7, 7]]
