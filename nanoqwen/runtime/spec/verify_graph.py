@@ -47,7 +47,7 @@ class VerifyGraphRunner:
         self.sizes = [s for s in capture_sizes(max_num_seqs) if s == 1 or s * width <= MAX_ROWS]
         self.kv = kv
         self.sampler_scratch = sampler_scratch
-        # (batch size, filtering) -> (graph, logits [bs * width, vocab], tokens [width * bs])
+        # (batch size, filtering) -> (graph, logits [bs * width, vocab], tokens [width, bs])
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.meta: dict[int, AttentionMetadata] = {}
 
