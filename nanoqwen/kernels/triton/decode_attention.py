@@ -52,7 +52,7 @@ def num_splits_for(batch: int, num_kv_heads: int) -> int:
 
 
 @triton.jit
-def _split_range(cached, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+def split_range(cached, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
     """Keys [start, end) of a split, of NUM_SPLITS equal, tile-aligned slices of the cached
     keys, and how many splits hold keys (at least one: the last holds the new token)."""
     chunk = tl.maximum(tl.cdiv(tl.cdiv(cached, NUM_SPLITS), TILE_N) * TILE_N, TILE_N)
@@ -76,7 +76,7 @@ def _decode_kernel(
     if ORDERED:
         seq = tl.load(order_ptr + seq).to(tl.int64)
     cached = tl.load(ctx_ptr + seq) - 1
-    start, end, used = _split_range(cached, split, NUM_SPLITS, TILE_N)
+    start, end, used = split_range(cached, split, NUM_SPLITS, TILE_N)
     if split >= used:
         return
     half: tl.constexpr = HEAD_DIM // 2
@@ -170,7 +170,7 @@ def _merge_kernel(
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     dv = tl.arange(0, HEAD_DIM)
-    _, _, used = _split_range(tl.load(ctx_ptr + seq) - 1, 0, NUM_SPLITS, TILE_N)
+    _, _, used = split_range(tl.load(ctx_ptr + seq) - 1, 0, NUM_SPLITS, TILE_N)
     part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
     # The last used split always holds the new token, so the maximum is finite.

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.kernels.triton.decode_attention import num_splits_for
+from nanoqwen.kernels.triton.decode_attention import num_splits_for, split_range
 
 TILE = 64  # keys per inner step
 LOG2_E = 1.4426950408889634
@@ -38,11 +38,10 @@ def _verify_kernel(
     kvh = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     ctx = tl.load(ctx_ptr + seq)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE_N) * TILE_N, TILE_N)
-    start = split * chunk
-    if start >= ctx:
+    # The new rows' keys are in the cache already: all ctx keys are split alike.
+    start, end, used = split_range(ctx, split, NUM_SPLITS, TILE_N)
+    if split >= used:
         return
-    end = tl.minimum(ctx, start + chunk)
     dtype: tl.constexpr = q_ptr.dtype.element_ty
     d = tl.arange(0, HEAD_DIM)
     r = tl.arange(0, ROWS)
@@ -104,9 +103,7 @@ def _merge_kernel(
     largest weight is finite; a later split may have seen none (lse -inf, weight 0)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    ctx = tl.load(ctx_ptr + token // Q)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE_N) * TILE_N, TILE_N)
-    used = tl.cdiv(ctx, chunk)
+    _, _, used = split_range(tl.load(ctx_ptr + token // Q), 0, NUM_SPLITS, TILE_N)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     part = (token * NUM_HEADS + head) * NUM_SPLITS + s
