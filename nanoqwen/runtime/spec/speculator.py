@@ -113,7 +113,7 @@ class Speculator:
     def _missed(self, seq: Sequence, cap: int) -> None:
         if not self.backs_off:
             return
-        misses = self.backoff.get(seq.seq_id, (0, 0))[0] + 1
+        misses = min(self.backoff.get(seq.seq_id, (0, 0))[0] + 1, 8)  # 2**8 - 1: past the caps
         self.backoff[seq.seq_id] = (misses, self.step + 1 + min(2**misses - 1, cap))
 
     def release(self, seq: Sequence) -> None:
