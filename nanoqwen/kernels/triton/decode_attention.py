@@ -159,21 +159,26 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(
+def merge_splits_kernel(
     part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr, TILE_N: tl.constexpr,
+    ROWS_PER_SEQ: tl.constexpr = 1, CACHED_OFFSET: tl.constexpr = 1,
 ):  # fmt: skip
-    """One program per (sequence, head): the used splits' partial outputs weighted by their
-    mass (splits past the context wrote nothing)."""
-    seq = tl.program_id(0).to(tl.int64)
+    """One program per (row, head): the used splits' partial outputs weighted by their mass
+    (splits past the context wrote nothing). Row r belongs to sequence r // ROWS_PER_SEQ,
+    whose context_lens - CACHED_OFFSET keys the splits divided (split_range): decode's new
+    token is not among them (1); a verify step's new rows are (0,
+    kernels/triton/verify_attention.py). The split holding a row's own key always saw some
+    key, so the maximum is finite; a split past it may have seen none (lse -inf, weight 0)."""
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     dv = tl.arange(0, HEAD_DIM)
-    _, _, used = split_range(tl.load(ctx_ptr + seq) - 1, 0, NUM_SPLITS, TILE_N)
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    cached = tl.load(ctx_ptr + row // ROWS_PER_SEQ) - CACHED_OFFSET
+    _, _, used = split_range(cached, 0, NUM_SPLITS, TILE_N)
+    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
-    # The last used split always holds the new token, so the maximum is finite.
     w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
     o = tl.load(
@@ -182,7 +187,7 @@ def _merge_kernel(
         other=0.0,
     )
     out = tl.sum(w[:, None] * o, 0)
-    tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + dv, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + dv, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(
@@ -226,7 +231,7 @@ def decode_attention(
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(seqs, num_heads)](
+        merge_splits_kernel[(seqs, num_heads)](
             part_out, part_lse, context_lens, out, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), TILE_N=tile,
             num_warps=1,
