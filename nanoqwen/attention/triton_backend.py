@@ -70,22 +70,23 @@ class TritonAttention:
             num_splits=meta.num_splits, order=meta.decode_order,
         )  # fmt: skip
 
-    def verify(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _rotated_and_stored(self, qkv, k_cache, v_cache, meta: AttentionMetadata):
+        """q rotated in place, the step's rotated keys and its values in their slots."""
         q, k, _ = split_qkv(qkv, k_cache)
         rope_and_store(
             q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
             meta.slot_mapping, k_cache, v_cache,
         )  # fmt: skip
+        return q
+
+    def verify(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q = self._rotated_and_stored(qkv, k_cache, v_cache, meta)
         return verify_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.uniform_q, self.scale
         )
 
     def prefill(self, qkv, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, _ = split_qkv(qkv, k_cache)
-        rope_and_store(
-            q, k, meta.positions, self.rotary.cos_half, self.rotary.sin_half,
-            meta.slot_mapping, k_cache, v_cache,
-        )  # fmt: skip
+        q = self._rotated_and_stored(qkv, k_cache, v_cache, meta)
         return prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             meta.max_seqlen_q, self.scale,
