@@ -214,6 +214,39 @@ def shuffled_paged_cache(lengths, page, kv_heads, head_dim, dtype, gen):
     return tables, k_cache, v_cache
 
 
+def paged_prefill_step(runs, heads, kv_heads, head_dim, page, dtype, seed=0):
+    """A prefill step over shuffled blocks whose cached context is random K/V; returns qkv,
+    the caches and the metadata."""
+    from nanoqwen.attention.metadata import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [c + n for c, n in runs]
+    tables, k_cache, v_cache = shuffled_paged_cache(lengths, page, kv_heads, head_dim, dtype, gen)
+    positions = [p for c, n in runs for p in range(c, c + n)]
+    seq_of = [i for i, (_, n) in enumerate(runs) for _ in range(n)]
+    slots = [int(tables[i, p // page]) * page + p % page for i, p in zip(seq_of, positions)]
+    cu_q, cu_k = [0], [0]
+    for (_, n), total in zip(runs, lengths):
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + total)
+    width = (heads + 2 * kv_heads) * head_dim
+    # Keys with a large norm make the softmax peaked, so that a wrong mask or a wrong key
+    # shows up in the output instead of averaging away.
+    qkv = (2 * torch.randn(len(positions), width, generator=gen)).to(dtype)
+    meta = AttentionMetadata(
+        is_prefill=True,
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        context_lens=torch.tensor(lengths, dtype=torch.int32),
+        block_tables=tables,
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+        max_seqlen_q=max(n for _, n in runs),
+        max_seqlen_k=max(lengths),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
+    )
+    return qkv, k_cache, v_cache, meta
+
+
 # ---- attention setups of the GPU tests (tests/gpu) -------------------------------------------
 # (backend, block size, whether flash-attn imports): the triton backend also runs on a GPU
 # without flash-attn (its own kernels only), at any block size.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import paged_prefill_step
 
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.attention.rotary import RotaryEmbedding
@@ -17,33 +18,16 @@ pytestmark = [
 ]
 
 
-def _step(seqs: int, rows: int, contexts: list[int], heads, kv_heads, head_dim, page, kv_dtype):
-    gen = torch.Generator().manual_seed(seqs * rows)
-    width = max(-(-c // page) for c in contexts)
-    blocks = seqs * width + 1
-    tables = torch.randperm(blocks - 1, generator=gen).to(torch.int32).view(seqs, width)
-    k_cache = torch.randn(blocks, page, kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(blocks, page, kv_heads, head_dim, generator=gen).to(kv_dtype)
-    positions = [c - rows + j for c in contexts for j in range(rows)]
-    slots = [int(tables[i, p // page]) * page + p % page
-             for i, c in enumerate(contexts) for p in range(c - rows, c)]  # fmt: skip
-    # A large norm makes the softmax peaked: a wrong key or mask moves the output by O(1).
-    qkv = 3 * torch.randn(seqs * rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
-    cu_k = torch.tensor([0, *torch.tensor(contexts).cumsum(0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(
-        is_prefill=True,
-        positions=torch.tensor(positions),
-        slot_mapping=torch.tensor(slots),
-        context_lens=torch.tensor(contexts, dtype=torch.int32),
-        block_tables=tables,
-        cu_seqlens_q=torch.arange(0, seqs * rows + 1, rows, dtype=torch.int32),
-        max_seqlen_q=rows,
-        max_seqlen_k=max(contexts),
-        cu_seqlens_k=cu_k,
-        padded=True,
-    )
+def _step(rows: int, contexts: list[int], heads, kv_heads, head_dim, page, kv_dtype):
+    """test_prefill_attention's step (each sequence's last `rows` tokens new), on the GPU:
+    q/k/v in bfloat16, the caches in kv_dtype, laid out as the verify graphs pad it."""
+    runs = [(c - rows, rows) for c in contexts]
+    qkv, k_cache, v_cache, meta = paged_prefill_step(runs, heads, kv_heads, head_dim, page,
+                                                torch.float32)  # fmt: skip
+    meta.padded = True
     cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in vars(meta).items()}
-    return qkv.cuda().bfloat16(), k_cache.cuda(), v_cache.cuda(), AttentionMetadata(**cuda)
+    caches = (c.cuda().to(kv_dtype) for c in (k_cache, v_cache))
+    return qkv.cuda().bfloat16(), *caches, AttentionMetadata(**cuda)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
@@ -56,8 +40,7 @@ def test_verify_rows_equal_the_prefill_kernels(heads, kv_heads, head_dim, seqs, 
     contexts = [724 + 97 * i for i in range(seqs)]
     rotary = RotaryEmbedding(head_dim, 4096, 1e6, torch.device("cuda"))
     backend = TritonAttention(rotary, head_dim**-0.5, use_flash_attn=False)
-    qkv, k_cache, v_cache, meta = _step(seqs, rows, contexts, heads, kv_heads, head_dim, 256,
-                                        kv_dtype)  # fmt: skip
+    qkv, k_cache, v_cache, meta = _step(rows, contexts, heads, kv_heads, head_dim, 256, kv_dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     ref = backend.forward(qkv.clone(), k_ref, v_ref, meta)  # the prefill kernel
     meta.uniform_q = rows

@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
+from conftest import paged_prefill_step
 from test_decode_attention import _decode_step
-from test_prefill_attention import _prefill_step
 
 from nanoqwen.attention.metadata import split_qkv
 from nanoqwen.attention.rotary import RotaryEmbedding, apply_rotary
@@ -74,8 +74,8 @@ def test_decode_writes_float8_and_attends_over_it(splits, magnitude):
 
 def test_prefill_writes_float8_and_attends_over_it():
     runs = [(0, 5), (30, 9), (100, 3)]  # (cached tokens, new tokens)
-    qkv, k16, v16, meta = _prefill_step(runs, HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float16)
-    qkv = (qkv / 2).half()  # _prefill_step's keys are doubled: back to float8's finer range
+    qkv, k16, v16, meta = paged_prefill_step(runs, HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float16)
+    qkv = (qkv / 2).half()  # paged_prefill_step's keys are doubled: back to float8's finer range
     k8, v8 = fp8(k16), fp8(v16)
     rotary = RotaryEmbedding(HEAD_DIM, 1024, 1e6, "cpu")
     ref, k_ref, v_ref = reference(qkv, k8, v8, meta, rotary)

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import shuffled_paged_cache
+from conftest import paged_prefill_step
 
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.attention.rotary import RotaryEmbedding
@@ -29,37 +29,6 @@ from nanoqwen.attention.triton_backend import TritonAttention  # noqa: E402
 # prompt over several tiles, chunks over cached context that is not tile- or block-aligned,
 # and a chunk of three over a long context.
 RUNS = [(0, 1), (0, 37), (30, 5), (45, 40), (100, 3)]
-
-
-def _prefill_step(runs, heads, kv_heads, head_dim, page, dtype, seed=0):
-    """A prefill step over shuffled blocks whose cached context is random K/V; returns qkv,
-    the caches and the metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [c + n for c, n in runs]
-    tables, k_cache, v_cache = shuffled_paged_cache(lengths, page, kv_heads, head_dim, dtype, gen)
-    positions = [p for c, n in runs for p in range(c, c + n)]
-    seq_of = [i for i, (_, n) in enumerate(runs) for _ in range(n)]
-    slots = [int(tables[i, p // page]) * page + p % page for i, p in zip(seq_of, positions)]
-    cu_q, cu_k = [0], [0]
-    for (_, n), total in zip(runs, lengths):
-        cu_q.append(cu_q[-1] + n)
-        cu_k.append(cu_k[-1] + total)
-    width = (heads + 2 * kv_heads) * head_dim
-    # Keys with a large norm make the softmax peaked, so that a wrong mask or a wrong key
-    # shows up in the output instead of averaging away.
-    qkv = (2 * torch.randn(len(positions), width, generator=gen)).to(dtype)
-    meta = AttentionMetadata(
-        is_prefill=True,
-        positions=torch.tensor(positions),
-        slot_mapping=torch.tensor(slots),
-        context_lens=torch.tensor(lengths, dtype=torch.int32),
-        block_tables=tables,
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-        max_seqlen_q=max(n for _, n in runs),
-        max_seqlen_k=max(lengths),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
-    )
-    return qkv, k_cache, v_cache, meta
 
 
 def _run_both(qkv, k_cache, v_cache, meta, head_dim, dtype_ref=None):
@@ -80,7 +49,7 @@ def _run_both(qkv, k_cache, v_cache, meta, head_dim, dtype_ref=None):
     ids=["0.5B-heads-page16", "group4-dim128-page32", "group7-page64", "no-gqa-page256"],
 )
 def test_matches_torch_backend_and_writes_the_new_kv(heads, kv_heads, head_dim, page, monkeypatch):
-    qkv, k_cache, v_cache, meta = _prefill_step(
+    qkv, k_cache, v_cache, meta = paged_prefill_step(
         RUNS, heads, kv_heads, head_dim, page, torch.float32
     )
     untouched = k_cache.clone()
@@ -106,7 +75,7 @@ def test_float16_is_float64_attention_and_rounds_keys_like_the_torch_path(config
     """The fp16 output is within fp16 resolution of attention computed in float64, and the
     cached keys are bit-identical to the torch path's (RoPE rounds as HF does)."""
     heads, kv_heads, head_dim = 6, 2, 64
-    qkv, k_cache, v_cache, meta = _prefill_step(RUNS[1:4], heads, kv_heads, head_dim, 16,
+    qkv, k_cache, v_cache, meta = paged_prefill_step(RUNS[1:4], heads, kv_heads, head_dim, 16,
                                                 torch.float16, seed=1)  # fmt: skip
     rotary = RotaryEmbedding(head_dim, 1024, 1e6, "cpu")
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -128,7 +97,7 @@ def test_chunked_prefill_equals_one_pass():
     gives the outputs and the cache of one pass over the whole prompt."""
     heads, kv_heads, head_dim, page = 4, 2, 64, 16
     n = 50
-    whole, k_whole, v_whole, meta = _prefill_step([(0, n)], heads, kv_heads, head_dim, page,
+    whole, k_whole, v_whole, meta = paged_prefill_step([(0, n)], heads, kv_heads, head_dim, page,
                                                   torch.float32, seed=2)  # fmt: skip
     k_chunks, v_chunks = k_whole.clone(), v_whole.clone()
     rotary = RotaryEmbedding(head_dim, 1024, 1e6, "cpu")
@@ -158,7 +127,7 @@ def test_a_prefill_graph_bucket_computes_the_chunk_as_alone():
     chunk's rows and cache entries must be what the chunk alone gives."""
     heads, kv_heads, head_dim, page = 4, 2, 64, 16
     # 21 new tokens over 30 cached, then 11 padding tokens: a bucket of 32 rows.
-    qkv, k_cache, v_cache, meta = _prefill_step([(30, 21), (0, 11)], heads, kv_heads,
+    qkv, k_cache, v_cache, meta = paged_prefill_step([(30, 21), (0, 11)], heads, kv_heads,
                                                 head_dim, page, torch.float32, seed=3)  # fmt: skip
     meta.max_seqlen_q, meta.padded = 32, True
     alone = AttentionMetadata(

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from test_prefill_attention import _prefill_step
+from conftest import paged_prefill_step
 
 from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.attention.torch_backend import TorchAttention
@@ -23,7 +23,7 @@ from nanoqwen.attention.triton_backend import TritonAttention  # noqa: E402
 
 
 def _both(runs, heads, kv_heads, head_dim, page, dtype=torch.float32, seed=0):
-    qkv, k_cache, v_cache, meta = _prefill_step(runs, heads, kv_heads, head_dim, page, dtype,
+    qkv, k_cache, v_cache, meta = paged_prefill_step(runs, heads, kv_heads, head_dim, page, dtype,
                                                 seed)  # fmt: skip
     rotary = RotaryEmbedding(head_dim, 1024, 1e6, "cpu")
     scale = head_dim**-0.5
