@@ -23,6 +23,10 @@ class LayerOps:
     gemv_silu_mul: Callable | None = None
     # whether a weight is small enough for the GEMV to beat the library's matmul
     gemv_pays: Callable[[torch.Tensor], bool] = lambda weight: False
+    # gemv and gemv_silu_mul with the add+RMSNorm in front of them in the same launch:
+    # (x, residual or None, norm weight, eps, weight[, bias]) -> (output, x + residual)
+    norm_gemv: Callable | None = None
+    norm_gemv_silu_mul: Callable | None = None
 
 
 TORCH_OPS = LayerOps("torch")
@@ -30,7 +34,13 @@ TORCH_OPS = LayerOps("torch")
 
 def triton_ops() -> LayerOps:
     """bf16/fp16 on CUDA: the Triton add+norm, SiLU·up and single-row GEMVs."""
-    from nanoqwen.kernels.triton.gemv import gemv, gemv_pays, gemv_silu_mul
+    from nanoqwen.kernels.triton.gemv import (
+        gemv,
+        gemv_pays,
+        gemv_silu_mul,
+        norm_gemv,
+        norm_gemv_silu_mul,
+    )
     from nanoqwen.kernels.triton.rms_norm import rms_norm
     from nanoqwen.kernels.triton.silu_mul import silu_mul
 
@@ -39,7 +49,10 @@ def triton_ops() -> LayerOps:
             return rms_norm(x, weight, eps), x
         return rms_norm(x, weight, eps, residual), residual  # residual summed in place
 
-    return LayerOps("triton", add_rms_norm, silu_mul, gemv, gemv_silu_mul, gemv_pays)
+    return LayerOps(
+        "triton", add_rms_norm, silu_mul, gemv, gemv_silu_mul, gemv_pays,
+        norm_gemv, norm_gemv_silu_mul,
+    )  # fmt: skip
 
 
 def cpu_ops() -> LayerOps:

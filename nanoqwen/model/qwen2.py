@@ -39,11 +39,19 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = self.backend.forward(self.qkv_proj(x), self.k_cache, self.v_cache, meta)
+        return self.attend(self.qkv_proj(x), meta)
+
+    def attend(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.backend.forward(qkv, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
+    # set_ops': the launches that run an add+RMSNorm inside the GEMV after it (one row), or
+    # None (no such kernels, or norms that sum over tensor-parallel ranks first).
+    norm_gemv = None
+    norm_gemv_silu_mul = None
+
     def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = _norm(cfg, tp, dtype, device)
@@ -55,8 +63,22 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's output, not yet added to the residual stream."""
-        h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, meta), residual)
+        attn, one_row = self.self_attn, x.shape[0] == 1
+        norm = self.input_layernorm
+        if one_row and self.norm_gemv is not None and getattr(attn.qkv_proj, "gemv", False):
+            proj = attn.qkv_proj
+            qkv, residual = self.norm_gemv(x, residual, norm.weight, norm.eps, proj.weight,
+                                           proj.bias)  # fmt: skip
+            h = attn.attend(qkv, meta)
+        else:
+            h, residual = norm(x, residual)
+            h = attn(h, meta)
+        norm = self.post_attention_layernorm
+        if one_row and self.norm_gemv_silu_mul is not None and self.mlp.gemv:
+            act, residual = self.norm_gemv_silu_mul(h, residual, norm.weight, norm.eps,
+                                                    self.mlp.gate_up_proj.weight)  # fmt: skip
+            return self.mlp.down_proj(act), residual
+        h, residual = norm(h, residual)
         return self.mlp(h), residual
 
 
@@ -106,6 +128,9 @@ class Qwen2ForCausalLM(nn.Module):
             if isinstance(module, MLP):
                 weight = module.gate_up_proj.weight
                 module.gemv = ops.gemv_silu_mul is not None and ops.gemv_pays(weight)
+            if isinstance(module, DecoderLayer) and type(module.input_layernorm) is RMSNorm:
+                module.norm_gemv = ops.norm_gemv
+                module.norm_gemv_silu_mul = ops.norm_gemv_silu_mul
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         self.attention_backend = backend

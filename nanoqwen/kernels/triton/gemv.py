@@ -40,12 +40,39 @@ def _blocks(n: int, k: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES: tl.constexpr):
+    """The input row's values at cols: x, or x + residual rounded to x's dtype (HF's
+    residual add)."""
+    x = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + cols, mask=c_mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, N, K, eps,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
-    y = silu(W_gate x) * (W_up x)."""
+    y = silu(W_gate x) * (W_up x). With NORM, x is first RMSNorm(x + residual) * norm weight
+    as rms_norm.py rounds it (every program normalizes the row for itself; the first also
+    stores x + residual to sum_ptr, the residual stream's next value)."""
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    first = tl.program_id(0) == 0
+    rstd = 0.0
+    if NORM:
+        squares = tl.zeros([BK], tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            c_mask = cols < K
+            v = _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
+            if HAS_RES:
+                tl.store(sum_ptr + cols, v, mask=c_mask & first)
+            squares += v.to(tl.float32) * v.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     r_mask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
@@ -56,11 +83,16 @@ def _gemv_kernel(
         cols = k0 + tl.arange(0, BK)
         c_mask = cols < K
         mask = r_mask[:, None] & c_mask[None, :]
-        x = tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        if NORM:
+            v = _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
+            normed = (v.to(tl.float32) * rstd).to(dtype)
+            nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
+            x = (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]
+        else:
+            x = tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
         acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
         if SILU_MUL:
             acc_up += tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
@@ -70,27 +102,49 @@ def _gemv_kernel(
     tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
 
 
+def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None):
+    """norm: (residual or None, norm weight, eps), for the RMSNorm prologue; returns
+    (y, x + residual) then, else y."""
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    res, nw, eps = norm if norm is not None else (None, x, 0.0)
+    total = torch.empty_like(x) if res is not None else x
+    _gemv_kernel[(triton.cdiv(n, rows),)](
+        x, weight, weight if bias is None else bias, y,
+        x if res is None else res.contiguous(), nw, total, n, weight.shape[1], eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
+        HAS_RES=res is not None, BN=rows, BK=cols, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return y if norm is None else (y, total)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of one row: [1, K] -> [1, N]."""
     n, k = weight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    rows, cols = _blocks(n, k)
-    _gemv_kernel[(triton.cdiv(n, rows),)](
-        x.contiguous(), weight, weight if bias is None else bias, y, n, k,
-        HAS_BIAS=bias is not None, SILU_MUL=False, BN=rows, BK=cols, num_warps=4, num_stages=3,
-    )  # fmt: skip
-    return y
+    return _launch(x, weight, bias, n, *_blocks(n, k), silu_mul=False)
 
 
 def gemv_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) for x of one row, gate_up = [W_gate; W_up]: [1, N]."""
     two_n, k = gate_up.shape
-    n = two_n // 2
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rows, cols = _blocks(two_n, k)
-    rows = max(1, rows // 2)  # each program reads as many gate rows as up rows
-    _gemv_kernel[(triton.cdiv(n, rows),)](
-        x.contiguous(), gate_up, gate_up, y, n, k,
-        HAS_BIAS=False, SILU_MUL=True, BN=rows, BK=cols, num_warps=4, num_stages=3,
-    )  # fmt: skip
-    return y
+    # Each program reads as many gate rows as up rows.
+    return _launch(x, gate_up, None, two_n // 2, max(1, rows // 2), cols, silu_mul=True)
+
+
+def norm_gemv(x, residual, norm_weight, eps: float, weight, bias=None):
+    """gemv(rms_norm(x + residual) * norm_weight, weight, bias) for one row, with
+    x + residual (a new tensor; x itself when residual is None): the add+RMSNorm in front of
+    a projection, without its own launch."""
+    n, k = weight.shape
+    y, total = _launch(x, weight, bias, n, *_blocks(n, k), silu_mul=False,
+                       norm=(residual, norm_weight, eps))  # fmt: skip
+    return y, total
+
+
+def norm_gemv_silu_mul(x, residual, norm_weight, eps: float, gate_up):
+    """gemv_silu_mul of the normalized row, and x + residual, as norm_gemv."""
+    two_n, k = gate_up.shape
+    rows, cols = _blocks(two_n, k)
+    return _launch(x, gate_up, None, two_n // 2, max(1, rows // 2), cols, silu_mul=True,
+                   norm=(residual, norm_weight, eps))  # fmt: skip

@@ -45,19 +45,51 @@ def test_gemv_silu_mul_equals_mlp_activation(n, k):
     torch.testing.assert_close(gemv_silu_mul(x, gate_up), F.silu(gate) * up, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("residual", [False, True], ids=["first-layer", "residual"])
+def test_norm_gemv_equals_add_rms_norm_then_the_projection(n, k, residual):
+    """The add+RMSNorm in the GEMV's prologue: the projection of the normalized row, and
+    x + residual as the residual stream's next value (x itself in the first layer)."""
+    gen = torch.Generator().manual_seed(3 * n + k)
+    x = torch.randn(1, k, generator=gen)
+    res = torch.randn(1, k, generator=gen) if residual else None
+    nw = torch.rand(k, generator=gen) + 0.5
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    total = x + res if residual else x
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    y, new_residual = triton_ops().norm_gemv(x, res, nw, 1e-6, w, b)
+    torch.testing.assert_close(y, F.linear(normed, w, b), rtol=1e-4, atol=1e-3)
+    assert torch.equal(new_residual, total)
+    gate_up = torch.randn(2 * n, k, generator=gen)
+    act, new_residual = triton_ops().norm_gemv_silu_mul(x, res, nw, 1e-6, gate_up)
+    gate, up = F.linear(normed, gate_up).chunk(2, dim=-1)
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-3, atol=1e-2)
+    assert torch.equal(new_residual, total)
+
+
 def test_fused_model_generates_what_the_reference_layers_generate(tiny_model):
-    """Batch-1 decode through every fused kernel (add+RMSNorm, GEMV with bias, GEMV with
-    SiLU·up, lm_head GEMV) picks the same greedy tokens with the same logits."""
+    """Batch-1 decode through every fused kernel (add+RMSNorm inside the qkv and gate_up
+    GEMVs, GEMV with bias, GEMV with SiLU·up, lm_head GEMV) picks the same greedy tokens
+    with the same logits."""
     from nanoqwen import LLM, SamplingParams
 
     path, _ = tiny_model
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     prompt = [5, 17, 99, 3]
-    tokens, logits = {}, {}
+    tokens, logits, decode_logprobs = {}, {}, {}
+    calls = []
     for fused in (False, True):
         llm = LLM(str(path), dtype="float32", progress=False)
         llm.runner.model.set_ops(triton_ops() if fused else TORCH_OPS)
-        tokens[fused] = llm.generate([prompt], params)[0].token_ids
+        for layer in llm.runner.model.layers if fused else []:
+            inner = layer.norm_gemv
+            layer.norm_gemv = lambda *a, inner=inner: calls.append(1) or inner(*a)
+        out = llm.generate([prompt], params)[0]
+        tokens[fused] = out.token_ids
+        decode_logprobs[fused] = [e.logprob for e in out.logprobs]
         logits[fused] = llm.runner.prompt_logits(prompt + tokens[fused], last=1)
+    assert calls, "decode did not take the add+RMSNorm inside the GEMV"
     assert tokens[True] == tokens[False]
+    assert decode_logprobs[True] == pytest.approx(decode_logprobs[False], abs=1e-5)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
