@@ -140,9 +140,10 @@ class LLM:
         launched = self.runner.launch(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        reaches_length_limit = self.output_processor.reaches_length_limit
         for seq in launched.seqs:
             seq.token_ids.append(PLACEHOLDER)
-            if self.output_processor.reaches_length_limit(seq, len(seq)):
+            if reaches_length_limit(seq, len(seq)):
                 # It ends with this token whatever the token is: schedule it no further.
                 self.scheduler.retire(seq)
         return launched

@@ -84,15 +84,17 @@ class OutputProcessor:
             top = seq.params.prompt_logprobs
             seq.prompt_logprobs += [_cut(e, top) for e in logprob_entries(tensors, targets)]
         entries = logprob_entries(launched.logprobs, tokens) if launched.logprobs else None
+        apply = self.apply  # once a step: this loop runs for every sequence
         for row, (seq, token) in enumerate(zip(launched.seqs, tokens)):
             if seq.is_finished:  # aborted while its token was in flight
                 continue
             # At most two tokens are in flight per sequence; this step's is the older one.
-            pos = len(seq.token_ids) - 1
-            if seq.token_ids[pos - 1] == PLACEHOLDER and pos > seq.num_prompt_tokens:
+            ids = seq.token_ids
+            pos = len(ids) - 1
+            if ids[pos - 1] == PLACEHOLDER and pos > seq.num_prompt_tokens:
                 pos -= 1
-            seq.token_ids[pos] = token
-            self.apply(seq, token, pos + 1, now, entries[row] if entries else None)
+            ids[pos] = token
+            apply(seq, token, pos + 1, now, entries[row] if entries else None)
             resolved.append((seq, token))
         return resolved
 

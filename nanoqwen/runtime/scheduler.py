@@ -90,12 +90,16 @@ class Scheduler:
 
     def _needs_chunks(self) -> bool:
         """Whether the next prompt is longer than one step takes beside the running
-        sequences (or is part-way through its chunks). A shorter one prefills in a step of
-        its own, as short as that mixed step would be, and the decode steps around it keep
-        their CUDA graphs: mixed steps run eagerly."""
+        sequences. A shorter one prefills in a step of its own, as short as that mixed step
+        would be, and the decode steps around it keep their CUDA graphs: mixed steps run
+        eagerly. A prompt part-way through its chunks is judged by its whole length: a long
+        one keeps its running neighbours company to its last chunk, and a short one that the
+        budget of the step before cut finishes in a prefill step (mixing it would make every
+        step of a burst of short prompts mixed, none of them sooner done)."""
         head = self.waiting[0]
         budget = self.config.max_num_batched_tokens - len(self.running)
-        return bool(head.block_table) or head.num_uncomputed_tokens > budget
+        tokens = len(head) if head.block_table else head.num_uncomputed_tokens
+        return tokens > budget
 
     def _schedule_mixed(self) -> Batch | None:
         """Every running sequence decodes, and waiting prompts prefill in the token budget
@@ -154,25 +158,29 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         scheduled: list[Sequence] = []
-        proposals: list[list[int]] = []
         running = deque(self.running)
-        guesses = {}
+        # Speculative decoding's guesses, by sequence id; none (and no per-sequence work for
+        # them, this loop runs for every sequence at every step) without a proposer.
+        guesses = None
         if self.propose is not None and running:
             guesses = {s.seq_id: p for s, p in zip(running, self.propose(list(running)))}
+        proposals: list[list[int]] = []
         while running:
             seq = running.popleft()
-            proposal = guesses.get(seq.seq_id, [])
-            if proposal and not self.blocks.can_grow(seq, len(seq) + len(proposal)):
+            length = len(seq)
+            proposal = guesses.get(seq.seq_id, []) if guesses else []
+            if proposal and not self.blocks.can_grow(seq, length + len(proposal)):
                 proposal = []  # a guess never preempts anyone
-            while not self.blocks.can_grow(seq, len(seq)):
+            while not self.blocks.can_grow(seq, length):
                 victim = running.pop() if running else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq, len(seq) + len(proposal))
+                self.blocks.grow(seq, length + len(proposal) if proposal else length)
                 scheduled.append(seq)
-                proposals.append(proposal)
+                if guesses:
+                    proposals.append(proposal)
         self.running = scheduled
         if not scheduled:
             return None

@@ -116,11 +116,53 @@ def test_max_num_batched_tokens_caps_prefill_and_splits_the_last_prompt():
     assert list(sched.waiting) == [c, d] and sched.running == [a, b]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 2
     assert len(c.block_table) == 1 and len(c) == 4 and c.output_token_ids == []
-    b2 = sched.schedule()  # a and b decode beside the rest of c and all of d
-    assert b2.is_prefill and b2.seqs == [a, b, c, d] and b2.num_new_tokens == [1, 1, 2, 4]
-    assert [b2.completes(i) for i in range(4)] == [True, True, True, True]
+    # c fits in a step beside a and b, so it needs no chunks: the budget cut it, and it
+    # finishes in a prefill step of its own (with d), not beside a's and b's next tokens.
+    b2 = sched.schedule()
+    assert b2.is_prefill and b2.seqs == [c, d] and b2.num_new_tokens == [2, 4]
+    assert [b2.completes(i) for i in range(2)] == [True, True]
     advance(sched, b2)
     assert sched.running == [a, b, c, d] and not sched.waiting
+
+
+def _mixed(batch: Batch) -> bool:
+    """Whether batch (scheduled, not yet advanced) holds running sequences' next tokens
+    beside prompt tokens."""
+    decodes = [s.num_output_tokens > 0 for s in batch.seqs]
+    return batch.is_prefill and any(decodes) and not all(decodes)
+
+
+def test_a_burst_of_prompts_that_each_fit_in_a_step_runs_no_mixed_step():
+    """pair.py's throughput workload in small: the budget cuts a prompt at the end of each
+    prefill step; the rest of it goes in the next prefill step, so every step is a prefill
+    or a decode (mixed steps run eagerly, and these would finish no request sooner)."""
+    sched = make_scheduler(num_blocks=256, max_num_batched_tokens=40)  # 40 - 20 >= 12
+    rng = random.Random(0)
+    seqs = [add(sched, rng.randint(3, 12), max_tokens=rng.randint(2, 12)) for _ in range(20)]
+    kinds = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert not _mixed(batch)
+        advance(sched, batch)
+        kinds.append(batch.is_prefill)
+    assert all(s.is_finished for s in seqs)
+    assert kinds.index(False) > 1 and all(not k for k in kinds[kinds.index(False) :])
+
+
+def test_a_long_prompt_mixes_to_its_last_chunk_and_a_short_one_cut_after_it_does_not():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a = add(sched, 2, max_tokens=32)
+    step(sched)
+    long = add(sched, 10)
+    short = add(sched, 5)
+    b1 = step(sched)
+    assert b1.seqs == [a, long] and b1.num_new_tokens == [1, 7]
+    b2 = step(sched)  # long's last chunk, still beside a; the budget cuts short
+    assert b2.seqs == [a, long, short] and b2.num_new_tokens == [1, 3, 4]
+    b3 = step(sched)  # short fits beside a and long: the rest of it prefills alone
+    assert b3.is_prefill and b3.seqs == [short] and b3.num_new_tokens == [1]
+    b4 = step(sched)
+    assert not b4.is_prefill and b4.seqs == [a, long, short]
 
 
 def test_chunked_prefill_keeps_the_partial_prompt_at_the_head():

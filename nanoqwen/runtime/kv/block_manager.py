@@ -72,12 +72,17 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     # ---- growing and freeing --------------------------------------------------------------
+    # can_grow and grow run for every running sequence at every step, where most need no
+    # new block: that case returns before anything else is looked at.
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether seq's blocks can be extended to hold num_tokens tokens in total."""
-        return self._missing_blocks(seq, num_tokens) <= self.pool.num_available
+        missing = self._missing_blocks(seq, num_tokens)
+        return not missing or missing <= self.pool.num_available
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         missing = self._missing_blocks(seq, num_tokens)
+        if not missing:
+            return
         if missing > self.pool.num_available:
             raise RuntimeError(
                 f"out of KV blocks: sequence {seq.seq_id} needs {missing}, "
@@ -142,8 +147,11 @@ class BlockManager:
     def register_computed(self, seq: Sequence) -> None:
         """Registers seq's blocks that are full of computed, known tokens, so later sequences
         can reuse them. Cheap when there is nothing new."""
-        if not self.enable_prefix_caching:
-            return
+        if (
+            not self.enable_prefix_caching
+            or seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks
+        ):
+            return  # nothing new (the common case, at every step for every running sequence)
         computed = min(seq.num_computed_tokens, known_length(seq))
         full = min(computed // self.block_size, len(seq.block_table))
         for i in range(seq.num_registered_blocks, full):
