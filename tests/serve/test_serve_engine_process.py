@@ -63,7 +63,12 @@ def engine_death_stops_the_server(
             )
             reader.start()
             waiter.start()
-            wait_for(server, lambda m: m["nanoqwen:num_requests_running"] == 2, "two running")
+            # Both have their first token and neither has ended: what the kill needs.
+            both = lambda m: (  # noqa: E731
+                m["nanoqwen:time_to_first_token_seconds_count"] == 2
+                and m["nanoqwen:e2e_request_latency_seconds_count"] == 0
+            )
+            wait_for(server, both, "two running")
             engine = server.engine_pid()
             os.kill(engine, signal.SIGKILL)
             killed = time.monotonic()
