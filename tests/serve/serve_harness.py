@@ -133,10 +133,16 @@ def process_gone(pid: int, timeout: float) -> bool:
 
 def wait_for(server: Server, condition, what: str, timeout: float = 30.0) -> dict[str, float]:
     """The server's metrics once condition(metrics) holds; AssertionError after timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    polls, slowest = 0, 0.0  # a server slow to answer /metrics shows in the failure
+    while time.monotonic() < start + timeout:
+        asked = time.monotonic()
         m = server.metrics()
+        polls, slowest = polls + 1, max(slowest, time.monotonic() - asked)
         if condition(m):
             return m
         time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen in {timeout} s: {server.metrics()}")
+    raise AssertionError(
+        f"{what} did not happen in {timeout} s ({polls} polls of /metrics, the slowest "
+        f"{slowest:.2f} s): {server.metrics()}"
+    )
