@@ -59,8 +59,11 @@ class ChoiceOutput:
     def merge(self, part: ChoiceOutput) -> None:
         self.text += part.text
         self.token_ids.extend(part.token_ids)  # its own list: each part's is new
-        if part.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + part.logprobs
+        if part.logprobs is not None:  # extended in place: a long answer merges many parts
+            if self.logprobs is None:
+                self.logprobs = list(part.logprobs)
+            else:
+                self.logprobs.extend(part.logprobs)
         self.finish_reason = part.finish_reason or self.finish_reason
         if part.cached_tokens is not None:
             self.cached_tokens = part.cached_tokens
