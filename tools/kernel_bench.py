@@ -109,8 +109,8 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
 
 def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
     """The Triton decode kernel over a bfloat16 and a float8 cache of bs sequences of ctx
-    tokens, over tile sizes and split counts: a float8 tile of the same keys moves half the
-    bytes, so its best tile or split count may differ."""
+    tokens, over tile sizes, split counts and pipeline stages: a float8 tile of the same keys
+    moves half the bytes, so its best tile, split count or depth may differ."""
     cfg = shape_config(shape)
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev = torch.device("cuda")
@@ -127,8 +127,9 @@ def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
         v_cache = torch.randn(blocks, PAGE, kvh, d, device=dev).to(kv_dtype)
         kv_bytes = bs * ctx * kvh * d * 2 * k_cache.element_size()
         row = {}
-        for tile, splits in itertools.product((64, 128, 256), (0, 1, 2, 4, 8)):
+        for tile, splits, stages in itertools.product((64, 128, 256), (0, 1, 2, 4, 8), (2, 3, 4)):
             da.TILE = da.LARGE_TILE = tile
+            da.NUM_STAGES = stages
 
             def tr(s=splits, k=k_cache, v=v_cache):
                 da.decode_attention(
@@ -137,15 +138,15 @@ def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
                 )  # fmt: skip
 
             try:
-                row[f"tile={tile} splits={splits or 'default'}"] = graph_us(tr)
+                row[f"tile={tile} splits={splits or 'default'} stages={stages}"] = graph_us(tr)
             except Exception as e:  # out of shared memory or registers
-                print(f"  tile={tile}: {type(e).__name__}")
-        da.TILE, da.LARGE_TILE = 64, 128
+                print(f"  tile={tile} stages={stages}: {type(e).__name__}")
+        da.TILE, da.LARGE_TILE, da.NUM_STAGES = 64, 128, 2
         best = sorted((v, k) for k, v in row.items())[:4]
         print(
             f"{shape} bs {bs} ctx {ctx} {str(kv_dtype).removeprefix('torch.')} "
             f"({kv_bytes / 1e6:.0f} MB of KV): default "
-            f"{row.get('tile=128 splits=default', float('nan')):.1f} µs; best: "
+            f"{row.get('tile=128 splits=default stages=2', float('nan')):.1f} µs; best: "
             + "; ".join(f"{k} {v:.1f} ({kv_bytes / v / 1e6:.2f} TB/s)" for v, k in best),
             flush=True,
         )
