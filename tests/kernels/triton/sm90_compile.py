@@ -5,6 +5,7 @@ line per case: its name and its compiled resource use, or its error."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -85,7 +86,75 @@ def sampler_cases():
     yield "sampler thresholds finish", st._finish_kernel, finish, flags, st.SEARCH_WARPS, 3
 
 
-CASES = (gemv_cases, sampler_cases)
+# (heads, KV heads, head dim) of the 0.5B and 7B shapes; bfloat16 and float8 KV caches.
+HEADS = {"0.5B": (14, 2, 64), "7B": (28, 4, 128)}
+CACHES = {"bf16": BF16, "fp8": "*fp8e4nv"}
+
+
+def attention_cases():
+    """The attention kernels and their neighbours at the shapes and settings their
+    launchers pick: decode (batch 1 with splits, large batch with long tiles), verify (k = 4),
+    prefill, the splits' merge, RoPE with the K/V write, add+RMSNorm, SiLU·up."""
+    from nanoqwen.kernels.triton import decode_attention as da
+    from nanoqwen.kernels.triton import prefill_attention as pa
+    from nanoqwen.kernels.triton import rms_norm, rope, silu_mul
+    from nanoqwen.kernels.triton import verify_attention as va
+
+    for (shape, (heads, kv_heads, dim)), (cache, cache_type) in itertools.product(
+        HEADS.items(), CACHES.items()
+    ):
+        group = heads // kv_heads
+        kv = dict(k_cache_ptr=cache_type, v_cache_ptr=cache_type, tables_ptr=I32)
+        heads_flags = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=256)
+        decode = dict(qkv_ptr=BF16, pos_ptr=I64, slot_ptr=I64, ctx_ptr=I32, order_ptr=I32,
+                      cos_ptr=F32, sin_ptr=F32, out_ptr=BF16, part_out_ptr=F32,
+                      part_lse_ptr=F32, qkv_stride="i32", table_stride="i32",
+                      scale_log2="fp32", **kv)  # fmt: skip
+        for tile, splits, ordered in ((da.TILE, 8, False), (da.LARGE_TILE, 1, True)):
+            pad = max(16, triton.next_power_of_2(group))
+            flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
+                         ORDERED=ordered, **heads_flags)  # fmt: skip
+            label = f"decode attention {shape} {cache} tile {tile} splits {splits}"
+            yield label, da._decode_kernel, decode, flags, da.NUM_WARPS, da.NUM_STAGES
+        rows = max(16, triton.next_power_of_2(5 * group))
+        verify = dict(q_ptr=BF16, ctx_ptr=I32, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,
+                      q_stride="i32", table_stride="i32", scale_log2="fp32", **kv)  # fmt: skip
+        flags = dict(Q=5, GROUP=group, ROWS=rows, TILE_N=va.TILE, NUM_SPLITS=8, **heads_flags)
+        warps = 4 if rows * dim <= 64 * 64 else 8
+        yield f"verify attention {shape} {cache}", va._verify_kernel, verify, flags, warps, 2
+        block_m, block_n, warps, stages = pa.prefill_config(dim, 4096)
+        prefill = dict(q_ptr=BF16, out_ptr=BF16, cu_q_ptr=I32, ctx_ptr=I32, q_stride="i32",
+                       table_stride="i32", scale_log2="fp32", **kv)  # fmt: skip
+        flags = dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, **heads_flags)
+        yield (
+            f"prefill attention {shape} {cache}",
+            pa._prefill_kernel,
+            prefill,
+            flags,
+            warps,
+            stages,
+        )
+        store = dict(qkv_ptr=BF16, qkv_stride="i32", pos_ptr=I64, cos_ptr=F32, sin_ptr=F32,
+                     slot_ptr=I64, k_cache_ptr=cache_type, v_cache_ptr=cache_type)  # fmt: skip
+        flags = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
+        yield f"rope and store {shape} {cache}", rope._rope_store_kernel, store, flags, 1, 3
+    merge = dict(part_out_ptr=F32, part_lse_ptr=F32, ctx_ptr=I32, out_ptr=BF16)
+    for rows_per_seq, offset in ((1, 1), (5, 0)):
+        flags = dict(NUM_HEADS=14, HEAD_DIM=64, NUM_SPLITS=8, SPLITS_PAD=8, TILE_N=da.TILE,
+                     ROWS_PER_SEQ=rows_per_seq, CACHED_OFFSET=offset)  # fmt: skip
+        yield f"merge splits x{rows_per_seq}", da.merge_splits_kernel, merge, flags, 1, 3
+    norm = dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, out_ptr=BF16, n_cols="i32",
+                x_stride="i32", res_stride="i32", out_stride="i32", eps="fp32")  # fmt: skip
+    for cols, residual in itertools.product((896, 3584), (False, True)):
+        flags = dict(HAS_RESIDUAL=residual, BLOCK=triton.next_power_of_2(cols))
+        warps = 4 if cols <= 2048 else 8
+        label = f"rms_norm {cols}" + (" +residual" if residual else "")
+        yield label, rms_norm._rms_norm_kernel, norm, flags, warps, 3
+    mlp = dict(gu_ptr=BF16, out_ptr=BF16, n_cols="i32", gu_stride="i32", out_stride="i32")
+    yield "silu_mul", silu_mul._silu_mul_kernel, mlp, dict(BLOCK=1024), 4, 3
+
+
+CASES = (gemv_cases, sampler_cases, attention_cases)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Triton kernels compiled for the H200 (sm_90) without a GPU (sm90_compile.py): each case
-compiles, and spills no registers to local memory, before it costs device time."""
+compiles, and spills no registers (its stack frame, where ptxas puts spilled registers:
+Triton inlines every call) beyond what is known, before it costs device time."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="Triton without its CUDA backend")
 ROOT = Path(__file__).resolve().parents[3]
+# Configurations chosen on the GPU that spill today (bytes of stack a thread): the
+# prefill kernel at BLOCK_M 128 and the decode kernel's long tiles at head dim 128 (7B).
+# A change may lower these, never raise them; spill-free settings exist (8 warps, or
+# shorter tiles) and are for tools/prefill_bench.py and tools/kernel_bench.py to weigh.
+KNOWN_SPILLS = {
+    "prefill attention 0.5B bf16": 440,
+    "prefill attention 0.5B fp8": 432,
+    "prefill attention 7B bf16": 376,
+    "prefill attention 7B fp8": 320,
+    "decode attention 7B bf16 tile 128 splits 1": 824,
+    "decode attention 7B fp8 tile 128 splits 1": 1040,
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +44,21 @@ def compiled() -> dict[str, dict]:
     return {r["case"]: r for r in results}
 
 
-def test_every_case_compiles_without_spilling(compiled):
+def test_every_case_compiles_without_new_spills(compiled):
     failed = {case: r["error"] for case, r in compiled.items() if "error" in r}
     assert not failed, failed
-    spills = {case: r["LOCAL"] for case, r in compiled.items() if r["LOCAL"]}
+    spills = {
+        case: r["STACK"] + r["LOCAL"]
+        for case, r in compiled.items()
+        if r["STACK"] + r["LOCAL"] > KNOWN_SPILLS.get(case, 0)
+    }
     assert not spills, spills
     # The cases the script lists, at least the kernels that run at every decode step.
-    assert {"gemv qkv +norm +residual", "gemv gate_up +norm", "sampler prepare"} <= set(compiled)
+    every_step = {
+        "gemv qkv +norm +residual",
+        "gemv gate_up +norm",
+        "sampler prepare",
+        "decode attention 0.5B bf16 tile 64 splits 8",
+        "rope and store 7B bf16",
+    }
+    assert every_step <= set(compiled)
