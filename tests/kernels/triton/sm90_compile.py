@@ -154,7 +154,24 @@ def attention_cases():
     yield "silu_mul", silu_mul._silu_mul_kernel, mlp, dict(BLOCK=1024), 4, 3
 
 
-CASES = (gemv_cases, sampler_cases, attention_cases)
+def quant_cases():
+    """The int4 tensor-core GEMV (kernels/triton/quant_gemv_mma.py) at the 7B shape's
+    projections, groups of 128 with offsets, with its launcher's configuration."""
+    from nanoqwen.kernels.triton import quant_gemv_mma as q
+
+    types = dict(x_ptr=BF16, qw_ptr=I32, s_ptr=BF16, o_ptr=BF16, b_ptr=BF16, y_ptr=BF16,
+                 N="i32", K="i32", KW="i32", G="i32")  # fmt: skip
+    for name, n, k, bias, silu in (
+        ("qkv", 4608, 3584, True, False), ("o", 3584, 3584, False, False),
+        ("gate_up", 37888, 3584, False, True), ("down", 3584, 18944, False, False),
+    ):  # fmt: skip
+        cfg = q.mma_gemv_config(n, k)
+        flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
+                     BP=cfg.panels, STAGES=cfg.num_stages, ASM=True)  # fmt: skip
+        yield f"int4 gemv 7B {name}", q._mma_gemv_kernel, types, flags, cfg.num_warps, 3
+
+
+CASES = (gemv_cases, sampler_cases, attention_cases, quant_cases)
 
 
 def main() -> None:
