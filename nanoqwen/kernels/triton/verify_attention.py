@@ -26,9 +26,9 @@ from nanoqwen.kernels.triton.decode_attention import (
     num_splits_for,
     split_range,
 )
+from nanoqwen.kernels.triton.prefill_attention import LOG2_E, _key_offsets
 
 TILE = 64  # keys per inner step
-LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -65,11 +65,11 @@ def _verify_kernel(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     table = tables_ptr + seq * table_stride
+    offs_n = tl.arange(0, TILE_N)
     for n0 in range(start, end, TILE_N):
-        n = n0 + tl.arange(0, TILE_N)
+        n = n0 + offs_n
         n_mask = n < end
-        block = tl.load(table + n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        base = ((block * PAGE + n % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+        base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, TILE_N, n_mask)
         # A float8 cache's keys and values widen to q's dtype for the dots.
         k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(dtype)))
