@@ -232,11 +232,13 @@ class ModelRunner:
             logits, tokens = graphs.replay(key)
             order = [(i, j) for j in range(graphs.width) for i, p in enumerate(proposals)
                      if j <= len(p)]  # fmt: skip
-            rows = None  # the logits' rows, for logprobs only
+            rows, flat = None, tokens.view(-1)  # rows: the logits' rows, for logprobs only
+            where = [j * key[0] + i for i, j in order]
             if self.sampler.state.max_logprobs is not None:
                 rows = self._tensor([i * graphs.width + j for i, j in order], torch.int64)
-            flat = tokens.view(-1)[self._tensor([j * key[0] + i for i, j in order], torch.int64)]
-            return conclude(logits, rows, flat, order, seqs, proposals, self.sampler, self._tensor)
+                flat, where = flat[self._tensor(where, torch.int64)], None
+            return conclude(logits, rows, flat, order, seqs, proposals, self.sampler,
+                            self._tensor, where=where, taken_back=True)  # fmt: skip
         ids, meta, rows = self.upload(self.inputs.verify(batch))
         x, residual = self.model(ids, meta)
         logits = self.model.compute_logits((x[rows], residual[rows]))

@@ -11,6 +11,7 @@ and no launch per field."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,15 +32,16 @@ class Layout:
 
         return Layout(shapes(int64), shapes(int32))
 
-    @property
+    # Cached: send() reads them every step, and numpy's prod costs microseconds a field.
+    @cached_property
     def int64_entries(self) -> int:
         return sum(int(np.prod(s)) for _, s in self.int64)
 
-    @property
+    @cached_property
     def int32_entries(self) -> int:
         return sum(int(np.prod(s)) for _, s in self.int32)
 
-    @property
+    @cached_property
     def entries(self) -> int:
         """The buffer's size in int64 entries."""
         return self.int64_entries + -(-self.int32_entries // 2)

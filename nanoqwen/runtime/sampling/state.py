@@ -224,6 +224,13 @@ class SamplingState:
         )
         self.out_pos.index_add_(0, slots, torch.ones_like(slots))
 
+    def unrecord_dropped(self, slots: torch.Tensor, tokens: torch.Tensor, dropped) -> None:
+        """unrecord() of the rows whose dropped (int32, 0 or 1) is 1, from device data alone
+        (in a verify graph, which knows its rejections only on the device). Atomic adds,
+        no sort: capturable."""
+        self.counts.view(-1).index_add_(0, slots * self.vocab + tokens, -dropped)
+        self.out_pos.index_add_(0, slots, -dropped.to(self.out_pos.dtype))
+
     def unrecord(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Takes back record(slots, tokens): speculative rows past a rejection."""
         self.counts.index_put_(

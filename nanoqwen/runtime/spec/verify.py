@@ -76,13 +76,19 @@ def conclude(
     proposals: list[list[int]],
     sampler: Sampler,
     to_device: ToDevice,
+    where: list[int] | None = None,
+    taken_back: bool = False,
 ) -> Verified:
     """What the sampled rows accept. tokens[n] (on the device) was sampled at depth j of
     sequence i for (i, j) = order[n], from logits[rows[n]] (rows: needed with logprobs
-    only); depths run 0..len(proposal) for each."""
+    only); depths run 0..len(proposal) for each. where: tokens[where[n]] instead, read on
+    the host (no gather on the device). taken_back: the rows past each rejection are no
+    longer counted in the sampler's slots (a verify graph does that itself)."""
     top = sampler.state.max_logprobs
     raw = sampler.logprobs(logits[rows], tokens, top) if top is not None else None
     host = tokens.tolist()  # the step's one wait for the device
+    if where is not None:
+        host = [host[q] for q in where]
     table: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
     where: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
     for n, (i, j) in enumerate(order):
@@ -94,7 +100,8 @@ def conclude(
         while a < len(proposal) and row_tokens[a] == proposal[a]:
             a += 1
         accepted.append(a)
-    _forget_rejected(sampler, seqs, table, accepted, to_device)
+    if not taken_back:
+        _forget_rejected(sampler, seqs, table, accepted, to_device)
     entries = None
     if raw is not None:
         all_entries = logprob_entries(tuple(t.cpu() for t in raw), host)

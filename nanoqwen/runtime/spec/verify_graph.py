@@ -12,7 +12,8 @@ sequences of exactly width = k + 1 rows each (k: num_speculative_tokens):
 
 The sampler runs once per depth j over rows j, width + j, 2 * width + j, ... (one per
 sequence), so each row's penalties and noise position follow the rows before it, as
-verify_rows does eagerly (spec/verify.py).
+verify_rows does eagerly (spec/verify.py); the graph then takes back the rows past each
+sequence's first rejection, which verify_rows leaves to the host.
 """
 
 from __future__ import annotations
@@ -60,14 +61,13 @@ class VerifyGraphRunner:
         self.table_width = -(-(max_model_len + self.width) // block_size)
         self.buffer = StepBuffer(verify_layout(bs, self.width, self.table_width), device)
         self.fields = self.buffer.fields
-        rows = torch.arange(bs * self.width, device=device).view(bs, self.width)
-        # Row indices of each depth, sequence by sequence: the sampler's input per depth.
-        self.depth_rows = rows.t().contiguous()
         self.cu_q = torch.arange(0, bs * self.width + 1, self.width, dtype=torch.int32,
                                  device=device)  # fmt: skip
 
     def _fill_padding(self, h, start: int, end: int) -> None:
         """Sequences start:end become padding: width rows over the scratch block."""
+        if start >= end:
+            return
         w, bs, scratch = self.width, self.kv.block_size, self.kv.scratch_block
         rows = slice(start * w, end * w)
         offsets = np.tile(np.arange(w), end - start)
@@ -128,10 +128,20 @@ class VerifyGraphRunner:
         x, residual = model(self.fields.ids[: bs * self.width], self.meta[bs])
         logits = model.compute_logits((x, residual))
         slots = self.fields.sampler_slots.view(self.width, self.max_bs)[:, :bs]
-        tokens = [
-            sampler(logits[self.depth_rows[j, :bs]], slots[j], filtering) for j in range(self.width)
-        ]
-        return logits, torch.stack(tokens)
+        # Depth j's rows j, width + j, ...: a strided view, which the sampler reads in place.
+        depths = logits.view(bs, self.width, -1)
+        tokens = torch.stack([
+            sampler(depths[:, j], slots[j], filtering) for j in range(self.width)
+        ])  # fmt: skip
+        # Rows past a sequence's first rejected proposal were counted as outputs of its slot
+        # (penalties, positions): take them back here, so the host has nothing to send
+        # after the replay. Row j stays while every proposal before it matched its row's
+        # token (filler rows sample into the scratch slot, where what stays does not matter).
+        proposed = self.fields.ids[: bs * self.width].view(bs, self.width)[:, 1:].t()
+        matched = (tokens[:-1] == proposed).to(torch.int32).cumprod(0, dtype=torch.int32)
+        sampler.state.unrecord_dropped(slots[1:].reshape(-1), tokens[1:].reshape(-1),
+                                       (1 - matched).reshape(-1))  # fmt: skip
+        return logits, tokens
 
     def can_run(self, seqs: list[Sequence], proposals: list[list[int]]) -> bool:
         return (
