@@ -10,6 +10,7 @@ and no launch per field."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from types import SimpleNamespace
@@ -32,14 +33,26 @@ class Layout:
 
         return Layout(shapes(int64), shapes(int32))
 
-    # Cached: send() reads them every step, and numpy's prod costs microseconds a field.
+    # Computed once a layout: every step reads them (math.prod, not numpy's, which costs
+    # microseconds a field).
+    @cached_property
+    def spans(self) -> tuple[tuple[bool, str, int, int, tuple[int, ...]], ...]:
+        """(is int32, name, start, size, shape) of each field, in its part of the buffer."""
+        spans = []
+        for is32, spec in ((False, self.int64), (True, self.int32)):
+            at = 0
+            for name, shape in spec:
+                spans.append((is32, name, at, math.prod(shape), shape))
+                at += math.prod(shape)
+        return tuple(spans)
+
     @cached_property
     def int64_entries(self) -> int:
-        return sum(int(np.prod(s)) for _, s in self.int64)
+        return sum(size for is32, _, _, size, _ in self.spans if not is32)
 
     @cached_property
     def int32_entries(self) -> int:
-        return sum(int(np.prod(s)) for _, s in self.int32)
+        return sum(size for is32, _, _, size, _ in self.spans if is32)
 
     @cached_property
     def entries(self) -> int:
@@ -53,14 +66,10 @@ class Layout:
             part32 = buffer[split:].view(np.int32)
         else:
             part32 = buffer[split:].view(torch.int32)
-        fields = {}
-        for part, spec in ((buffer, self.int64), (part32, self.int32)):
-            at = 0
-            for name, shape in spec:
-                size = int(np.prod(shape))
-                fields[name] = part[at : at + size].reshape(shape)
-                at += size
-        return SimpleNamespace(**fields)
+        return SimpleNamespace(**{
+            name: (part32 if is32 else buffer)[at : at + size].reshape(shape)
+            for is32, name, at, size, shape in self.spans
+        })  # fmt: skip
 
 
 class StepBuffer:
