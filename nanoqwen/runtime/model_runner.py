@@ -233,12 +233,12 @@ class ModelRunner:
             order = [(i, j) for j in range(graphs.width) for i, p in enumerate(proposals)
                      if j <= len(p)]  # fmt: skip
             rows, flat = None, tokens.view(-1)  # rows: the logits' rows, for logprobs only
-            where = [j * key[0] + i for i, j in order]
+            positions = [j * key[0] + i for i, j in order]
             if self.sampler.state.max_logprobs is not None:
                 rows = self._tensor([i * graphs.width + j for i, j in order], torch.int64)
-                flat, where = flat[self._tensor(where, torch.int64)], None
+                flat, positions = flat[self._tensor(positions, torch.int64)], None
             return conclude(logits, rows, flat, order, seqs, proposals, self.sampler,
-                            self._tensor, where=where, taken_back=True)  # fmt: skip
+                            self._tensor, positions=positions, taken_back=True)  # fmt: skip
         ids, meta, rows = self.upload(self.inputs.verify(batch))
         x, residual = self.model(ids, meta)
         logits = self.model.compute_logits((x[rows], residual[rows]))

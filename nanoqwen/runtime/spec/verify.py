@@ -76,19 +76,19 @@ def conclude(
     proposals: list[list[int]],
     sampler: Sampler,
     to_device: ToDevice,
-    where: list[int] | None = None,
+    positions: list[int] | None = None,
     taken_back: bool = False,
 ) -> Verified:
     """What the sampled rows accept. tokens[n] (on the device) was sampled at depth j of
     sequence i for (i, j) = order[n], from logits[rows[n]] (rows: needed with logprobs
-    only); depths run 0..len(proposal) for each. where: tokens[where[n]] instead, read on
-    the host (no gather on the device). taken_back: the rows past each rejection are no
+    only); depths run 0..len(proposal) for each. positions: tokens[positions[n]] instead,
+    read on the host (no gather on the device). taken_back: the rows past each rejection are no
     longer counted in the sampler's slots (a verify graph does that itself)."""
     top = sampler.state.max_logprobs
     raw = sampler.logprobs(logits[rows], tokens, top) if top is not None else None
     host = tokens.tolist()  # the step's one wait for the device
-    if where is not None:
-        host = [host[q] for q in where]
+    if positions is not None:
+        host = [host[q] for q in positions]
     table: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
     where: list[list[int]] = [[0] * (1 + len(p)) for p in proposals]
     for n, (i, j) in enumerate(order):
