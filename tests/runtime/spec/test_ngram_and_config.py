@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoqwen import EngineConfig, InvalidInputError
+from nanoqwen import EngineConfig, InvalidInputError, SamplingParams
+from nanoqwen.runtime.launched_step import PLACEHOLDER
+from nanoqwen.runtime.sequence import Sequence
 from nanoqwen.runtime.spec.config import SpeculativeConfig
 from nanoqwen.runtime.spec.ngram import NgramProposer
 
@@ -38,6 +40,32 @@ def test_nothing_is_proposed_without_a_match_of_min_n_tokens():
     assert p.lookup([1, 2, 3, 4, 5, 3]) == []  # only a 1-token match
     assert p.lookup([7]) == []
     assert NgramProposer(1, 4, 3).lookup([1, 2, 3, 4, 5, 3]) == [4, 5, 3]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    steps=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=5), max_size=12),
+)
+def test_a_growing_sequence_gets_the_proposals_of_a_fresh_search(prompt, steps):
+    """propose() keeps each sequence's tokens as an array between steps and appends what a
+    step added (one token, or accepted proposals too); what it proposes is the plain search
+    over the whole sequence, step after step, and after release as before it."""
+    p = NgramProposer(min_n=1, max_n=3, num_tokens=4)
+    seq = Sequence(list(prompt), SamplingParams())
+    for added in steps:
+        for token in added:
+            seq.token_ids.append(token)
+        assert p.propose([seq], [4]) == [plain_lookup(seq.token_ids, 1, 3, 4)]
+        assert p.propose([seq], [0]) == [[]]
+        # A token in flight: its placeholder, then the token in its place.
+        seq.token_ids.append(PLACEHOLDER)
+        p.propose([seq], [4])
+        seq.token_ids[-1] = added[0]
+        assert p.propose([seq], [4]) == [plain_lookup(seq.token_ids, 1, 3, 4)]
+    p.release(seq)
+    assert seq.seq_id not in p._arrays
+    assert p.propose([seq], [2]) == [plain_lookup(seq.token_ids, 1, 3, 2)]
 
 
 def test_the_limit_caps_the_proposal():
