@@ -72,21 +72,24 @@ def test_scaled_logits_are_hf_and_the_backends_agree(yarn_model):
 
 def test_native_decode_reads_the_scaled_tables(yarn_model):
     """The C decode kernel past position 64 (the first token comes from the prefill, the
-    second from a decode step over the same input on both backends): its log-probabilities
-    are the torch backend's, in bfloat16 (plain RoPE's tables move them by ~1)."""
+    second from a decode step): in bfloat16 its log-probabilities are the float32 torch
+    backend's (HF's, above) to bfloat16's rounding, the 0.15 a token that the GPU's HF
+    fidelity test allows. Plain RoPE's tables change even the first token. Against float32,
+    not the torch backend's bfloat16, whose own rounding depends on the CPU's matmul path
+    (0.14 from float32 on an AVX-512 machine without AMX)."""
     path, _ = yarn_model
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)
     outs = {}
-    for backend in ("native", "torch"):
-        llm = LLM(str(path), dtype="bfloat16", attention_backend=backend, block_size=16,
+    for backend, dtype in (("native", "bfloat16"), ("torch", "float32")):
+        llm = LLM(str(path), dtype=dtype, attention_backend=backend, block_size=16,
                   num_kv_blocks=64, progress=False)  # fmt: skip
         outs[backend] = llm.generate(PROMPTS, params)
-    for native, plain in zip(outs["native"], outs["torch"]):
-        assert native.token_ids[0] == plain.token_ids[0]
-        a, b = dict(native.logprobs[1].top), dict(plain.logprobs[1].top)
+    for native, reference in zip(outs["native"], outs["torch"]):
+        assert native.token_ids[0] == reference.token_ids[0]
+        a, b = dict(native.logprobs[1].top), dict(reference.logprobs[1].top)
         shared = a.keys() & b.keys()
         assert len(shared) >= 3
-        assert max(abs(a[t] - b[t]) for t in shared) < 0.06
+        assert max(abs(a[t] - b[t]) for t in shared) < 0.15
 
 
 def test_plain_rope_past_the_original_context_would_differ(yarn_model):
