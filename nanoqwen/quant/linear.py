@@ -19,6 +19,9 @@ kernels of the device it lives on:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +46,22 @@ from nanoqwen.quant.gguf_rows import GGUFRows
 # kernels read the file's blocks once for up to their MAX_ROWS rows, which wins there for the
 # lm_head, the step's largest weight: a speculative step's few rows stay with them.
 CPU_PACKED_MAX_ROWS = 4
+# Set while a step's rows must come out as decode steps would compute them, however many
+# (a speculative verify step, whose rows are compared with what plain decoding samples):
+# rows past the few-row kernels' limit then go through those kernels a few at a time, not
+# through the int8 matmul over requantized codes, whose near-ties can fall the other way.
+_DECODE_ARITHMETIC = contextvars.ContextVar("decode_arithmetic", default=False)
+
+
+@contextlib.contextmanager
+def decode_arithmetic():
+    token = _DECODE_ARITHMETIC.set(True)
+    try:
+        yield
+    finally:
+        _DECODE_ARITHMETIC.reset(token)
+
+
 # What kernels.cpu.gguf.gguf_matmul reads.
 GGUF_KINDS = ("q5_0", "q4_0", "q5_1", "q4_1", "q8_0", "q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 _INT4_GROUPS = (32, 64, 128, 256)
@@ -182,7 +201,10 @@ class QuantizedLinear(nn.Module):
         shape = (*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         few = GGUF_MAX_ROWS if self._file_blocks else CPU_PACKED_MAX_ROWS
-        if x2.shape[0] > few or self.kind in ("dequant", "unprepared"):
+        prepared = self.kind not in ("dequant", "unprepared")
+        if x2.shape[0] > few and prepared and _DECODE_ARITHMETIC.get():
+            return torch.cat([self.forward(rows) for rows in x2.split(few)]).view(shape)
+        if x2.shape[0] > few or not prepared:
             if self._int8 is None and self._file_blocks:
                 self._int8 = self._packed_int8()  # prepare()'s prefill_copy=False
             if self._int8 is None or x.dtype == torch.float32:

@@ -16,6 +16,7 @@ import torch
 
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.model.qwen2 import Qwen2ForCausalLM
+from nanoqwen.quant.linear import decode_arithmetic
 from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
@@ -240,8 +241,9 @@ class ModelRunner:
             return conclude(logits, rows, flat, order, seqs, proposals, self.sampler,
                             self._tensor, positions=positions, taken_back=True)  # fmt: skip
         ids, meta, rows = self.upload(self.inputs.verify(batch))
-        x, residual = self.model(ids, meta)
-        logits = self.model.compute_logits((x[rows], residual[rows]))
+        with decode_arithmetic():  # each row as a decode step would compute it
+            x, residual = self.model(ids, meta)
+            logits = self.model.compute_logits((x[rows], residual[rows]))
 
         def sample(row_logits: torch.Tensor, row_seqs: list[Sequence]) -> torch.Tensor:
             return self._sample(row_logits, row_seqs, filtering)

@@ -35,7 +35,7 @@ from nanoqwen.quant.gguf_packed import (
     keeps_file_blocks,
     to_canonical,
 )
-from nanoqwen.quant.linear import QuantizedLinear
+from nanoqwen.quant.linear import QuantizedLinear, decode_arithmetic
 from nanoqwen.quant.scheme import SCHEMES
 
 gguf = pytest.importorskip("gguf")
@@ -377,3 +377,17 @@ def test_a_file_without_a_bos_id_loads(tmp_path):
     llm = _engine(path)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[5, 17, 99]], params)[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_decode_arithmetic_runs_any_number_of_rows_as_decode_steps_would(type_name):
+    """A speculative verify step's rows (decode_arithmetic) come out bit for bit as one-row
+    decode steps would compute them, past the GEMV kernels' 8 rows too; outside it, 13 rows
+    take the int8 matmul over requantized codes, which is not that arithmetic."""
+    layer = QuantizedLinear(from_file(type_name, random_blocks(type_name, 64, 512, seed=7)), None)
+    layer.prepare(torch.bfloat16)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    one_by_one = torch.cat([layer(row[None]) for row in x])
+    with decode_arithmetic():
+        assert torch.equal(layer(x), one_by_one)
+    assert not torch.equal(layer(x), one_by_one)
