@@ -42,8 +42,9 @@ class Layout:
         for is32, spec in ((False, self.int64), (True, self.int32)):
             at = 0
             for name, shape in spec:
-                spans.append((is32, name, at, math.prod(shape), shape))
-                at += math.prod(shape)
+                size = math.prod(shape)
+                spans.append((is32, name, at, size, shape))
+                at += size
         return tuple(spans)
 
     @cached_property

@@ -224,16 +224,12 @@ class SamplingState:
         )
         self.out_pos.index_add_(0, slots, torch.ones_like(slots))
 
-    def unrecord_dropped(self, slots: torch.Tensor, tokens: torch.Tensor, dropped) -> None:
-        """unrecord() of the rows whose dropped (int32, 0 or 1) is 1, from device data alone
-        (in a verify graph, which knows its rejections only on the device). Atomic adds,
-        no sort: capturable."""
+    def unrecord(self, slots: torch.Tensor, tokens: torch.Tensor, dropped=None) -> None:
+        """Takes back record(slots, tokens): speculative rows past a rejection. dropped
+        (int32, 0 or 1 a row) takes back only the rows marked 1, from device data alone (a
+        verify graph knows its rejections only on the device). Atomic adds, no sort:
+        capturable."""
+        if dropped is None:
+            dropped = torch.ones_like(tokens, dtype=torch.int32)
         self.counts.view(-1).index_add_(0, slots * self.vocab + tokens, -dropped)
         self.out_pos.index_add_(0, slots, -dropped.to(self.out_pos.dtype))
-
-    def unrecord(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Takes back record(slots, tokens): speculative rows past a rejection."""
-        self.counts.index_put_(
-            (slots, tokens), torch.full_like(tokens, -1, dtype=torch.int32), accumulate=True
-        )
-        self.out_pos.index_add_(0, slots, torch.full_like(slots, -1))

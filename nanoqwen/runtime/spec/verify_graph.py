@@ -139,8 +139,8 @@ class VerifyGraphRunner:
         # token (filler rows sample into the scratch slot, where what stays does not matter).
         proposed = self.fields.ids[: bs * self.width].view(bs, self.width)[:, 1:].t()
         matched = (tokens[:-1] == proposed).to(torch.int32).cumprod(0, dtype=torch.int32)
-        sampler.state.unrecord_dropped(slots[1:].reshape(-1), tokens[1:].reshape(-1),
-                                       (1 - matched).reshape(-1))  # fmt: skip
+        sampler.state.unrecord(slots[1:].reshape(-1), tokens[1:].reshape(-1),
+                               (1 - matched).reshape(-1))  # fmt: skip
         return logits, tokens
 
     def can_run(self, seqs: list[Sequence], proposals: list[list[int]]) -> bool:
