@@ -65,6 +65,8 @@ def mixed_setup(llm: LLM, a) -> tuple:
     long = llm.add_request([(7 * j + 1) % vocab for j in range(a.prompt_len)], GREEDY)
     for _ in range(3):  # warm: the first mixed steps compile and tune
         step()
+    if long.num_computed_tokens == 0:
+        raise SystemExit("the long prompt was not admitted beside the streams")
     left = (len(long) - long.num_computed_tokens) // max(1, a.budget - a.streams)
     # Profiled, then timed after 10 more: all of them while the prompt still has chunks.
     steps = min(20, (left - 13) // 2)
@@ -85,8 +87,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--rows", type=int, default=20, help="kernels to list")
     a = ap.parse_args()
+    # mixed: the streams and the long prompt run together.
     options = dict(random_shape=a.shape, device="cuda", kv_cache_dtype=a.kv_cache_dtype,
-                   max_num_seqs=max(8, a.streams), progress=False)  # fmt: skip
+                   max_num_seqs=max(8, a.streams + 1), progress=False)  # fmt: skip
     if a.step == "verify":
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": a.k}
     if a.step == "mixed":

@@ -182,9 +182,10 @@ class LLM:
         return resolved
 
     def _step_speculative(self) -> list[tuple[Sequence, int]]:
-        """One step, waited for: proposals follow a sequence's newest token, so it has to be
-        read back before the next step is scheduled. While every running sequence backs off
-        from proposing (spec/speculator.py), plain steps run one step ahead instead."""
+        """Proposals follow a sequence's newest token, so a step that may propose reads the
+        step in flight back before it is scheduled, and a verify step is waited for. A step
+        that proposes nothing, and every step while each running sequence backs off from
+        proposing (spec/speculator.py), runs one step ahead as a plain one does."""
         if not self.speculator.due(self.scheduler.running):
             self.speculator.holding = True
             try:
@@ -197,10 +198,12 @@ class LLM:
             return resolved
         if batch.proposals is not None:
             return resolved + self._verify(batch)
+        # Nothing proposed: this step runs ahead, as a plain one does; the next step() that
+        # proposes reads it back first.
         launched = self._launch(batch)
         launched.complete()
         self._launched = launched
-        return resolved + self._resolve()
+        return resolved
 
     def drain(self) -> list[tuple[Sequence, int]]:
         """Applies the step still in flight, if any."""

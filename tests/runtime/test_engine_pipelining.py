@@ -63,3 +63,23 @@ def test_a_paused_stream_loses_nothing_when_generate_runs_meanwhile(tiny_model):
     assert [t for c in chunks for t in c.token_ids] == expected.token_ids
     assert "".join(c.text for c in chunks) == expected.text
     assert [c.finished for c in chunks].count(True) == 1 and chunks[-1].finished
+
+
+def test_a_speculative_step_that_proposes_nothing_runs_ahead(tiny_model):
+    """Prompt lookup that finds no match costs no wait: the step is launched before the one
+    in flight is read back, as in a plain engine."""
+    path, _ = tiny_model
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 8,
+            "prompt_lookup_max": 8}  # fmt: skip
+    llm = LLM(str(path), block_size=16, num_kv_blocks=64, progress=False, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    seq = llm._add(list(range(40, 52)), params, False)
+    assert llm.step() == []  # prefill launched
+    resolved = llm.step()  # a decode step launched, the prefill's token applied
+    assert [s for s, _ in resolved] == [seq]
+    assert seq.token_ids[-1] == PLACEHOLDER
+    assert llm.speculator.stats.num_verified == 0
+    while not seq.is_finished:
+        llm.step()
+    plain = _llm(tiny_model).generate([list(range(40, 52))], params)[0].token_ids
+    assert seq.output_token_ids == plain
