@@ -77,6 +77,8 @@ def paged_attention(
     ctx = meta.context_lens.tolist()
     for i in range(len(ctx)):
         s, e = starts[i], starts[i + 1]
+        if s == e:  # a padded layout's sequence of no rows (runtime/prefill_graph.py)
+            continue
         table = meta.block_tables[i : i + 1, : -(-ctx[i] // block_size)]
         k = gather_kv(k_cache, table)
         v = gather_kv(v_cache, table)

@@ -222,7 +222,7 @@ def _assemble(
         graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch if sampler else 0)
     # The longest chunk there can be; every rank computes the same, so all capture alike.
     longest = min(c.max_num_batched_tokens, max_len)
-    prefill_graphs = _prefill_graphs(graphs, backend, kv, longest)
+    prefill_graphs = _prefill_graphs(graphs, backend, kv, longest, max_num_seqs)
     if worker:
         runner = WorkerRunner(net, kv, host, graphs, prefill_graphs, parallel)
         _capture(runner, max_len, variants, backend.cascade_from, progress=False)
@@ -256,12 +256,12 @@ def capture_logits_graphs(parts: EngineParts, progress: bool = False) -> None:
     runner.graphs = graphs
 
 
-def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int):
-    """Graphs for short single-sequence prefills wherever decode has graphs and the backend
-    can capture a prefill."""
+def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int, max_num_seqs: int):
+    """Graphs for short prefill-shaped steps (a prompt, a mixed step) wherever decode has
+    graphs and the backend can capture a prefill."""
     if graphs is None or not backend.captures_prefill:
         return None
-    return PrefillGraphRunner(max_tokens, kv, graphs.sampler_scratch)
+    return PrefillGraphRunner(max_tokens, max_num_seqs, kv, graphs.sampler_scratch)
 
 
 def _verify_graphs(c: EngineConfig, graphs, backend, kv: KVCache):

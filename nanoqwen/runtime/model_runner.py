@@ -168,6 +168,21 @@ class ModelRunner:
         logits, tokens = self.graphs.replay(key)
         return logits[:n], None if tokens is None else tokens[:n]
 
+    def _replay_prefill(self, batch: Batch, seqs: list[Sequence], filtering: bool):
+        """The prefill graph's logits and tokens for the sequences of batch that complete
+        (seqs); the others' rows only fill the KV cache."""
+        graphs = self.prefill_graphs
+        _, sources, pending = self.token_sources(batch.seqs)
+        slots = self.sampler.slots(seqs)
+        key = graphs.prepare(batch, sources if pending else None, slots, filtering)
+        if pending:  # running sequences' newest tokens, in flight from the step before
+            f, rows = graphs.fields, key[0]
+            f.ids[:rows].copy_(self.fill_placeholders(f.ids[:rows], f.sources[:rows]))
+        self._announce_prefill_graph(key)
+        logits, tokens = graphs.replay(key)
+        n = len(seqs)
+        return logits[:n], None if tokens is None else tokens[:n]
+
     @torch.inference_mode()
     def sample(self, out: StepOutput) -> None:
         """Samples a step that execute() left unsampled, its grammars' masks as they are now."""
@@ -196,9 +211,7 @@ class ModelRunner:
             and self.prefill_graphs is not None
             and self.prefill_graphs.can_run(batch)
         ):
-            key = self.prefill_graphs.prepare(batch, self.sampler.slots(batch.seqs)[0], filtering)
-            self._announce_prefill_graph(key)
-            logits, tokens = self.prefill_graphs.replay(key)
+            logits, tokens = self._replay_prefill(batch, seqs, filtering)
         elif batch.is_prefill:
             ids, meta, rows = self.prepare_prefill(batch)
             x, residual = self.model(ids, meta)

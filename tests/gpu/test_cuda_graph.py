@@ -10,6 +10,7 @@ import torch
 from conftest import launch_two_steps_without_host_sync
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.runtime.prefill_graph import buckets
 from nanoqwen.runtime.scheduler import Batch
 
 pytest.importorskip("triton", reason="the Triton backend's graphs need triton")
@@ -203,8 +204,9 @@ def test_capture_warm_ups_run_every_padding_row(gpu_model):
     for (bs, *_), meta in graphs.meta.items():
         assert sorted(meta.decode_order.tolist()) == list(range(bs))
     # Every warm-up row sampled in the scratch slot, each token inside its row of counts
-    # (one row per prefill graph's warm-up too).
-    warm_ups = sum(bs for bs, *_ in graphs.meta) + len(llm.runner.prefill_graphs.graphs)
+    # (each prefill graph's warm-up samples each of its logit rows there too).
+    warm_ups = sum(bs for bs, *_ in graphs.meta)
+    warm_ups += sum(rows for _, rows, _ in llm.runner.prefill_graphs.graphs)
     assert int(state.counts[state.scratch].sum()) == warm_ups
     assert int(graphs.ids.abs().sum()) == 0
 
@@ -216,7 +218,7 @@ def _prefill_engine(gpu_model, backend, **kw) -> LLM:
     if not llm.runner.model.layers[0].self_attn.backend.captures_prefill:
         assert llm.runner.prefill_graphs is None
         pytest.skip(f"the {backend[0]} backend captures no prefill")
-    assert llm.runner.prefill_graphs.sizes == [16, 32, 64, 128, 256, 512]
+    assert llm.runner.prefill_graphs.sizes == buckets(kw.get("max_num_batched_tokens", 8192))
     return llm
 
 
@@ -227,17 +229,26 @@ def _prefill_one(llm: LLM, prompt: list[int], params=None) -> Batch:
     return b
 
 
+def _forward_eagerly(graphs, key) -> torch.Tensor:
+    """The logits the prefill graph of key computes, run eagerly over its buffers as they
+    are (without its sampler, which would count the rows as outputs again)."""
+    sampler, graphs.sampler = graphs.sampler, None
+    try:
+        with torch.inference_mode():
+            return graphs.forward(key)[0]
+    finally:
+        graphs.sampler = sampler
+
+
 def _check_prefill_graph(llm: LLM, b: Batch, bucket: int, monkeypatch) -> None:
     """The graph's logits are its step's run eagerly on its own buffers, bit for bit, and
     close to the runner's eager prefill of the chunk alone, on the same attention kernel.
     (flash-attn's prefill, which the eager step takes where installed, differs from the
     Triton kernel by a bf16 step here and there: up to ~0.1 in these logits.)"""
     runner, graphs = llm.runner, llm.runner.prefill_graphs
-    assert graphs.can_run(b)
+    assert graphs.bucket(b) == bucket
     graph_logits = runner.compute_logits(b).clone()
-    with torch.inference_mode():
-        eager = graphs._forward(runner.model, bucket, graphs.meta[bucket])
-    assert torch.equal(graph_logits, eager)
+    assert torch.equal(graph_logits, _forward_eagerly(graphs, (bucket, 1, False))[:1])
     monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
     runner.prefill_graphs = None
     try:
@@ -253,7 +264,7 @@ def _check_prefill_graph(llm: LLM, b: Batch, bucket: int, monkeypatch) -> None:
         assert torch.equal(plain.argmax(-1), graph_logits.argmax(-1))
 
 
-@pytest.mark.parametrize("length", [1, 15, 16, 100, 511])
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 100, 512])
 def test_prefill_graph_replay_matches_eager(gpu_model, backend, length, monkeypatch):
     llm = _prefill_engine(gpu_model, backend)
     # The capture warm-ups wrote nothing outside the KV cache's scratch block.
@@ -261,7 +272,7 @@ def test_prefill_graph_replay_matches_eager(gpu_model, backend, length, monkeypa
     assert not any(t[: kv.scratch_block].any() for t in kv.k + kv.v)
     assert all(torch.isfinite(t).all() for t in llm.runner.model.state_dict().values())
     b = _prefill_one(llm, [(7 * j) % 997 for j in range(length)])
-    bucket = next(s for s in (16, 32, 64, 128, 256, 512) if s > length)
+    bucket = next(s for s in (16, 32, 64, 128, 256, 512) if s >= length)
     _check_prefill_graph(llm, b, bucket, monkeypatch)
 
 
@@ -310,3 +321,76 @@ def test_prefill_graphs_and_eager_generate_the_same_tokens(gpu_model, backend, m
             # bf16 roundings, which 18 tokens of decoding moved by ~2 steps here.
             step = 2.0 ** (torch.floor(torch.log2(best.values[0])).item() - 7)
             assert best.values[0] - best.values[1] <= 4 * step, (length, k, best.values)
+
+
+def _mixed_batch(llm: LLM, streams: int, chunk_prompt: int, params=None) -> Batch:
+    """streams sequences decoding, then a prompt of chunk_prompt tokens: the step that
+    follows is mixed (their next tokens beside its first chunk)."""
+    _decode_batch(llm, [20 + 3 * i for i in range(streams)], params)
+    for _ in range(3):
+        llm.step()
+    llm._add([(11 * j) % 997 for j in range(chunk_prompt)], SamplingParams(max_tokens=4),
+             detokenize=False)  # fmt: skip
+    b = llm.scheduler.schedule()
+    assert b.is_prefill and len(b.seqs) == streams + 1
+    return b
+
+
+@pytest.mark.parametrize("streams", [1, 13, 60])
+def test_mixed_step_graph_matches_its_eager_forward(gpu_model, backend, streams, monkeypatch):
+    """Streams beside a prompt's chunk in one graph, some ids still in flight: the replay's
+    logits are those of the same step run eagerly over the graph's buffers, bit for bit, and
+    close to the runner's eager step (other GEMM shapes and, with flash-attn, its prefill)."""
+    llm = _prefill_engine(gpu_model, backend, max_num_batched_tokens=128)
+    b = _mixed_batch(llm, streams, 300)
+    runner, graphs = llm.runner, llm.runner.prefill_graphs
+    assert graphs.bucket(b) == 128
+    graph_logits = runner.compute_logits(b).clone()
+    rows = graphs.capacity(128) - 1
+    assert graph_logits.shape == (streams, 1000)
+    assert torch.equal(graph_logits, _forward_eagerly(graphs, (128, rows, False))[:streams])
+    monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
+    runner.prefill_graphs = None
+    try:
+        plain = runner.compute_logits(b)
+    finally:
+        runner.prefill_graphs = graphs
+    torch.testing.assert_close(graph_logits, plain, rtol=0.02, atol=0.1)
+
+
+def test_streams_beside_a_long_prompt_in_graphs_keep_their_tokens(gpu_model, backend, monkeypatch):
+    """Greedy and seeded streams decode while a long prompt prefills in chunks of a 64-token
+    budget: every mixed step replays a graph, and every request's tokens are those of an
+    eager engine (both prefill with the Triton kernel)."""
+    if backend[0] == "flash-attn":
+        pytest.skip("flash-attn's graphs may split keys where its eager step does not")
+    monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
+    params = [MIXED[0], MIXED[2], MIXED[5]]
+    runs = []
+    for eager in (False, True):
+        llm = _engine(gpu_model, backend, max_num_batched_tokens=64, enforce_eager=eager)
+        replays = []
+        if not eager:
+            graphs = llm.runner.prefill_graphs
+            graphs.replay = lambda key, f=graphs.replay, seen=replays: seen.append(key) or f(key)
+        seqs = [llm.add_request([(5 * i + j) % 997 for j in range(9 + i)], p)
+                for i, p in enumerate(params)]  # fmt: skip
+        for _ in range(3):
+            llm.step()
+        long = llm.add_request([(13 * j) % 997 for j in range(400)], MIXED[0])
+        seqs.append(long)
+        while llm.scheduler.has_unfinished():
+            llm.step()
+        llm.drain()
+        runs.append([s.output_token_ids for s in seqs])
+        if not eager:
+            assert replays.count((64, 64, False)) >= 400 // 64  # the mixed steps
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("params", MIXED, ids=map(str, range(6)))
+def test_mixed_step_graphs_have_no_host_sync(gpu_model, backend, params):
+    llm = _prefill_engine(gpu_model, backend, max_num_batched_tokens=128)
+    b = _mixed_batch(llm, 5, 200, [params])
+    assert llm.runner.prefill_graphs.can_run(b)
+    launch_two_steps_without_host_sync(llm, b)

@@ -24,7 +24,7 @@ class Op(IntEnum):
     STEP = 1  # a prefill or eager decode step: inputs in the packed payload
     GRAPH = 2  # a CUDA graph replay: inputs are the graph runner's static buffer
     SHUTDOWN = 3
-    PREFILL_GRAPH = 4  # a prefill graph's replay: GRAPH_BS is its bucket
+    PREFILL_GRAPH = 4  # a prefill graph's replay: GRAPH_BS its bucket, GRAPH_VARIANT its logit rows
 
 
 class Field(IntEnum):

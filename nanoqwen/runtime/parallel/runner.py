@@ -87,8 +87,8 @@ class ParallelModelRunner(ModelRunner):
         self.channel.send(h, self._copies())
 
     def _announce_prefill_graph(self, key) -> None:
-        bucket, filtering = key
-        h = header(Op.PREFILL_GRAPH, graph_bs=bucket, graph_filtering=filtering)
+        bucket, rows, filtering = key
+        h = header(Op.PREFILL_GRAPH, graph_bs=bucket, graph_variant=rows, graph_filtering=filtering)
         self.channel.send(h, self._copies())
 
     # ---- failure and shutdown ---------------------------------------------------------------

@@ -77,7 +77,8 @@ class WorkerRunner:
                 )  # fmt: skip
                 self.graphs.replay(key)  # its first kernel receives rank 0's inputs
             elif h[Field.OP] == Op.PREFILL_GRAPH:
-                self.prefill_graphs.replay((h[Field.GRAPH_BS], bool(h[Field.GRAPH_FILTERING])))
+                key = (h[Field.GRAPH_BS], h[Field.GRAPH_VARIANT], bool(h[Field.GRAPH_FILTERING]))
+                self.prefill_graphs.replay(key)
             else:
                 self._step(h, prompt_rows)
 

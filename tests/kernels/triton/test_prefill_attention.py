@@ -149,3 +149,18 @@ def test_a_prefill_graph_bucket_computes_the_chunk_as_alone():
     torch.testing.assert_close(padded[:21], expected, rtol=1e-6, atol=1e-6)
     own = meta.block_tables[0, :4].long()
     assert torch.equal(k_cache[own], k_alone[own]) and torch.equal(v_cache[own], v_alone[own])
+
+
+def test_a_mixed_step_bucket_with_sequences_of_no_rows_matches_the_reference():
+    """A mixed step's graph (runtime/prefill_graph.py): two decoding sequences, a prompt
+    chunk, the padding sequence, and sequences of no rows up to the bucket's capacity, with
+    max_seqlen_q the bucket's size. Every row is what the torch backend computes."""
+    heads, kv_heads, head_dim, page = 4, 2, 64, 16
+    runs = [(40, 1), (12, 1), (30, 21), (0, 9), (0, 0), (0, 0)]
+    qkv, k_cache, v_cache, meta = paged_prefill_step(runs, heads, kv_heads, head_dim, page,
+                                                     torch.float32, seed=5)  # fmt: skip
+    meta.max_seqlen_q, meta.padded = 32, True
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 23, 32, 32, 32]
+    (out, k, v), (ref, k_ref, v_ref) = _run_both(qkv, k_cache, v_cache, meta, head_dim)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
