@@ -326,13 +326,14 @@ def test_prefill_graphs_and_eager_generate_the_same_tokens(gpu_model, backend, m
 def _mixed_batch(llm: LLM, streams: int, chunk_prompt: int, params=None) -> Batch:
     """streams sequences decoding, then a prompt of chunk_prompt tokens: the step that
     follows is mixed (their next tokens beside its first chunk)."""
-    _decode_batch(llm, [20 + 3 * i for i in range(streams)], params)
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    _decode_batch(llm, [20 + 3 * i for i in range(streams)], params or [long])
     for _ in range(3):
         llm.step()
     llm._add([(11 * j) % 997 for j in range(chunk_prompt)], SamplingParams(max_tokens=4),
              detokenize=False)  # fmt: skip
     b = llm.scheduler.schedule()
-    assert b.is_prefill and len(b.seqs) == streams + 1
+    assert b.is_prefill and len(b.seqs) > 1 and b.num_new_tokens[:-1] == [1] * (len(b.seqs) - 1)
     return b
 
 
@@ -344,7 +345,7 @@ def test_mixed_step_graph_matches_its_eager_forward(gpu_model, backend, streams,
     llm = _prefill_engine(gpu_model, backend, max_num_batched_tokens=128)
     b = _mixed_batch(llm, streams, 300)
     runner, graphs = llm.runner, llm.runner.prefill_graphs
-    assert graphs.bucket(b) == 128
+    assert graphs.bucket(b) == 128 and len(b.seqs) == streams + 1
     graph_logits = runner.compute_logits(b).clone()
     rows = graphs.capacity(128) - 1
     assert graph_logits.shape == (streams, 1000)
