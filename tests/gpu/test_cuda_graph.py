@@ -328,7 +328,7 @@ def _mixed_batch(llm: LLM, streams: int, chunk_prompt: int, params=None) -> Batc
     follows is mixed (their next tokens beside its first chunk)."""
     long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     _decode_batch(llm, [20 + 3 * i for i in range(streams)], params or [long])
-    for _ in range(3):
+    while any(s.num_output_tokens < 2 for s in llm.scheduler.running):
         llm.step()
     llm._add([(11 * j) % 997 for j in range(chunk_prompt)], SamplingParams(max_tokens=4),
              detokenize=False)  # fmt: skip
