@@ -240,6 +240,16 @@ def _forward_eagerly(graphs, key) -> torch.Tensor:
         graphs.sampler = sampler
 
 
+def _eager_step_logits(runner, b: Batch, monkeypatch) -> torch.Tensor:
+    """The runner's eager step of b, its prefill on the Triton kernel as in the graphs."""
+    monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
+    graphs, runner.prefill_graphs = runner.prefill_graphs, None
+    try:
+        return runner.compute_logits(b)
+    finally:
+        runner.prefill_graphs = graphs
+
+
 def _check_prefill_graph(llm: LLM, b: Batch, bucket: int, monkeypatch) -> None:
     """The graph's logits are its step's run eagerly on its own buffers, bit for bit, and
     close to the runner's eager prefill of the chunk alone, on the same attention kernel.
@@ -249,12 +259,7 @@ def _check_prefill_graph(llm: LLM, b: Batch, bucket: int, monkeypatch) -> None:
     assert graphs.bucket(b) == bucket
     graph_logits = runner.compute_logits(b).clone()
     assert torch.equal(graph_logits, _forward_eagerly(graphs, (bucket, 1, False))[:1])
-    monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
-    runner.prefill_graphs = None
-    try:
-        plain = runner.compute_logits(b)
-    finally:
-        runner.prefill_graphs = graphs
+    plain = _eager_step_logits(runner, b, monkeypatch)
     assert plain.shape == graph_logits.shape == (1, 1000)
     # Other GEMM shapes (the bucket's rows), so not bit for bit; a wrong key or row would
     # move these logits (~6 at most) by far more.
@@ -350,12 +355,7 @@ def test_mixed_step_graph_matches_its_eager_forward(gpu_model, backend, streams,
     rows = graphs.capacity(128) - 1
     assert graph_logits.shape == (streams, 1000)
     assert torch.equal(graph_logits, _forward_eagerly(graphs, (128, rows, False))[:streams])
-    monkeypatch.setattr(triton_backend, "PREFILL_WITH_FLASH_ATTN", False)
-    runner.prefill_graphs = None
-    try:
-        plain = runner.compute_logits(b)
-    finally:
-        runner.prefill_graphs = graphs
+    plain = _eager_step_logits(runner, b, monkeypatch)
     torch.testing.assert_close(graph_logits, plain, rtol=0.02, atol=0.1)
 
 
