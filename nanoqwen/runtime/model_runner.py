@@ -168,13 +168,13 @@ class ModelRunner:
         logits, tokens = self.graphs.replay(key)
         return logits[:n], None if tokens is None else tokens[:n]
 
-    def _replay_prefill(self, batch: Batch, seqs: list[Sequence], filtering: bool):
-        """The prefill graph's logits and tokens for the sequences of batch that complete
-        (seqs); the others' rows only fill the KV cache."""
+    def _replay_prefill(self, batch: Batch, bucket: int, seqs: list[Sequence], filtering: bool):
+        """The logits and tokens of bucket's prefill graph for the sequences of batch that
+        complete (seqs); the others' rows only fill the KV cache."""
         graphs = self.prefill_graphs
         _, sources, pending = self.token_sources(batch.seqs)
         slots = self.sampler.slots(seqs)
-        key = graphs.prepare(batch, sources if pending else None, slots, filtering)
+        key = graphs.prepare(batch, bucket, sources if pending else None, slots, filtering)
         if pending:  # running sequences' newest tokens, in flight from the step before
             f, rows = graphs.fields, key[0]
             f.ids[:rows].copy_(self.fill_placeholders(f.ids[:rows], f.sources[:rows]))
@@ -205,13 +205,11 @@ class ModelRunner:
         # decode step with masks or biases replays a logits-only graph.
         processed = self._processed(seqs)
         graphs_allowed = not processed
-        if (
-            batch.is_prefill
-            and graphs_allowed
-            and self.prefill_graphs is not None
-            and self.prefill_graphs.can_run(batch)
-        ):
-            logits, tokens = self._replay_prefill(batch, seqs, filtering)
+        bucket = None  # of the prefill graph that runs this step
+        if batch.is_prefill and graphs_allowed and self.prefill_graphs is not None:
+            bucket = self.prefill_graphs.bucket(batch)
+        if bucket is not None:
+            logits, tokens = self._replay_prefill(batch, bucket, seqs, filtering)
         elif batch.is_prefill:
             ids, meta, rows = self.prepare_prefill(batch)
             x, residual = self.model(ids, meta)

@@ -255,15 +255,15 @@ class PrefillGraphRunner:
     def prepare(
         self,
         batch: Batch,
+        bucket: int,
         sources: list[int] | None,
         sampler_slots: list[int],
         filtering: bool,
     ) -> tuple[int, int, bool]:
-        """Writes batch (can_run's kind) into the graphs' buffer and sends it; returns the key
-        of the graph to replay. sampler_slots: those of the sequences that complete, in
-        order; sources: see _fill (None when no id is in flight). Nothing here waits for the
-        GPU."""
-        bucket = self.bucket(batch)
+        """Writes batch into the graphs' buffer, in bucket (bucket(batch)'s answer), and
+        sends it; returns the key of the graph to replay. sampler_slots: those of the
+        sequences that complete, in order; sources: see _fill (None when no id is in
+        flight). Nothing here waits for the GPU."""
         rows = 1 if len(sampler_slots) <= 1 else self.capacity(bucket) - 1
         self._fill(self.buffer.host(), batch, bucket, sources, sampler_slots, rows)
         self.buffer.send(self.used_entries(bucket))

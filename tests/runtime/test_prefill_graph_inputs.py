@@ -91,7 +91,7 @@ def test_a_mixed_step_lays_out_decodes_chunks_and_padding(llm):
         batch = Batch([a, b, c, d], True, [1, 1, 4, 6])
         graphs = runner.prefill_graphs
         assert graphs.bucket(batch) == 16
-        key = graphs.prepare(batch, [0, 3, 0, 0], [11, 12, 13], filtering=False)
+        key = graphs.prepare(batch, 16, [0, 3, 0, 0], [11, 12, 13], filtering=False)
         assert key == (16, 16, False)
         f, cap = graphs.fields, 17
         assert f.ids[:16].tolist() == [9, PLACEHOLDER, 20, 21, 22, 23, *range(30, 36), 0, 0, 0, 0]
