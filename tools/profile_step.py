@@ -2,8 +2,8 @@
 decode step, a speculative verify step, or a mixed step (running streams' tokens beside a
 chunk of a long prompt).
 
-    python3 tools/profile_step.py --shape 7B --step mixed --streams 64 --prompt-len 32768 \
-        --budget 256
+    python3 tools/profile_step.py --shape 7B --step mixed --streams 64 --prompt-len 30000 \
+        --budget 256 [--at 0.85]
     python3 tools/profile_step.py --shape 0.5B --step verify --k 4
     python3 tools/profile_step.py --shape 0.5B --step decode --streams 64 --context 8192 \
         --kv-cache-dtype fp8
@@ -67,6 +67,8 @@ def mixed_setup(llm: LLM, a) -> tuple:
         step()
     if long.num_computed_tokens == 0:
         raise SystemExit("the long prompt was not admitted beside the streams")
+    while long.num_computed_tokens < a.at * len(long):  # later chunks see a longer context
+        step()
     left = (len(long) - long.num_computed_tokens) // max(1, a.budget - a.streams)
     # Profiled, then timed after 10 more: all of them while the prompt still has chunks.
     steps = min(20, (left - 13) // 2)
@@ -84,6 +86,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="verify: proposed tokens")
     ap.add_argument("--prompt-len", type=int, default=32768, help="mixed: the long prompt")
     ap.add_argument("--budget", type=int, default=256, help="mixed: max_num_batched_tokens")
+    ap.add_argument("--at", type=float, default=0.0,
+                    help="mixed: profile once this fraction of the prompt is in")  # fmt: skip
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--rows", type=int, default=20, help="kernels to list")
     a = ap.parse_args()

@@ -89,5 +89,5 @@ class TritonAttention:
         q = self._rotated_and_stored(qkv, k_cache, v_cache, meta)
         return prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-            meta.max_seqlen_q, self.scale,
+            meta.max_seqlen_q, self.scale, max_seqlen_k=meta.max_seqlen_k,
         )  # fmt: skip

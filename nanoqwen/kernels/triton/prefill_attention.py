@@ -1,12 +1,21 @@
 """Paged prefill attention in Triton: variable-length query runs attending causally to their
 sequence's cached context and to themselves, every key read through the block table.
 
-Flash-attention style: each program owns one tile of one sequence's new tokens for one query
-head and streams that sequence's keys in tiles with an online softmax. Keys before the tile's
-first query are visible to every row and run without a mask; only the tiles that overlap the
-tile's own tokens apply the causal mask. Tiles are issued last-first, so the longest programs
-(the end of a long prompt) start before the short ones. GQA maps query head h to KV head
-h // group; the K/V tiles of one KV head are shared by its group through L2.
+Flash-attention style: a program owns one tile of one sequence's new tokens for one query
+head and streams keys in tiles with an online softmax. Keys before the tile's first query are
+visible to every row and run without a mask; only the tiles that overlap the tile's own
+tokens apply the causal mask. Tiles are issued last-first, so the longest programs (the end of
+a long prompt) start before the short ones. GQA maps query head h to KV head h // group; the
+K/V tiles of one KV head are shared by its group through L2.
+
+A chunk of a long prompt is a few query tiles over a long context: one program per (tile,
+head) would leave most SMs idle while each walks the whole context. So the keys a tile sees
+are split into up to NUM_SPLITS tile-aligned slices of at least MIN_SPLIT_KEYS keys, one
+program each; a tile whose keys fill one slice writes its output directly, the others write
+partial outputs that the merge kernel weighs by their softmax mass. The split count is fixed
+per launch (a CUDA graph captures it) and the slices come from the live context. A sequence
+with one new row (a running stream's token in a mixed step) is no query tile: the program of
+its KV group's first head takes the group's heads as the rows of its dots, as decode does.
 
 RoPE and the K/V write run before, in rope_and_store (kernels/triton/rope.py), and this kernel
 reads every key, the new tokens' included, from the cache. Fusing them in was the other
@@ -33,6 +42,11 @@ import triton.language as tl
 CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 DEFAULT_CONFIG = (64, 64, 4, 2)
 LOG2_E = 1.4426950408889634
+# Splitting a tile's keys pays from a few thousand keys on: below MIN_SPLIT_KEYS a tile runs
+# in one program. Enough programs to fill the GPU: about two per SM of an H100/H200.
+MIN_SPLIT_KEYS = 512
+TARGET_PROGRAMS = 256
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -53,13 +67,107 @@ def _key_offsets(
 
 
 @triton.jit
-def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, cu_q_ptr, ctx_ptr,
-    q_stride, table_stride, scale_log2,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def split_keys(end, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
+    """Keys [start, stop) of a split of keys [0, end): NUM_SPLITS equal, tile-aligned slices
+    of at least MIN_KEYS keys, and how many splits hold keys."""
+    chunk = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, MIN_KEYS)
+    start = split * chunk
+    return start, tl.minimum(end, start + chunk), tl.cdiv(end, chunk)
+
+
+@triton.jit
+def _attend(
+    q, acc, m_i, l_i, last, table, k_cache_ptr, v_cache_ptr, start, stop, kvh, scale_log2,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    """Online softmax of q's rows over keys [start, stop) of one KV head. Unmasked: whole
+    tiles every row sees. Masked: row r sees keys up to last[r] and below stop; a row that
+    has seen no key yet keeps m = -inf and l = 0."""
+    dtype: tl.constexpr = q.dtype
+    d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, stop, BLOCK_N):
+        if MASKED:
+            n = n0 + offs_n
+            n_mask = n < stop
+            base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N,
+                                n_mask)  # fmt: skip
+            k = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)
+            s = tl.dot(q, k.to(dtype)) * scale_log2  # a float8 cache widens to q's dtype
+            s = tl.where((n[None, :] <= last[:, None]) & n_mask[None, :], s, float("-inf"))
+            v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N,
+                                None)  # fmt: skip
+            k = tl.load(k_cache_ptr + base[None, :] + d[:, None])
+            s = tl.dot(q, k.to(dtype)) * scale_log2
+            v = tl.load(v_cache_ptr + base[:, None] + d[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Subtract 0 where a row has seen no key: exp2(-inf - -inf) would be NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_split(
+    q, last, visible_end, table, k_cache_ptr, v_cache_ptr, start, stop, kvh, scale_log2,
+    ROWS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Keys [start, stop): those below visible_end (tile-aligned, seen by every row) without
+    a mask, the rest with the causal mask."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    acc, m_i, l_i = _attend(
+        q, acc, m_i, l_i, last, table, k_cache_ptr, v_cache_ptr, start,
+        tl.minimum(stop, visible_end), kvh, scale_log2,
+        NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False,
+    )  # fmt: skip
+    return _attend(
+        q, acc, m_i, l_i, last, table, k_cache_ptr, v_cache_ptr,
+        tl.maximum(start, visible_end), stop, kvh, scale_log2,
+        NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True,
+    )  # fmt: skip
+
+
+@triton.jit
+def _finish(
+    acc, m_i, l_i, index, row_mask, out_ptr, part_out_ptr, part_lse_ptr, split, used,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """The rows' output where one split holds all their keys; else their partial output
+    and its log2-sum-exp (-inf for a row that saw no key), for the merge. index: the rows'
+    (token * heads + head)."""
+    d = tl.arange(0, HEAD_DIM)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if used == 1:
+        dst = out_ptr + index[:, None] * HEAD_DIM + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        part = index * NUM_SPLITS + split
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=row_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_mask[:, None])
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, tables_ptr,
+    cu_q_ptr, ctx_ptr, q_stride, table_stride, scale_log2,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr,
+):  # fmt: skip
+    tile = tl.num_programs(0) // NUM_SPLITS - 1 - tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     q_start = tl.load(cu_q_ptr + seq)
@@ -69,60 +177,86 @@ def _prefill_kernel(
         return
     ctx = tl.load(ctx_ptr + seq)
     cached = ctx - q_len  # keys in the cache before this step's tokens
+    end = tl.minimum(ctx, cached + m0 + BLOCK_M)
+    start, stop, used = split_keys(end, split, NUM_SPLITS, BLOCK_N, MIN_KEYS)
+    if split >= used:
+        return
     kvh = head // GROUP
-    dtype: tl.constexpr = q_ptr.dtype.element_ty
+    table = tables_ptr + seq * table_stride
+    d = tl.arange(0, HEAD_DIM)
+    if q_len == 1:
+        # A decoding sequence's one row: the program of the group's first head takes all the
+        # group's heads as the rows of its dots (a query tile would be one row of BLOCK_M).
+        if head % GROUP == 0:
+            g = tl.arange(0, GROUP_PAD)
+            g_mask = g < GROUP
+            row = q_start.to(tl.int64)
+            index = row * NUM_HEADS + head + g
+            q = tl.load(q_ptr + row * q_stride + (head + g[:, None]) * HEAD_DIM + d[None, :],
+                        mask=g_mask[:, None], other=0.0)  # fmt: skip
+            last = ctx - 1 + tl.zeros([GROUP_PAD], tl.int32)
+            acc, m_i, l_i = _attend_split(
+                q, last, ctx // BLOCK_N * BLOCK_N, table, k_cache_ptr, v_cache_ptr, start, stop,
+                kvh, scale_log2, GROUP_PAD, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N,
+            )  # fmt: skip
+            _finish(acc, m_i, l_i, index, g_mask, out_ptr, part_out_ptr, part_lse_ptr, split,
+                    used, HEAD_DIM, NUM_SPLITS)  # fmt: skip
+    else:
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = m < q_len
+        rows = (q_start + m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * q_stride + head * HEAD_DIM + d[None, :],
+                    mask=m_mask[:, None], other=0.0)  # fmt: skip
+        # Keys before the tile's first query are seen by every row: no mask in whole tiles.
+        acc, m_i, l_i = _attend_split(
+            q, cached + m, (cached + m0) // BLOCK_N * BLOCK_N, table, k_cache_ptr, v_cache_ptr,
+            start, stop, kvh, scale_log2, BLOCK_M, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N,
+        )  # fmt: skip
+        _finish(acc, m_i, l_i, rows * NUM_HEADS + head, m_mask, out_ptr, part_out_ptr,
+                part_lse_ptr, split, used, HEAD_DIM, NUM_SPLITS)  # fmt: skip
 
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, cu_q_ptr, ctx_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr,
+):  # fmt: skip
+    """The partial outputs of a query tile's splits, each weighted by its softmax mass; a
+    tile whose keys one split held has its output already."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    m0 = tile * BLOCK_M
+    if m0 >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    end = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)
+    _, _, used = split_keys(end, 0, NUM_SPLITS, BLOCK_N, MIN_KEYS)
+    if used == 1:
+        return
     m = m0 + tl.arange(0, BLOCK_M)
     m_mask = m < q_len
     d = tl.arange(0, HEAD_DIM)
-    rows = (q_start + m).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * q_stride + head * HEAD_DIM + d[None, :],
-        mask=m_mask[:, None],
-        other=0.0,
-    )
-    q_pos = cached + m
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    part = ((q_start + m).to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    # Split 0 holds key 0, which every row sees: each row's maximum is finite.
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, used):
+        top = tl.maximum(top, tl.load(part_lse_ptr + part + s, mask=m_mask, other=float("-inf")))
+    top = tl.where(m_mask, top, 0.0)
+    total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    table = tables_ptr + seq * table_stride
-    offs_n = tl.arange(0, BLOCK_N)
-
-    # Keys every row of the tile sees, in whole tiles: no mask.
-    visible_end = (cached + m0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, visible_end, BLOCK_N):
-        base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, None)
-        k = tl.load(k_cache_ptr + base[None, :] + d[:, None]).to(dtype)  # float8 widens
-        s = tl.dot(q, k) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :]).to(dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
-        m_i = m_new
-
-    # The rest, up to the tile's last query: causal mask (which also stops at the context).
-    end = tl.minimum(ctx, cached + m0 + BLOCK_M)
-    for n0 in range(visible_end, end, BLOCK_N):
-        n = n0 + offs_n
-        n_mask = n < end
-        base = _key_offsets(table, n0, offs_n, kvh, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, n_mask)
-        k = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=n_mask[None, :], other=0.0)
-        k = k.to(dtype)
-        s = tl.dot(q, k) * scale_log2
-        s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
-        m_i = m_new
-
-    # Every row saw key 0 at least, so l_i > 0; rows past the sequence's tokens are dropped.
-    out = acc / l_i[:, None]
-    dst = out_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d[None, :]
+    for s in range(0, used):
+        w = tl.exp2(tl.load(part_lse_ptr + part + s, mask=m_mask, other=float("-inf")) - top)
+        seen = m_mask & (w > 0)
+        o = tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=seen[:, None], other=0.0)  # fmt: skip
+        acc += w[:, None] * o
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    dst = out_ptr + ((q_start + m).to(tl.int64) * NUM_HEADS + head)[:, None] * HEAD_DIM + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
@@ -130,6 +264,15 @@ def prefill_config(head_dim: int, max_seqlen_q: int) -> tuple[int, int, int, int
     """(query rows, keys per step, warps, stages); short query runs get a shorter tile."""
     block_m, block_n, warps, stages = CONFIGS.get(head_dim, DEFAULT_CONFIG)
     return min(block_m, max(16, triton.next_power_of_2(max_seqlen_q))), block_n, warps, stages
+
+
+def num_splits_for(tiles: int, heads: int, max_seqlen_k: int) -> int:
+    """Key splits per query tile: enough (tile, head) programs to fill the GPU once the
+    context is long enough to split."""
+    if max_seqlen_k <= MIN_SPLIT_KEYS:
+        return 1
+    most = min(MAX_SPLITS, triton.cdiv(max_seqlen_k, MIN_SPLIT_KEYS))
+    return max(1, min(most, TARGET_PROGRAMS // (tiles * heads)))
 
 
 def prefill_attention(
@@ -142,22 +285,38 @@ def prefill_attention(
     max_seqlen_q: int,
     scale: float,
     config: tuple[int, int, int, int] | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int = 0,
 ) -> torch.Tensor:
     """q: [tokens, heads, head_dim] with RoPE applied (rows may be strided, as views of qkv
     are); the rows of sequence i are cu_seqlens_q[i]:cu_seqlens_q[i+1], its last new tokens,
     whose K/V (rotated) are already in the cache along with the cached context before them:
-    context_lens[i] keys in all. Returns [tokens, heads, head_dim] in q's dtype."""
+    context_lens[i] keys in all, at most max_seqlen_k (None: no split). num_splits 0 picks
+    the split count. Returns [tokens, heads, head_dim] in q's dtype."""
     tokens, heads, head_dim = q.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim, "each row's heads must be contiguous"
     _, page, kv_heads, _ = k_cache.shape
     block_m, block_n, warps, stages = config or prefill_config(head_dim, max_seqlen_q)
+    tiles = triton.cdiv(max_seqlen_q, block_m)
+    splits = num_splits or num_splits_for(tiles, heads, max_seqlen_k or 0)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    part_out = part_lse = out  # unused with one split
+    if splits > 1:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_out = torch.empty(tokens, heads, splits, head_dim, **f32)
+        part_lse = torch.empty(tokens, heads, splits, **f32)
     seqs = cu_seqlens_q.shape[0] - 1
-    grid = (triton.cdiv(max_seqlen_q, block_m), heads, seqs)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
+    group = heads // kv_heads
+    common = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                  NUM_SPLITS=splits, MIN_KEYS=max(MIN_SPLIT_KEYS, block_n))  # fmt: skip
+    _prefill_kernel[(tiles * splits, heads, seqs)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, cu_seqlens_q, context_lens,
         q.stride(0), block_tables.stride(0), scale * LOG2_E,
-        NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=heads // kv_heads,
-        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        PAGE=page, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(tiles, heads, seqs)](
+            part_out, part_lse, out, cu_seqlens_q, context_lens, num_warps=4, **common
+        )
     return out

@@ -164,3 +164,42 @@ def test_a_mixed_step_bucket_with_sequences_of_no_rows_matches_the_reference():
     (out, k, v), (ref, k_ref, v_ref) = _run_both(qkv, k_cache, v_cache, meta, head_dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16], ids=["one-split", "3-splits", "16-splits"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page", "runs"),
+    [
+        # Decoding rows (one new token) beside prompt chunks over long and short contexts,
+        # a fresh prompt and sequences of no rows, as a mixed step's graph lays them out.
+        (14, 2, 64, 16, [(130, 1), (0, 37), (200, 45), (5, 1), (0, 0), (0, 0)]),
+        # 7B's group of 7 (padded to 16 rows), blocks of 32.
+        (28, 4, 128, 32, [(90, 1), (150, 20), (31, 1)]),
+        # No GQA: a decoding row's group is its one head.
+        (4, 4, 64, 16, [(70, 1), (60, 33)]),
+    ],
+    ids=["0.5B-mixed", "7B-group7", "mha"],
+)
+def test_split_keys_match_the_torch_backend(heads, kv_heads, head_dim, page, runs, splits,
+                                            monkeypatch):  # fmt: skip
+    """Every split count, with slices of 32 keys: tiles whose keys one slice holds (written
+    directly), tiles over several (merged), slices a row sees none of (its own position is
+    before them), decoding rows packed by KV group, and splits past a short context."""
+    qkv, k_cache, v_cache, meta = paged_prefill_step(runs, heads, kv_heads, head_dim, page,
+                                                     torch.float32, seed=6)  # fmt: skip
+    monkeypatch.setitem(pa.CONFIGS, head_dim, (16, 16, 4, 1))
+    monkeypatch.setattr(pa, "MIN_SPLIT_KEYS", 32)
+    monkeypatch.setattr(pa, "num_splits_for", lambda tiles, heads, keys: splits)
+    (out, k, v), (ref, k_ref, v_ref) = _run_both(qkv, k_cache, v_cache, meta, head_dim)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, v_ref)
+
+
+def test_split_counts_fill_the_gpu_only_over_long_contexts():
+    # A 7B mixed step's bucket of 256 rows (two tiles of 128, 28 heads) over a 32K context:
+    # 4 splits make 224 programs for the chunk; short contexts, or tiles enough, run whole.
+    assert pa.num_splits_for(2, 28, 32768) == 4
+    assert pa.num_splits_for(1, 14, 32768) == 16
+    assert pa.num_splits_for(1, 14, 1024) == 2
+    assert pa.num_splits_for(2, 28, 512) == 1
+    assert pa.num_splits_for(64, 28, 32768) == 1
