@@ -159,6 +159,18 @@ def _finish(
 
 
 @triton.jit
+def _tile_keys(cu_q_ptr, ctx_ptr, seq, tile, BLOCK_M: tl.constexpr):
+    """A query tile's sequence: its first row, its new rows, its context; and the end of the
+    keys the tile's rows see, [0, end)."""
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    ctx = tl.load(ctx_ptr + seq)
+    # Keys before this step's tokens are cached: ctx - q_len; the tile's last row sees up to
+    # its own position.
+    return q_start, q_len, ctx, tl.minimum(ctx, ctx - q_len + tile * BLOCK_M + BLOCK_M)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, tables_ptr,
     cu_q_ptr, ctx_ptr, q_stride, table_stride, scale_log2,
@@ -170,14 +182,11 @@ def _prefill_kernel(
     split = tl.program_id(0) % NUM_SPLITS
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    q_start, q_len, ctx, end = _tile_keys(cu_q_ptr, ctx_ptr, seq, tile, BLOCK_M)
     m0 = tile * BLOCK_M
     if m0 >= q_len:
         return
-    ctx = tl.load(ctx_ptr + seq)
-    cached = ctx - q_len  # keys in the cache before this step's tokens
-    end = tl.minimum(ctx, cached + m0 + BLOCK_M)
+    cached = ctx - q_len
     start, stop, used = split_keys(end, split, NUM_SPLITS, BLOCK_N, MIN_KEYS)
     if split >= used:
         return
@@ -227,13 +236,10 @@ def _merge_kernel(
     tile = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    q_start, q_len, _, end = _tile_keys(cu_q_ptr, ctx_ptr, seq, tile, BLOCK_M)
     m0 = tile * BLOCK_M
     if m0 >= q_len:
         return
-    ctx = tl.load(ctx_ptr + seq)
-    end = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)
     _, _, used = split_keys(end, 0, NUM_SPLITS, BLOCK_N, MIN_KEYS)
     if used == 1:
         return
