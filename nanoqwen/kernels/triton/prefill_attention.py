@@ -47,6 +47,9 @@ LOG2_E = 1.4426950408889634
 MIN_SPLIT_KEYS = 512
 TARGET_PROGRAMS = 256
 MAX_SPLITS = 16
+# The merge takes a tile's rows MERGE_ROWS at a time: a [128, 128] float32 sum and its
+# addresses spill.
+MERGE_ROWS = 32
 
 
 @triton.jit
@@ -230,30 +233,32 @@ def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_q_ptr, ctx_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):  # fmt: skip
     """The partial outputs of a query tile's splits, each weighted by its softmax mass; a
     tile whose keys one split held has its output already."""
-    tile = tl.program_id(0)
+    tile = tl.program_id(0) // (BLOCK_M // ROWS)
+    part_of_tile = tl.program_id(0) % (BLOCK_M // ROWS)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     q_start, q_len, _, end = _tile_keys(cu_q_ptr, ctx_ptr, seq, tile, BLOCK_M)
-    m0 = tile * BLOCK_M
+    m0 = tile * BLOCK_M + part_of_tile * ROWS
     if m0 >= q_len:
         return
     _, _, used = split_keys(end, 0, NUM_SPLITS, BLOCK_N, MIN_KEYS)
     if used == 1:
         return
-    m = m0 + tl.arange(0, BLOCK_M)
+    m = m0 + tl.arange(0, ROWS)
     m_mask = m < q_len
     d = tl.arange(0, HEAD_DIM)
     part = ((q_start + m).to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
     # Split 0 holds key 0, which every row sees: each row's maximum is finite.
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    top = tl.full([ROWS], float("-inf"), tl.float32)
     for s in range(0, used):
         top = tl.maximum(top, tl.load(part_lse_ptr + part + s, mask=m_mask, other=float("-inf")))
     top = tl.where(m_mask, top, 0.0)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     for s in range(0, used):
         w = tl.exp2(tl.load(part_lse_ptr + part + s, mask=m_mask, other=float("-inf")) - top)
         seen = m_mask & (w > 0)
@@ -322,7 +327,8 @@ def prefill_attention(
         PAGE=page, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(tiles, heads, seqs)](
-            part_out, part_lse, out, cu_seqlens_q, context_lens, num_warps=4, **common
+        rows = min(MERGE_ROWS, block_m)
+        _merge_kernel[(tiles * (block_m // rows), heads, seqs)](
+            part_out, part_lse, out, cu_seqlens_q, context_lens, ROWS=rows, num_warps=4, **common
         )
     return out

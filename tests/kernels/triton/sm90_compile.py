@@ -123,17 +123,21 @@ def attention_cases():
         warps = 4 if rows * dim <= 64 * 64 else 8
         yield f"verify attention {shape} {cache}", va._verify_kernel, verify, flags, warps, 2
         block_m, block_n, warps, stages = pa.prefill_config(dim, 4096)
-        prefill = dict(q_ptr=BF16, out_ptr=BF16, cu_q_ptr=I32, ctx_ptr=I32, q_stride="i32",
-                       table_stride="i32", scale_log2="fp32", **kv)  # fmt: skip
-        flags = dict(GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, **heads_flags)
-        yield (
-            f"prefill attention {shape} {cache}",
-            pa._prefill_kernel,
-            prefill,
-            flags,
-            warps,
-            stages,
-        )
+        prefill = dict(q_ptr=BF16, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,
+                       cu_q_ptr=I32, ctx_ptr=I32, q_stride="i32", table_stride="i32",
+                       scale_log2="fp32", **kv)  # fmt: skip
+        pad = max(16, triton.next_power_of_2(group))
+        for splits in (1, 4):
+            flags = dict(GROUP=group, GROUP_PAD=pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                         NUM_SPLITS=splits, MIN_KEYS=pa.MIN_SPLIT_KEYS, **heads_flags)  # fmt: skip
+            label = f"prefill attention {shape} {cache}" + (f" splits {splits}" * (splits > 1))
+            yield label, pa._prefill_kernel, prefill, flags, warps, stages
+        if cache == "bf16":
+            merge = dict(part_out_ptr=F32, part_lse_ptr=F32, out_ptr=BF16, cu_q_ptr=I32,
+                         ctx_ptr=I32)  # fmt: skip
+            flags = dict(NUM_HEADS=heads, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                         NUM_SPLITS=4, MIN_KEYS=pa.MIN_SPLIT_KEYS, ROWS=pa.MERGE_ROWS)  # fmt: skip
+            yield f"prefill merge {shape}", pa._merge_kernel, merge, flags, 4, 1
         store = dict(qkv_ptr=BF16, qkv_stride="i32", pos_ptr=I64, cos_ptr=F32, sin_ptr=F32,
                      slot_ptr=I64, k_cache_ptr=cache_type, v_cache_ptr=cache_type)  # fmt: skip
         flags = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
