@@ -52,10 +52,13 @@ def num_splits_for(batch: int, num_kv_heads: int) -> int:
 
 
 @triton.jit
-def split_range(cached, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+def split_range(
+    cached, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr, MIN_KEYS: tl.constexpr
+):
     """Keys [start, end) of a split, of NUM_SPLITS equal, tile-aligned slices of the cached
-    keys, and how many splits hold keys (at least one: the last holds the new token)."""
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(cached, NUM_SPLITS), TILE_N) * TILE_N, TILE_N)
+    keys of at least MIN_KEYS keys (a multiple of TILE_N), and how many splits hold keys (at
+    least one: in decode the last holds the new token)."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(cached, NUM_SPLITS), TILE_N) * TILE_N, MIN_KEYS)
     used = tl.maximum(tl.cdiv(cached, chunk), 1)
     start = split * chunk
     return start, tl.minimum(cached, start + chunk), used
@@ -76,7 +79,7 @@ def _decode_kernel(
     if ORDERED:
         seq = tl.load(order_ptr + seq).to(tl.int64)
     cached = tl.load(ctx_ptr + seq) - 1
-    start, end, used = split_range(cached, split, NUM_SPLITS, TILE_N)
+    start, end, used = split_range(cached, split, NUM_SPLITS, TILE_N, TILE_N)
     if split >= used:
         return
     half: tl.constexpr = HEAD_DIM // 2
@@ -176,7 +179,7 @@ def merge_splits_kernel(
     s = tl.arange(0, SPLITS_PAD)
     dv = tl.arange(0, HEAD_DIM)
     cached = tl.load(ctx_ptr + row // ROWS_PER_SEQ) - CACHED_OFFSET
-    _, _, used = split_range(cached, 0, NUM_SPLITS, TILE_N)
+    _, _, used = split_range(cached, 0, NUM_SPLITS, TILE_N, TILE_N)
     part = (row * NUM_HEADS + head) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))

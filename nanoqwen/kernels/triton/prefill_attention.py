@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoqwen.kernels.triton.decode_attention import split_range
+
 # Tile shapes per head_dim: (query rows, keys per step, warps, pipeline stages). The bench
 # (tools/prefill_bench.py --sweep) times the alternatives.
 CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
@@ -67,16 +69,6 @@ def _key_offsets(
         block = tl.load(table + n // PAGE, mask=mask).to(tl.int64)  # masked keys: not read
         slot = block * PAGE + n % PAGE
     return (slot * NUM_KV_HEADS + kvh) * HEAD_DIM
-
-
-@triton.jit
-def split_keys(end, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
-    """Keys [start, stop) of a split of keys [0, end): NUM_SPLITS equal, tile-aligned slices
-    of at least MIN_KEYS keys, and how many splits hold keys."""
-    chunk = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    chunk = tl.maximum(chunk, MIN_KEYS)
-    start = split * chunk
-    return start, tl.minimum(end, start + chunk), tl.cdiv(end, chunk)
 
 
 @triton.jit
@@ -190,7 +182,7 @@ def _prefill_kernel(
     if m0 >= q_len:
         return
     cached = ctx - q_len
-    start, stop, used = split_keys(end, split, NUM_SPLITS, BLOCK_N, MIN_KEYS)
+    start, stop, used = split_range(end, split, NUM_SPLITS, BLOCK_N, MIN_KEYS)
     if split >= used:
         return
     kvh = head // GROUP
@@ -245,7 +237,7 @@ def _merge_kernel(
     m0 = tile * BLOCK_M + part_of_tile * ROWS
     if m0 >= q_len:
         return
-    _, _, used = split_keys(end, 0, NUM_SPLITS, BLOCK_N, MIN_KEYS)
+    _, _, used = split_range(end, 0, NUM_SPLITS, BLOCK_N, MIN_KEYS)
     if used == 1:
         return
     m = m0 + tl.arange(0, ROWS)

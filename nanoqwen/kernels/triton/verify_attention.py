@@ -44,7 +44,7 @@ def _verify_kernel(
     seq = tl.program_id(2).to(tl.int64)
     ctx = tl.load(ctx_ptr + seq)
     # The new rows' keys are in the cache already: all ctx keys are split alike.
-    start, end, used = split_range(ctx, split, NUM_SPLITS, TILE_N)
+    start, end, used = split_range(ctx, split, NUM_SPLITS, TILE_N, TILE_N)
     if split >= used:
         return
     dtype: tl.constexpr = q_ptr.dtype.element_ty
