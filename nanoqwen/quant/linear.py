@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.kernels.cpu.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
-from nanoqwen.kernels.cpu.gguf import MAX_ROWS as GGUF_MAX_ROWS
-from nanoqwen.kernels.cpu.gguf import gguf_kernel, gguf_matmul
+from nanoqwen.kernels.cpu.gguf import gguf_kernel, gguf_matmul, max_rows
+from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS, from_lanes, to_lanes
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_forms import (
     is_q5_0,
@@ -43,8 +43,8 @@ from nanoqwen.quant.gguf_rows import GGUFRows
 
 # Rows above which a CPU matmul leaves the packed GEMV kernel for the int8 x int8 matmul
 # (crossover between 4 and 8 rows on the 0.5B model's shapes: see BENCHMARKS.md). The GGUF
-# kernels read the file's blocks once for up to their MAX_ROWS rows, which wins there for the
-# lm_head, the step's largest weight: a speculative step's few rows stay with them.
+# kernels read the file's blocks once for up to their max_rows (8 or 16) rows, which wins there
+# for the lm_head, the step's largest weight: a speculative step's few rows stay with them.
 CPU_PACKED_MAX_ROWS = 4
 # Set while a step's rows must come out as decode steps would compute them, however many
 # (a speculative verify step, whose rows are compared with what plain decoding samples):
@@ -134,8 +134,8 @@ class QuantizedLinear(nn.Module):
             self._decode, self.kind = (w.q, w.scale.view(-1).to(dtype)), "int8pack"
         elif dtype != torch.float32 and is_q8_0(w) and gguf_kernel() is not None:
             q5 = is_q5_0(w)
-            self._decode = pack_q5_0(w) if q5 else pack_q8_0(w)
             self.kind = "q5_0" if q5 else "q8_0"
+            self._decode = to_lanes(self.kind, pack_q5_0(w) if q5 else pack_q8_0(w))
         elif dtype == torch.float32:
             self.kind = "dequant"  # no kernel for this layout; float32 stays exact
         if dtype != torch.float32:
@@ -159,16 +159,27 @@ class QuantizedLinear(nn.Module):
                 f"PackedBlocks need the CPU's GGUF kernels and bf16/fp16 activations "
                 f"(got {dtype} on {w.device})"
             )
-        self._decode = w.parts if self._parts else w.tensors
         self.kind = w.kind
         if prefill_copy:
-            self._int8 = self._packed_int8()
+            self._int8 = self._packed_int8(w.parts if self._parts else [w])
+        lanes = [PackedBlocks(p.kind, _lanes(p.kind, p.tensors)) for p in self._file_parts(w)]
+        self._decode = tuple(lanes) if self._parts else lanes[0].tensors
         self.weight = None
 
-    def _packed_int8(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The GGUF blocks' per-channel int8 copy (a PackedParts projection's: its parts'
-        copies stacked, since the copy is per row)."""
+    def _file_parts(self, w: PackedBlocks | PackedParts | None = None) -> list[PackedBlocks]:
+        """w's parts (PackedParts) or w; by default the layer's, as the file has their arrays."""
+        if w is not None:
+            return list(w.parts) if self._parts else [w]
         parts = self._decode if self._parts else [PackedBlocks(self.kind, self._decode)]
+        return [PackedBlocks(p.kind, _unlanes(p.kind, p.tensors)) for p in parts]
+
+    def _packed_int8(
+        self, parts: list[PackedBlocks] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GGUF blocks' per-channel int8 copy (a PackedParts projection's: its parts'
+        copies stacked, since the copy is per row), from the file's arrays: parts, or the
+        layer's own."""
+        parts = parts or self._file_parts()
         copies = [requantize_packed(p.kind, p.tensors) for p in parts]
         q = copies[0].q if len(copies) == 1 else torch.cat([c.q for c in copies])
         scale = copies[0].scale if len(copies) == 1 else torch.cat([c.scale for c in copies])
@@ -200,7 +211,7 @@ class QuantizedLinear(nn.Module):
             return cuda_forward(x, self._decode[0], self.bias)
         shape = (*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
-        few = GGUF_MAX_ROWS if self._file_blocks else CPU_PACKED_MAX_ROWS
+        few = self._gguf_max_rows() if self._file_blocks else CPU_PACKED_MAX_ROWS
         prepared = self.kind not in ("dequant", "unprepared")
         if x2.shape[0] > few and prepared and _DECODE_ARITHMETIC.get():
             return torch.cat([self.forward(rows) for rows in x2.split(few)]).view(shape)
@@ -226,6 +237,10 @@ class QuantizedLinear(nn.Module):
         y = y.view(shape)
         return y if self.bias is None else y + self.bias
 
+    def _gguf_max_rows(self) -> int:
+        """The most rows one pass of the GGUF kernels takes (of every part's)."""
+        return min(max_rows(p.kind) for p in self._decode) if self._parts else max_rows(self.kind)
+
     def _gguf_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """kernels.cpu.gguf.gguf_matmul, of each part for PackedParts (with its slice of the bias),
         their outputs side by side."""
@@ -238,6 +253,15 @@ class QuantizedLinear(nn.Module):
             outs.append(gguf_matmul(x, p.kind, p.tensors, part_bias))
             start = end
         return torch.cat(outs, dim=-1)
+
+
+def _lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A GGUF kind's file arrays in the few-row kernel's layout (gguf_lanes)."""
+    return to_lanes(kind, tensors) if kind in LANE_KINDS else tensors
+
+
+def _unlanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return from_lanes(kind, tensors) if kind in LANE_KINDS else tensors
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

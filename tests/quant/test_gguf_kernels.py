@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from conftest import run_without_a_compiler
 from tiny_gguf import random_blocks
 
-from nanoqwen.kernels.cpu.gguf import MAX_ROWS, gguf_kernel, gguf_matmul
+from nanoqwen.kernels.cpu.gguf import LANE_MAX_ROWS, MAX_ROWS, gguf_kernel, gguf_matmul
+from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS, from_lanes, to_lanes
 from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
 from nanoqwen.quant.gguf_forms import is_q5_0, is_q8_0, pack_q5_0, pack_q8_0, requantize_rows
@@ -57,18 +58,27 @@ def test_packed_layouts_are_the_files_own_bytes():
     assert np.array_equal(codes, blocks[..., 2:34])
 
 
-@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1"])
-@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
-@pytest.mark.parametrize("k", [256, 96])  # 96: an odd number of blocks (the one-block tail)
-def test_kernel_equals_int8_activation_reference(type_name, rows, k):
-    """Q5_0 and Q8_0 packed from the canonical weight; Q4_0, Q4_1 and Q5_1 as the file's
-    blocks (the last two with a min a block, as the offset term's factor)."""
-    raw = _blocks(type_name, 80, k, seed=rows)
+def _lane_packed(type_name: str, raw: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Q5_0 and Q8_0 packed from the canonical weight, the others as the file's blocks, then
+    put in the kernel's lanes."""
     w = from_gguf_blocks(type_name, raw)
+    packed = PACK[type_name](w) if type_name in PACK else from_file(type_name, raw).tensors
+    return to_lanes(type_name.lower(), packed)
+
+
+@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1"])
+@pytest.mark.parametrize("rows", [1, 3, LANE_MAX_ROWS])
+# 96: 3 blocks (one group of 3 lanes); 1024: two groups of 16; 896: 16 + 12, the default
+# model's hidden size
+@pytest.mark.parametrize("k", [96, 1024, 896])
+def test_kernel_equals_int8_activation_reference(type_name, rows, k):
+    """The weight in lanes (Q4_1 and Q5_1 with a min a block, as the offset term's factor),
+    against the float64 product of the dequantized weight."""
+    raw = _blocks(type_name, 80, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero block: scale 0
-    ref = _expected(x.bfloat16(), dequantize(w))
-    packed = PACK[type_name](w) if type_name in PACK else from_file(type_name, raw).tensors
+    ref = _expected(x.bfloat16(), dequantize(from_gguf_blocks(type_name, raw)))
+    packed = _lane_packed(type_name, raw)
     for xin in (x.bfloat16().float(), x.bfloat16().half()):  # the same values
         got = gguf_matmul(xin, type_name.lower(), packed)
         assert got.shape == (rows, 80) and got.dtype == torch.float32
@@ -81,6 +91,51 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
     sums = gguf_matmul(x.bfloat16().float(), kind, packed)
     assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed), sums.bfloat16())
     assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed, bias), sums.bfloat16() + bias)
+
+
+@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1"])
+@pytest.mark.parametrize("rows", [13, LANE_MAX_ROWS])
+def test_verify_rows_equal_decode_rows(type_name, rows):
+    """A speculative verify step's rows, in one call, each bit for bit what that row alone (a
+    decode step) gives: float32, and bfloat16 with a bias. 40 outputs: 16, 16 and a partial
+    block of 8; k = 896: a group of 16 blocks and one of 12."""
+    k = 896
+    raw = _blocks(type_name, 40, k, seed=rows)
+    packed, kind = _lane_packed(type_name, raw), type_name.lower()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for xin, b in ((x.float(), None), (x, bias)):
+        together = gguf_matmul(xin, kind, packed, b)
+        alone = torch.cat([gguf_matmul(xin[i : i + 1], kind, packed, b) for i in range(rows)])
+        assert torch.equal(together, alone)
+    assert not torch.equal(together[0], together[1])  # rows are told apart
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1"])
+def test_lanes_hold_the_files_bytes(type_name):
+    """gguf_lanes' layout as gguf_gemv.c reads it: lane j of vector v of a group of w blocks
+    is block j's code bytes 4v..4v+3, at byte 4w v of the group; the fifth bits as masks,
+    bit 4j + i of mask s = block j's code 4s + i. from_lanes undoes it."""
+    raw = _blocks(type_name, 4, 896, seed=7)
+    file = from_file(type_name, raw)
+    lanes = to_lanes(file.kind, file.tensors)
+    qs, codes = file.tensors[0].numpy(), lanes[0].numpy()
+    size = qs.shape[-1]
+    for g, w in ((0, 16), (1, 12)):
+        group = codes[:, 16 * g * size : (16 * g + w) * size]
+        for v in range(size // 4):
+            for j in range(w):
+                got = group[:, 4 * w * v + 4 * j : 4 * w * v + 4 * j + 4]
+                assert np.array_equal(got, qs[:, 16 * g + j, 4 * v : 4 * v + 4])
+    if type_name in ("Q5_0", "Q5_1"):
+        qh, masks = file.tensors[1].numpy().view(np.uint32), lanes[1].numpy().view(np.uint64)
+        assert masks.shape == (4, 2, 8)
+        for b in range(28):
+            for c in range(32):
+                bit = (masks[:, b // 16, c // 4] >> np.uint64(4 * (b % 16) + c % 4)) & 1
+                assert np.array_equal(bit, (qh[:, b] >> c) & 1)
+    assert all(torch.equal(a, b) for a, b in zip(from_lanes(file.kind, lanes), file.tensors))
+    assert file.kind in LANE_KINDS
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ from nanoqwen.kernels.cpu.build import load_library
 
 SOURCE = Path(__file__).with_name("gguf_gemv.c")
 KQUANT_SOURCE = Path(__file__).with_name("gguf_kquants.c")
-MAX_ROWS = 8  # MAX_ROWS in gguf_gemv.c
+MAX_ROWS = 8  # MAX_ROWS in gguf_common.h: the K-quants' kernels
+LANE_MAX_ROWS = 16  # LANE_MAX_ROWS in gguf_gemv.c: Q5_0, Q4_0, Q5_1, Q4_1, Q8_0 (in lanes)
 _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -55,10 +56,10 @@ def _library(source: Path, note: str, signatures: dict) -> ctypes.CDLL | None:
 def gguf_kernel() -> ctypes.CDLL | None:
     """gguf_gemv.c's library (Q5_0, Q4_0, Q5_1, Q4_1, Q8_0 and the int8 prefill copies)."""
     return _library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel", {
-        "q5_gemv": _gemv(3),  # qs, qh, d
+        "q5_gemv": _gemv(3),  # qs, hm, d (in lanes)
         "q8_gemv": _gemv(2),  # qs, d
         "q4_gemv": _gemv(2),  # qs, d
-        "q51_gemv": _gemv(4),  # qs, qh, d, m
+        "q51_gemv": _gemv(4),  # qs, hm, d, m
         "q41_gemv": _gemv(3),  # qs, d, m
         "requantize_rows": ([_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, _int], None),
         "requantize_q5_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
@@ -103,11 +104,17 @@ _KERNELS = {
 SUPERBLOCK_KINDS = ("q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 
 
+def max_rows(kind: str) -> int:
+    """The most rows one gguf_matmul call of `kind` takes."""
+    return MAX_ROWS if kind in SUPERBLOCK_KINDS else LANE_MAX_ROWS
+
+
 def gguf_matmul(
     x: torch.Tensor, kind: str, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (contiguous) @ W.T, W of `kind` packed by pack_q5_0 ("q5_0"),
-    pack_q8_0 ("q8_0") or as gguf_packed keeps the other kinds: float32 [M, N], or
+    """x [M <= max_rows(kind), K] (contiguous) @ W.T, W of `kind` as gguf_packed keeps it
+    (pack_q5_0's, pack_q8_0's), Q5_0, Q4_0, Q5_1, Q4_1 and Q8_0 then put in lanes by
+    gguf_lanes.to_lanes: float32 [M, N], or
     for bfloat16 x bfloat16 with bias (bfloat16) added, rounded as F.linear's output and then
     its bias add would be, in the one kernel."""
     if x.dtype not in (torch.bfloat16, torch.float32):

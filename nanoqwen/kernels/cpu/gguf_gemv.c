@@ -1,67 +1,92 @@
 // Few-row matmuls over GGUF Q5_0, Q4_0, Q5_1, Q4_1 and Q8_0 blocks (AVX512-VNNI), built at
 // first use by nanoqwen/kernels/cpu/gguf.py and called through ctypes; gguf_kquants.c has the
-// K-quants'.
+// K-quants', gguf_requantize.h the per-channel int8 copies for prefill.
 //
-// A weight row is K/32 blocks of 32 unsigned codes c and a float16 scale d[n][b]:
-//   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16), stored as the file has them:
-//     qs[n][b][16]: byte j = low nibble of c[j] | low nibble of c[j + 16] << 4
-//     qh[n][b]:     bit j = bit 4 of c[j]
-//   Q4_0 (q4_gemv): four-bit codes, w = d * (c - 8), qs as Q5_0's (the file's), no qh.
-//   Q5_1 (q51_gemv), Q4_1 (q41_gemv): Q5_0's and Q4_0's codes with w = d * c + m, a float16
-//     min m[n][b] a block (its term: m * d_x * sum(x_q)).
-//   Q8_0 (q8_gemv): qs[n][b][32] = c = the file's int8 code + 128, w = d * (c - 128).
-// The activations are quantized per block of 32 to int8 (scale max|x| / 127), as llama.cpp
-// does for its Q5_0/Q8_0 x Q8_0 dot products, so each block is one unsigned x signed byte dot
-// product (vpdpbusd) and the codes' offset one term per block: zero * d_x * sum(x_q).
-// For the nibble layouts (all but Q8_0) the activations are reordered once a call
-// (nibble_order) so that four blocks' low nibbles, then their high ones, meet their x values
-// as one 64-byte load each. A min (Q5_1, Q4_1) takes the offset term with zero 1 and -m for d.
+// A weight row is K/32 blocks of 32 codes c and a float16 scale d[n][b]:
+//   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16);  Q4_0 (q4_gemv): four-bit, w = d * (c - 8);
+//   Q5_1 (q51_gemv), Q4_1 (q41_gemv): those codes with w = d * c + m, a float16 min m[n][b];
+//   Q8_0 (q8_gemv): c = the file's int8 code + 128, w = d * (c - 128).
+// The activations are quantized per block of 32 to int8 (scale dx = max|x| / 127), as llama.cpp
+// does for its Q5_0/Q8_0 x Q8_0 dot products, so a block's dot product is an exact integer,
+// sum(c * x_q) - zero * sum(x_q) (zero: the codes' offset), and y = sum over blocks of
+// d * dx * that integer (+ m * dx * sum(x_q) for a min).
+//
+// The layout ("lanes", gguf_lanes.py packs it at load): one block per 32-bit lane of a vector.
+// A row's blocks go in groups of 16 (the last one of nb % 16 if that is not 0); in a group of
+// w blocks, vector v holds, in lane j, bytes 4v..4v+3 of block j's codes: Q8_0's 32 bytes c
+// give 8 vectors, the nibble formats' 16 (the file's qs: byte i = c[i] | c[i + 16] << 4) 4,
+// whose low nibbles are codes 4v..4v+3 and high ones codes 16 + 4v... Vector v starts at byte
+// 4w * v of its group. hm[n][g][8] (Q5_0, Q5_1): the fifth bits as 64-bit byte masks, bit
+// 4j + i of mask s set for block j's code 4s + i. The activations are reordered to match
+// once per call, so eight vpdpbusd sum each block's 32 products in its own lane with no
+// shuffle, and a row's float work is one convert and two multiplies a 16 blocks (against
+// three shuffles, converts and multiplies a 4 blocks for one block per 128 bits): what a
+// speculative verify step's 16 rows cost, where this CPU is bound by arithmetic, not reads.
+// Every row is computed alike whatever M is, so a verify row equals a decode step's.
 
 #include "gguf_common.h"
+#include "gguf_requantize.h"
 
-// Codes of blocks b and b + 1 as 64 unsigned bytes in x's order: [lo_b | hi_b | lo_b1 | hi_b1],
-// the high bits added from the two 32-bit masks (Q5_0; none for Q4_0, qh NULL).
-static inline __attribute__((always_inline)) __m512i two_blocks(const uint8_t* qs,
-                                                                const uint32_t* qh) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256i packed = _mm256_loadu_si256((const __m256i*)qs);
-    __m256i lo = _mm256_and_si256(packed, low4);
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-    __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo_b lo_b1 hi_b hi_b1
-    c = _mm512_shuffle_i64x2(c, c, _MM_SHUFFLE(3, 1, 2, 0));
-    if (!qh) return c;
-    uint64_t high;
-    memcpy(&high, qh, 8);
-    return _mm512_mask_add_epi8(c, (__mmask64)high, c, _mm512_set1_epi8(16));
+#define LANE_MAX_ROWS 16
+
+// The M activation rows as int8 in lanes: xq [M][G * 512] (byte 512g + 64s + 4j + i: code
+// 4s + i of block 16g + j; 0 past the last block), and per block, padded to G * 16: dx, the
+// integer offset -zero * sum(x_q) that starts a block's dot product, and dx * sum(x_q) (a
+// min's factor).
+typedef struct {
+    int8_t* xq;
+    int32_t* init;
+    float *dx, *sx;
+} Lanes;
+
+static void free_lanes(Lanes* a) { free(a->xq), free(a->init), free(a->dx), free(a->sx); }
+
+static int lane_activations(const void* x, int is_bf16, int64_t M, int64_t K, int zero,
+                            Lanes* a) {
+    const int64_t nb = K / 32, G = (nb + 15) / 16;
+    a->xq = calloc((size_t)(M * G * 512), 1);
+    a->init = calloc((size_t)(M * G * 16), sizeof(int32_t));
+    a->dx = calloc((size_t)(M * G * 16), sizeof(float));
+    a->sx = calloc((size_t)(M * G * 16), sizeof(float));
+    int8_t* row = malloc((size_t)K);
+    float* unused = malloc(sizeof(float) * nb);
+    if (!a->xq || !a->init || !a->dx || !a->sx || !row || !unused) {
+        free_lanes(a), free(row), free(unused);
+        return 2;
+    }
+    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
+    for (int64_t m = 0; m < M; m++) {
+        float* dx = a->dx + m * G * 16;
+        quantize_row((const char*)x + m * x_row, is_bf16, K, 0.0f, row, dx, unused);
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t* v = row + 32 * b;
+            int sum = 0;
+            for (int i = 0; i < 32; i++) sum += v[i];
+            a->init[m * G * 16 + b] = -zero * sum;
+            a->sx[m * G * 16 + b] = dx[b] * (float)sum;
+            int8_t* to = a->xq + m * G * 512 + 512 * (b / 16) + 4 * (b % 16);
+            for (int s = 0; s < 8; s++) memcpy(to + 64 * s, v + 4 * s, 4);
+        }
+    }
+    free(row), free(unused);
+    return 0;
 }
 
-static inline __attribute__((always_inline)) __m256i one_block(const uint8_t* qs,
-                                                               const uint32_t* qh) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m128i packed = _mm_loadu_si128((const __m128i*)qs);
-    __m128i lo = _mm_and_si128(packed, low4);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
-    __m256i c = _mm256_set_m128i(hi, lo);
-    if (!qh) return c;
-    return _mm256_mask_add_epi8(c, (__mmask32)*qh, c, _mm256_set1_epi8(16));
-}
-
-// Row n of the output for M activation rows; M and bits (5, 4 or 8) are compile-time constants
-// at each call site so that the accumulators stay in registers.
-static inline __attribute__((always_inline)) void dot_row(
-    const int M, const int bits, int64_t n, int64_t N, int64_t K, const uint8_t* qs,
-    const uint32_t* qh, const uint16_t* d, const uint16_t* mins, const int8_t* xq, const float* dx,
-    const float* off, void* y, int out_bf16, const uint16_t* bias) {
-    const int64_t nb = K / 32;
-    const int64_t block_bytes = bits == 8 ? 32 : 16;
-    qs += n * nb * block_bytes, d += n * nb;
-    if (bits == 5) qh += n * nb;
-    if (mins) mins += n * nb;
-    // The rows PREFETCH_BYTES of weight ahead (this thread's, under the static schedule)
-    // into the cache while this one computes: without it a core stalls on a row's loads, then
-    // computes, and Q5_0's unpacking did not overlap memory at all (gate_up streamed at 17
-    // GB/s against 34 when cache-resident; 23 with the prefetch).
+// Output row n's 16 partial sums (one a lane: a lane's blocks) for M activation rows, into
+// sums[16m]; M, bits (5, 4 or 8) and mins are compile-time constants at each call site, so
+// the accumulators and the group's 8 code vectors stay in registers.
+static inline __attribute__((always_inline)) void lane_row(
+    const int M, const int bits, const int mins, int64_t n, int64_t N, int64_t nb,
+    const uint8_t* qs, const uint64_t* hm, const uint16_t* d, const uint16_t* mn,
+    const Lanes* a, __m512* sums) {
+    const int64_t G = (nb + 15) / 16, block_bytes = bits == 8 ? 32 : 16;
     const int64_t row_bytes = nb * block_bytes;
+    qs += n * row_bytes, d += n * nb;
+    if (bits == 5) hm += n * G * 8;
+    if (mins) mn += n * nb;
+    // The rows PREFETCH_BYTES of weight ahead (this thread's, under the static schedule) into
+    // the cache while this one computes: without it a core stalls on a row's loads, then
+    // computes.
     const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
     if (n + ahead < N) {
         const char* next = (const char*)(qs + ahead * row_bytes);
@@ -69,157 +94,156 @@ static inline __attribute__((always_inline)) void dot_row(
         const char* next_d = (const char*)(d + ahead * nb);
         for (int64_t at = 0; at < nb * 2; at += 64) _mm_prefetch(next_d + at, _MM_HINT_T0);
         if (bits == 5) {
-            const char* next_h = (const char*)(qh + ahead * nb);
-            for (int64_t at = 0; at < nb * 4; at += 64) _mm_prefetch(next_h + at, _MM_HINT_T0);
+            const char* next_h = (const char*)(hm + ahead * G * 8);
+            for (int64_t at = 0; at < G * 64; at += 64) _mm_prefetch(next_h + at, _MM_HINT_T0);
         }
         if (mins) {
-            const char* next_m = (const char*)(mins + ahead * nb);
+            const char* next_m = (const char*)(mn + ahead * nb);
             for (int64_t at = 0; at < nb * 2; at += 64) _mm_prefetch(next_m + at, _MM_HINT_T0);
         }
     }
-    float scale[M][nb + 16];  // room for the masked stores past nb
-    __m512 corr16[M];
-    for (int m = 0; m < M; m++) corr16[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 16) {
-        __mmask16 live = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1);
-        __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + b));
-        // The offset term's factor: d for the codes' offset zero, -m for a min (zero 1).
-        __m512 cw = mins ? _mm512_sub_ps(_mm512_setzero_ps(),
-                                         _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + b)))
-                         : dw;
-        for (int m = 0; m < M; m++) {
-            __m512 dxm = _mm512_maskz_loadu_ps(live, dx + m * nb + b);
-            _mm512_storeu_ps(&scale[m][b], _mm512_mul_ps(dw, dxm));
-            corr16[m] = _mm512_fmadd_ps(cw, _mm512_maskz_loadu_ps(live, off + m * nb + b), corr16[m]);
-        }
-    }
-    float corr[M];
-    for (int m = 0; m < M; m++) corr[m] = _mm512_reduce_add_ps(corr16[m]);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
     __m512 acc[M];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    int64_t b = 0;
-    if (bits != 8) {
-        // Four blocks a step, x in nibble_order: lane i of both dot products sums values of
-        // block b + i / 4 (of its low nibbles, then of its high ones).
-        const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-        const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        for (; b + 4 <= nb; b += 4) {
-            const __m512i q = _mm512_loadu_si512((const void*)(qs + 16 * b));
-            __m512i lo = _mm512_and_si512(q, low4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-            if (bits == 5) {  // bit j of qh[b]: value j, in lo for j < 16, else in hi
-                uint64_t mlo = 0, mhi = 0;
-                for (int i = 0; i < 4; i++) {
-                    mlo |= (uint64_t)(qh[b + i] & 0xFFFF) << (16 * i);
-                    mhi |= (uint64_t)(qh[b + i] >> 16) << (16 * i);
-                }
-                lo = _mm512_mask_add_epi8(lo, (__mmask64)mlo, lo, sixteen);
-                hi = _mm512_mask_add_epi8(hi, (__mmask64)mhi, hi, sixteen);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t w = nb - 16 * g < 16 ? nb - 16 * g : 16;
+        const __mmask16 live = (__mmask16)((1u << w) - 1);
+        const uint8_t* q = qs + 16 * g * block_bytes;
+        __m512i c[8];  // c[s]: codes 4s..4s+3 of each block, lanes past w zero
+        if (bits == 8) {
+            for (int s = 0; s < 8; s++) c[s] = _mm512_maskz_loadu_epi32(live, q + 4 * w * s);
+        } else {
+            for (int t = 0; t < 4; t++) {
+                const __m512i p = _mm512_maskz_loadu_epi32(live, q + 4 * w * t);
+                c[t] = _mm512_and_si512(p, low4);
+                c[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
             }
-            for (int m = 0; m < M; m++) {
-                const int8_t* x = xq + m * K + 32 * b;
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                  _mm512_loadu_si512((const void*)x));
-                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void*)(x + 64)));
-                __m512 s = _mm512_permutexvar_ps(
-                    quad, _mm512_castps128_ps512(_mm_loadu_ps(&scale[m][b])));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m]);
-            }
+            if (bits == 5)
+                for (int s = 0; s < 8; s++)
+                    c[s] = _mm512_mask_add_epi8(c[s], (__mmask64)hm[8 * g + s], c[s], sixteen);
         }
-    }
-    for (; b + 2 <= nb; b += 2) {
-        __m512i c = bits == 8 ? _mm512_loadu_si512((const void*)(qs + 32 * b))
-                              : two_blocks(qs + 16 * b, bits == 5 ? qh + b : NULL);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + 16 * g));
+        const __m512 mw = mins ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + 16 * g))
+                               : _mm512_setzero_ps();
         for (int m = 0; m < M; m++) {
-            __m512i xv = _mm512_loadu_si512((const void*)(xq + m * K + 32 * b));
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
-            __m512 s = _mm512_permutexvar_ps(
-                pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)&scale[m][b]))));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m]);
+            const int8_t* x = a->xq + (m * G + g) * 512;
+            const int64_t at = (m * G + g) * 16;
+            __m512i dot = _mm512_loadu_si512((const void*)(a->init + at));
+            for (int s = 0; s < 8; s++)
+                dot = _mm512_dpbusd_epi32(dot, c[s], _mm512_loadu_si512((const void*)(x + 64 * s)));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + at));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
+            if (mins) acc[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->sx + at), acc[m]);
         }
     }
-    float tail[M];
-    for (int m = 0; m < M; m++) tail[m] = 0.0f;
-    if (b < nb) {
-        __m256i c = bits == 8 ? _mm256_loadu_si256((const __m256i*)(qs + 32 * b))
-                              : one_block(qs + 16 * b, bits == 5 ? qh + b : NULL);
-        for (int m = 0; m < M; m++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * K + 32 * b));
-            __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xv);
-            tail[m] = hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[m][b])));
-        }
-    }
-    for (int m = 0; m < M; m++)
-        store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) + tail[m] - corr[m]);
+    for (int m = 0; m < M; m++) sums[16 * m] = acc[m];
 }
 
-// Each row's int8 activations, in place, in the order dot_row's four-block steps read them:
-// per 128 values (four blocks), the first 16 of each block, then the last 16 of each (a
-// trailing one to three blocks stay as they are).
-static void nibble_order(int8_t* xq, int64_t M, int64_t K) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t at = 0; at + 128 <= K; at += 128) {
-            int8_t* v = xq + m * K + at;
-            int8_t t[128];
-            for (int j = 0; j < 4; j++) {
-                memcpy(t + 16 * j, v + 32 * j, 16);
-                memcpy(t + 64 + 16 * j, v + 32 * j + 16, 16);
-            }
-            memcpy(v, t, 128);
-        }
+// Lane i of the result: the sum of v[i]'s 16 lanes (a tree of adds that halves 16 vectors to
+// 8, 4, 2 and 1, 45 instructions for the 16 sums where one at a time takes 8 each).
+static inline __m512 sum16(const __m512* v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)  // lanes 4l + {0, 2} and {1, 3}: v[2i]'s, v[2i + 1]'s
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // lane 4l + k: v[4i + k]'s
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  // 128-bit lanes 0, 1: u[2i]'s; 2, 3: u[2i + 1]'s
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
-#define ROWS_CASE(R, BITS)                                                          \
-    case R:                                                                         \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")           \
-        for (int64_t n = 0; n < N; n++)                                             \
-            dot_row(R, BITS, n, N, K, qs, qh, d, mins, xq, dx, off, y, out_bf16, bias); \
+// float_to_bf16 (bf16.h) of 16 values.
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                      _mm512_and_si512(high, one)));
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+// Outputs n0..n0+15 (those of live) of row m, as store() writes one.
+static inline void store16(void* y, int out_bf16, const uint16_t* bias, int64_t m, int64_t n0,
+                           int64_t N, __mmask16 live, __m512 v) {
+    if (!out_bf16) {
+        _mm512_mask_storeu_ps((float*)y + m * N + n0, live, v);
+        return;
+    }
+    __m256i r = bf16x16(v);
+    if (bias) {
+        const __m512 b = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + n0)), 16));
+        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+        r = bf16x16(_mm512_add_ps(f, b));
+    }
+    _mm256_mask_storeu_epi16((uint16_t*)y + m * N + n0, live, r);
+}
+
+// Outputs n0..n0+15 of the M rows: each one's lane sums, then 16 added at a time.
+static inline __attribute__((always_inline)) void lane_rows16(
+    const int M, const int bits, const int mins, int64_t n0, int64_t N, int64_t nb,
+    const uint8_t* qs, const uint64_t* hm, const uint16_t* d, const uint16_t* mn,
+    const Lanes* a, void* y, int out_bf16, const uint16_t* bias) {
+    const int64_t count = N - n0 < 16 ? N - n0 : 16;
+    __m512 sums[M * 16];
+    for (int64_t j = 0; j < 16; j++) {
+        if (j < count) lane_row(M, bits, mins, n0 + j, N, nb, qs, hm, d, mn, a, sums + j);
+        else for (int m = 0; m < M; m++) sums[16 * m + j] = _mm512_setzero_ps();
+    }
+    const __mmask16 live = (__mmask16)((1u << count) - 1);
+    for (int m = 0; m < M; m++) store16(y, out_bf16, bias, m, n0, N, live, sum16(sums + 16 * m));
+}
+
+#define ROWS_CASE(R, BITS, MINS)                                                        \
+    case R:                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
+        for (int64_t n0 = 0; n0 < N; n0 += 16)                                          \
+            lane_rows16(R, BITS, MINS, n0, N, nb, qs, hm, d, mn, &a, y, out_bf16, bias); \
         break;
-
-// y[m][n] = sum_k x[m][k] * w[n][k] for m < M <= MAX_ROWS; x is bfloat16 when is_bf16, else
-// float32; y is float32 [M][N], or bfloat16 plus bias (NULL: none) when out_bf16. Returns 0,
-// or nonzero for arguments it does not take.
-static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-                const uint32_t* qh, const uint16_t* d, const uint16_t* mins, int64_t N, void* y,
-                int out_bf16, const uint16_t* bias, int threads) {
-    if (M < 1 || M > MAX_ROWS || K % 32) return 1;
-    Activations a;
-    const float zero = mins ? 1.0f : bits == 5 ? 16.0f : bits == 4 ? 8.0f : 128.0f;
-    if (quantize_activations(x, is_bf16, M, K, zero, &a)) return 2;
-    if (bits != 8) nibble_order(a.xq, M, K);
-    const int8_t* xq = a.xq;
-    const float *dx = a.dx, *off = a.off;
-    if (bits == 5) {
-        switch (M) {
-            ROWS_CASE(1, 5) ROWS_CASE(2, 5) ROWS_CASE(3, 5) ROWS_CASE(4, 5)
-            ROWS_CASE(5, 5) ROWS_CASE(6, 5) ROWS_CASE(7, 5) ROWS_CASE(8, 5)
-        }
-    } else if (bits == 4) {
-        switch (M) {
-            ROWS_CASE(1, 4) ROWS_CASE(2, 4) ROWS_CASE(3, 4) ROWS_CASE(4, 4)
-            ROWS_CASE(5, 4) ROWS_CASE(6, 4) ROWS_CASE(7, 4) ROWS_CASE(8, 4)
-        }
-    } else {
-        switch (M) {
-            ROWS_CASE(1, 8) ROWS_CASE(2, 8) ROWS_CASE(3, 8) ROWS_CASE(4, 8)
-            ROWS_CASE(5, 8) ROWS_CASE(6, 8) ROWS_CASE(7, 8) ROWS_CASE(8, 8)
-        }
+#define ALL_ROWS(B, I)                                                                  \
+    switch (M) {                                                                        \
+        ROWS_CASE(1, B, I) ROWS_CASE(2, B, I) ROWS_CASE(3, B, I) ROWS_CASE(4, B, I)     \
+        ROWS_CASE(5, B, I) ROWS_CASE(6, B, I) ROWS_CASE(7, B, I) ROWS_CASE(8, B, I)     \
+        ROWS_CASE(9, B, I) ROWS_CASE(10, B, I) ROWS_CASE(11, B, I) ROWS_CASE(12, B, I)  \
+        ROWS_CASE(13, B, I) ROWS_CASE(14, B, I) ROWS_CASE(15, B, I) ROWS_CASE(16, B, I) \
     }
-    free_activations(&a);
+
+// y[m][n] = sum_k x[m][k] * w[n][k] for m < M <= LANE_MAX_ROWS; x is bfloat16 when is_bf16,
+// else float32; y is float32 [M][N], or bfloat16 plus bias (NULL: none) when out_bf16. Returns
+// 0, or nonzero for arguments it does not take.
+static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+                const uint64_t* hm, const uint16_t* d, const uint16_t* mn, int64_t N, void* y,
+                int out_bf16, const uint16_t* bias, int threads) {
+    if (M < 1 || M > LANE_MAX_ROWS || K % 32) return 1;
+    const int64_t nb = K / 32;
+    const int zero = mn ? 0 : bits == 5 ? 16 : bits == 4 ? 8 : 128;
+    Lanes a;
+    if (lane_activations(x, is_bf16, M, K, zero, &a)) return 2;
+    if (bits == 5 && mn) ALL_ROWS(5, 1)
+    else if (bits == 5) ALL_ROWS(5, 0)
+    else if (bits == 4 && mn) ALL_ROWS(4, 1)
+    else if (bits == 4) ALL_ROWS(4, 0)
+    else ALL_ROWS(8, 0)
+    free_lanes(&a);
     return 0;
 }
 
 int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-            const uint32_t* qh, const uint16_t* d, int64_t N, void* y, int out_bf16,
+            const uint64_t* hm, const uint16_t* d, int64_t N, void* y, int out_bf16,
             const uint16_t* bias, int threads) {
-    return gemv(5, x, is_bf16, M, K, qs, qh, d, NULL, N, y, out_bf16, bias, threads);
+    return gemv(5, x, is_bf16, M, K, qs, hm, d, NULL, N, y, out_bf16, bias, threads);
 }
 
 int q51_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-             const uint32_t* qh, const uint16_t* d, const uint16_t* m, int64_t N, void* y,
+             const uint64_t* hm, const uint16_t* d, const uint16_t* m, int64_t N, void* y,
              int out_bf16, const uint16_t* bias, int threads) {
-    return gemv(5, x, is_bf16, M, K, qs, qh, d, m, N, y, out_bf16, bias, threads);
+    return gemv(5, x, is_bf16, M, K, qs, hm, d, m, N, y, out_bf16, bias, threads);
 }
 
 int q41_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
@@ -238,101 +262,4 @@ int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
             int threads) {
     return gemv(8, x, is_bf16, M, K, qs, NULL, d, NULL, N, y, out_bf16, bias, threads);
-}
-
-// requantize_row over N rows of codes q [N][K] and scales s [N][K/g].
-void requantize_rows(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t g,
-                     int8_t* out, float* r, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++)
-        requantize_row(q + n * K, s + n * (K / g), K, g, out + n * K, r + n);
-}
-
-// requantize_rows of a weight in q5_gemv's (bits 5), q4_gemv's (4) or q8_gemv's (8) layout:
-// each row's codes and scales are decoded to what gguf_blocks.py reads from the file (int8
-// code, float32 d), so the result is requantize_rows's on that canonical weight, bit for bit.
-static void requantize_blocks(int bits, const uint8_t* qs, const uint32_t* qh, const uint16_t* d,
-                              int64_t N, int64_t K, int8_t* out, float* r, int threads) {
-    const int64_t nb = K / 32;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        int8_t q[K];
-        float s[nb];
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t i = n * nb + b;
-            s[b] = _cvtsh_ss(d[i]);
-            int8_t* c = q + 32 * b;
-            if (bits == 5) {
-                const uint8_t* p = qs + 16 * i;
-                const uint32_t h = qh[i];
-                for (int j = 0; j < 16; j++) {
-                    c[j] = (int8_t)(((p[j] & 15) | ((h >> j) & 1) << 4) - 16);
-                    c[j + 16] = (int8_t)(((p[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16);
-                }
-            } else if (bits == 4) {
-                const uint8_t* p = qs + 16 * i;
-                for (int j = 0; j < 16; j++) {
-                    c[j] = (int8_t)((p[j] & 15) - 8);
-                    c[j + 16] = (int8_t)((p[j] >> 4) - 8);
-                }
-            } else {
-                const uint8_t* p = qs + 32 * i;
-                for (int j = 0; j < 32; j++) c[j] = (int8_t)(p[j] ^ 0x80);  // code + 128
-            }
-        }
-        requantize_row(q, s, K, 32, out + n * K, r + n);
-    }
-}
-
-void requantize_q5_rows(const uint8_t* qs, const uint32_t* qh, const uint16_t* d, int64_t N,
-                        int64_t K, int8_t* out, float* r, int threads) {
-    requantize_blocks(5, qs, qh, d, N, K, out, r, threads);
-}
-
-void requantize_q4_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t K, int8_t* out,
-                        float* r, int threads) {
-    requantize_blocks(4, qs, NULL, d, N, K, out, r, threads);
-}
-
-void requantize_q8_rows(const uint8_t* qs, const uint16_t* d, int64_t N, int64_t K, int8_t* out,
-                        float* r, int threads) {
-    requantize_blocks(8, qs, NULL, d, N, K, out, r, threads);
-}
-
-// Q5_1 and Q4_1: the canonical weight is asymmetric (codes c, scale d, offset m a block of 32),
-// requantized as format.quantize_int8(format.dequantize(w)): w = c * d + m in float32 (c * d is
-// exact, so only the add rounds), then per_channel_row.
-static void requantize_min_blocks(int bits, const uint8_t* qs, const uint32_t* qh,
-                                  const uint16_t* d, const uint16_t* mins, int64_t N, int64_t K,
-                                  int8_t* out, float* r, int threads) {
-    const int64_t nb = K / 32;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        float w[K];
-        float amax = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t i = n * nb + b;
-            const float dd = _cvtsh_ss(d[i]), mm = _cvtsh_ss(mins[i]);
-            const uint8_t* p = qs + 16 * i;
-            const uint32_t h = bits == 5 ? qh[i] : 0;
-            for (int j = 0; j < 32; j++) {
-                const int low = j < 16 ? p[j] & 15 : p[j - 16] >> 4;
-                const int c = low | (int)((h >> j) & 1) << 4;
-                w[32 * b + j] = (float)c * dd + mm;
-                amax = fmaxf(amax, fabsf(w[32 * b + j]));
-            }
-        }
-        per_channel_row(w, K, amax, out + n * K, r + n);
-    }
-}
-
-void requantize_q51_rows(const uint8_t* qs, const uint32_t* qh, const uint16_t* d,
-                         const uint16_t* m, int64_t N, int64_t K, int8_t* out, float* r,
-                         int threads) {
-    requantize_min_blocks(5, qs, qh, d, m, N, K, out, r, threads);
-}
-
-void requantize_q41_rows(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t N,
-                         int64_t K, int8_t* out, float* r, int threads) {
-    requantize_min_blocks(4, qs, NULL, d, m, N, K, out, r, threads);
 }

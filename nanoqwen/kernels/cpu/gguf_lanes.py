@@ -1,0 +1,81 @@
+"""gguf_gemv.c's weight layout ("lanes": one block of 32 per 32-bit lane, see its header) made
+from the file's arrays at load, and back (for the per-channel int8 copy, which reads the
+file's). Q5_0, Q4_0, Q5_1, Q4_1 and Q8_0 (LANE_KINDS); the scales and mins stay as they are
+(a row's float16 d [N, K/32] is already one block a lane)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+LANE_KINDS = ("q5_0", "q4_0", "q5_1", "q4_1", "q8_0")
+_HIGH_BITS = ("q5_0", "q5_1")  # the second array, qh int32 [N, K/32], becomes masks
+
+
+def _groups(nb: int) -> list[tuple[int, int]]:
+    """(first block, blocks) of a row's groups: 16 blocks each, the last one what is left."""
+    return [(b, min(16, nb - b)) for b in range(0, nb, 16)]
+
+
+def _code_lanes(qs: np.ndarray) -> np.ndarray:
+    """qs [N, nb, B] (B = 16 or 32 bytes a block) as [N, nb * B]: per group of w blocks, B / 4
+    vectors of w lanes, lane j of vector v = block j's bytes 4v..4v+3."""
+    n, nb, size = qs.shape
+    parts = [
+        qs[:, b : b + w].reshape(n, w, size // 4, 4).transpose(0, 2, 1, 3).reshape(n, -1)
+        for b, w in _groups(nb)
+    ]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def _code_blocks(lanes: np.ndarray, nb: int) -> np.ndarray:
+    """_code_lanes' inverse: [N, nb * B] back to [N, nb, B]."""
+    n = lanes.shape[0]
+    size = lanes.shape[1] // nb
+    parts = [
+        lanes[:, b * size : (b + w) * size].reshape(n, size // 4, w, 4).transpose(0, 2, 1, 3)
+        for b, w in _groups(nb)
+    ]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(n, nb, size))
+
+
+def _masks(qh: np.ndarray) -> np.ndarray:
+    """Fifth bits qh [N, nb] (bit i: code i of the block) as int64 [N, G, 8]: bit 4j + i of
+    mask s = code 4s + i of block 16g + j's."""
+    n, nb = qh.shape
+    g = (nb + 15) // 16
+    bits = np.zeros((n, g * 16), dtype=np.uint64)
+    bits[:, :nb] = qh.view(np.uint32)
+    nibbles = (bits.reshape(n, g, 1, 16) >> (4 * np.arange(8, dtype=np.uint64))[:, None]) & 15
+    masks = np.bitwise_or.reduce(nibbles << (4 * np.arange(16, dtype=np.uint64)), axis=-1)
+    return masks.view(np.int64)
+
+
+def _unmask(masks: np.ndarray, nb: int) -> np.ndarray:
+    """_masks' inverse: int32 [N, nb]."""
+    n, g, _ = masks.shape
+    m = masks.view(np.uint64).reshape(n, g, 8, 1)
+    nibbles = (m >> (4 * np.arange(16, dtype=np.uint64))) & 15  # [N, G, 8 (s), 16 (j)]
+    qh = np.bitwise_or.reduce(nibbles << (4 * np.arange(8, dtype=np.uint64))[:, None], axis=2)
+    return np.ascontiguousarray(qh.reshape(n, g * 16)[:, :nb].astype(np.uint32).view(np.int32))
+
+
+def to_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The file's arrays of `kind` (gguf_packed.PackedBlocks') in gguf_gemv.c's lanes: codes
+    uint8 [N, K or K/2], for Q5_0 and Q5_1 the masks int64 [N, G, 8], the scales (and mins)
+    as they were."""
+    qs, *rest = (t.numpy() for t in tensors)
+    out = [_code_lanes(qs)]
+    if kind in _HIGH_BITS:
+        out.append(_masks(rest.pop(0)))
+    return tuple(torch.from_numpy(a) for a in out) + tuple(tensors[len(tensors) - len(rest) :])
+
+
+def from_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """to_lanes' inverse: the file's arrays again."""
+    nb = tensors[-1].shape[1]
+    lanes, *rest = (t.numpy() for t in tensors)
+    out = [_code_blocks(lanes, nb)]
+    if kind in _HIGH_BITS:
+        out.append(_unmask(rest.pop(0), nb))
+    return tuple(torch.from_numpy(a) for a in out) + tuple(tensors[len(tensors) - len(rest) :])
