@@ -6,7 +6,8 @@ With --baseline DIR (a copy of nanoqwen/kernels/cpu's C files from another commi
 `git show REV:nanoqwen/kernels/cpu/gguf_gemv.c > DIR/gguf_gemv.c` for each of gguf_gemv.c,
 gguf_kquants.c, gguf_common.h, bf16.h and, where REV has it, gguf_requantize.h) that commit's
 kernels (file-layout weights, 8 rows a pass) take turns with this checkout's, call by call,
-in one process: a shared machine's drift slows both alike.
+in one process: a shared machine's drift slows both alike. Each figure is the fastest of
+--reps calls (a call that another job's thread interrupts waits out its time slice).
 
     python3 tools/gemv_rows_bench.py [--rows 1,8,16] [--reps 20] [--baseline DIR]
 """
@@ -31,7 +32,8 @@ WEIGHTS = {  # name: the file's tensors, stacked as the model fuses them
     "qkv": ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"],
     "o": ["blk.0.attn_output.weight"],
     "gate_up": ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"],
-    "down": ["blk.0.ffn_down.weight"],
+    "down": ["blk.0.ffn_down.weight"],  # Q6_K
+    "down_11": ["blk.11.ffn_down.weight"],  # Q4_K
     "lm_head": ["output.weight"],
 }
 
@@ -47,7 +49,7 @@ def load() -> dict[str, PackedBlocks]:
 
 def baseline_call(lib: ctypes.CDLL, kind: str, tensors: tuple, max_rows: int):
     """The baseline library's kernel for kind, in passes of max_rows rows."""
-    name = kernels._KERNELS[kind][1]
+    name = kernels._KERNELS[kind][1].replace("_lanes", "")  # the kernel before lanes
     fn = getattr(lib, name)
     fn.restype = ctypes.c_int
 
@@ -89,7 +91,7 @@ def main() -> None:
         base["gemv"] = load_library(args.baseline / "gguf_gemv.c", "baseline")
         base["kq"] = load_library(args.baseline / "gguf_kquants.c", "baseline")
     for name, w in weights.items():
-        lib = base.get("kq" if w.kind not in LANE_KINDS else "gemv")
+        lib = base.get("kq" if w.kind in kernels.SUPERBLOCK_KINDS else "gemv")
         calls = {"now": current_call(w.kind, w.tensors)}
         if lib is not None:
             calls["base"] = baseline_call(lib, w.kind, w.tensors, 8)
@@ -104,7 +106,7 @@ def main() -> None:
                     t = time.perf_counter()
                     c(x)
                     times[k].append(time.perf_counter() - t)
-            med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+            med = {k: min(v) * 1e3 for k, v in times.items()}  # the least disturbed call
             line = f"{name:8s} {w.kind:5s} rows {rows:2d}: " + "  ".join(
                 f"{k} {v:7.3f} ms" for k, v in med.items()
             )

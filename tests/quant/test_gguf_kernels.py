@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from conftest import run_without_a_compiler
 from tiny_gguf import random_blocks
 
-from nanoqwen.kernels.cpu.gguf import LANE_MAX_ROWS, MAX_ROWS, gguf_kernel, gguf_matmul
+from nanoqwen.kernels.cpu.gguf import LANE_MAX_ROWS, MAX_ROWS, gguf_kernel, gguf_matmul, max_rows
 from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS, from_lanes, to_lanes
 from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
 from nanoqwen.quant.gguf_forms import is_q5_0, is_q8_0, pack_q5_0, pack_q8_0, requantize_rows
-from nanoqwen.quant.gguf_packed import from_file
+from nanoqwen.quant.gguf_packed import from_file, to_canonical
 from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
 
 gguf = pytest.importorskip("gguf")
@@ -61,8 +61,10 @@ def test_packed_layouts_are_the_files_own_bytes():
 def _lane_packed(type_name: str, raw: np.ndarray) -> tuple[torch.Tensor, ...]:
     """Q5_0 and Q8_0 packed from the canonical weight, the others as the file's blocks, then
     put in the kernel's lanes."""
-    w = from_gguf_blocks(type_name, raw)
-    packed = PACK[type_name](w) if type_name in PACK else from_file(type_name, raw).tensors
+    if type_name in PACK:
+        packed = PACK[type_name](from_gguf_blocks(type_name, raw))
+    else:
+        packed = from_file(type_name, raw).tensors
     return to_lanes(type_name.lower(), packed)
 
 
@@ -93,14 +95,16 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
     assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed, bias), sums.bfloat16() + bias)
 
 
-@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1"])
+@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("rows", [13, LANE_MAX_ROWS])
 def test_verify_rows_equal_decode_rows(type_name, rows):
     """A speculative verify step's rows, in one call, each bit for bit what that row alone (a
     decode step) gives: float32, and bfloat16 with a bias. 40 outputs: 16, 16 and a partial
-    block of 8; k = 896: a group of 16 blocks and one of 12."""
-    k = 896
-    raw = _blocks(type_name, 40, k, seed=rows)
+    block of 8; k = 896: a group of 16 blocks and one of 12 (the K-quants: 4864, the default
+    model's down_proj, 9 groups and one of 8)."""
+    k_quant = type_name.endswith("_K")
+    k = 4864 if k_quant else 896
+    raw = random_blocks(type_name, 40, k, seed=rows) if k_quant else _blocks(type_name, 40, k, rows)
     packed, kind = _lane_packed(type_name, raw), type_name.lower()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     bias = torch.randn(40, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -109,6 +113,34 @@ def test_verify_rows_equal_decode_rows(type_name, rows):
         alone = torch.cat([gguf_matmul(xin[i : i + 1], kind, packed, b) for i in range(rows)])
         assert torch.equal(together, alone)
     assert not torch.equal(together[0], together[1])  # rows are told apart
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_k_quant_lanes_hold_blocks_of_32(type_name):
+    """Q4_K's and Q5_K's codes in lanes are the canonical weight's blocks of 32 in Q4_0's
+    nibble order (byte j: codes j and j + 16), their fifth bits as Q5_0's, their six-bit scales
+    and mins one a block; from_lanes undoes it."""
+    raw = random_blocks(type_name, 4, 512, seed=3)
+    file = from_file(type_name, raw)
+    lanes = to_lanes(file.kind, file.tensors)
+    canonical = to_canonical(file)  # codes 0..15 (0..31 with the fifth bit) a value
+    q = canonical.q.numpy().view(np.uint8).reshape(4, 16, 32)
+    codes = lanes[0].numpy()
+    for b in range(16):  # one group of 16 lanes; vector v at byte 64v
+        for v in range(4):
+            got = codes[:, 64 * v + 4 * b : 64 * v + 4 * b + 4]
+            want = (q[:, b, 4 * v : 4 * v + 4] & 15) | (q[:, b, 16 + 4 * v : 20 + 4 * v] & 15) << 4
+            assert np.array_equal(got, want)
+    if type_name == "Q5_K":
+        masks = lanes[1].numpy().view(np.uint64)
+        for b in range(16):
+            for c in range(32):
+                bit = (masks[:, 0, c // 4] >> np.uint64(4 * b + c % 4)) & 1
+                assert np.array_equal(bit, q[:, b, c] >> 4)
+    sc, m = lanes[-4].numpy(), lanes[-3].numpy()
+    assert sc.shape == m.shape == (4, 16)
+    assert np.array_equal(sc, file.tensors[-4].numpy().reshape(4, 16))
+    assert all(torch.equal(a, b) for a, b in zip(from_lanes(file.kind, lanes), file.tensors))
 
 
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1"])
@@ -142,22 +174,25 @@ def test_lanes_hold_the_files_bytes(type_name):
     ("type_name", "kind"),
     [("Q6_K", "q6_k"), ("Q4_K", "q4_k"), ("Q5_K", "q5_k"), ("Q3_K", "q3_k"), ("Q2_K", "q2_k")],
 )
-@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, LANE_MAX_ROWS])
 @pytest.mark.parametrize("k", [256, 4864])  # 4864: the default model's down_proj
 def test_k_quant_kernels_equal_int8_activation_reference(type_name, kind, rows, k):
-    """The K-quants read from the file's superblocks: the same arithmetic as Q5_0/Q8_0's,
-    with a scale a 16 values (Q6_K, Q3_K; Q2_K with a min too) or a scale and a min a 32
-    (Q4_K, Q5_K)."""
+    """The K-quants read from the file's superblocks (Q4_K and Q5_K put in lanes): the same
+    arithmetic as Q5_0/Q8_0's, with a scale a 16 values (Q6_K, Q3_K; Q2_K with a min too) or
+    a scale and a min a 32 (Q4_K, Q5_K)."""
+    if rows > max_rows(kind):
+        pytest.skip(f"{kind} takes {max_rows(kind)} rows a call")
     raw = random_blocks(type_name, 80, k, seed=rows)  # any code, scale and high-bit pattern
     packed = from_file(type_name, raw)
     assert packed.kind == kind and packed.shape == (80, k)
+    tensors = to_lanes(kind, packed.tensors) if kind in LANE_KINDS else packed.tensors
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0
     ref = _expected(x.bfloat16(), dequantize(from_gguf_blocks(type_name, raw)))
-    got = gguf_matmul(x.bfloat16().float(), kind, packed.tensors)
+    got = gguf_matmul(x.bfloat16().float(), kind, tensors)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     bias = torch.randn(80).bfloat16()
-    assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed.tensors, bias), got.bfloat16() + bias)
+    assert torch.equal(gguf_matmul(x.bfloat16(), kind, tensors, bias), got.bfloat16() + bias)
 
 
 def test_layouts_are_told_apart():

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from nanoqwen.kernels.cpu.build import load_library
+from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS
 
 SOURCE = Path(__file__).with_name("gguf_gemv.c")
 KQUANT_SOURCE = Path(__file__).with_name("gguf_kquants.c")
 MAX_ROWS = 8  # MAX_ROWS in gguf_common.h: the K-quants' kernels
-LANE_MAX_ROWS = 16  # LANE_MAX_ROWS in gguf_gemv.c: Q5_0, Q4_0, Q5_1, Q4_1, Q8_0 (in lanes)
+LANE_MAX_ROWS = 16  # LANE_MAX_ROWS in gguf_gemv.c: gguf_lanes.LANE_KINDS
 _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -54,13 +55,16 @@ def _library(source: Path, note: str, signatures: dict) -> ctypes.CDLL | None:
 
 @cache
 def gguf_kernel() -> ctypes.CDLL | None:
-    """gguf_gemv.c's library (Q5_0, Q4_0, Q5_1, Q4_1, Q8_0 and the int8 prefill copies)."""
+    """gguf_gemv.c's library (Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q4_K and Q5_K in lanes, and the
+    int8 prefill copies of the first five)."""
     return _library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel", {
         "q5_gemv": _gemv(3),  # qs, hm, d (in lanes)
         "q8_gemv": _gemv(2),  # qs, d
         "q4_gemv": _gemv(2),  # qs, d
         "q51_gemv": _gemv(4),  # qs, hm, d, m
         "q41_gemv": _gemv(3),  # qs, d, m
+        "q4k_lanes_gemv": _gemv(5),  # qs, sc, m, d, dmin
+        "q5k_lanes_gemv": _gemv(6),  # qs, hm, sc, m, d, dmin
         "requantize_rows": ([_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, _int], None),
         "requantize_q5_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
         "requantize_q8_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
@@ -72,13 +76,12 @@ def gguf_kernel() -> ctypes.CDLL | None:
 
 @cache
 def kquant_kernel() -> ctypes.CDLL | None:
-    """gguf_kquants.c's library (Q6_K, Q3_K, Q2_K, Q4_K and Q5_K)."""
+    """gguf_kquants.c's library (Q6_K, Q3_K and Q2_K; the per-channel copies of those and of
+    Q4_K and Q5_K, whose few-row kernel is gguf_gemv.c's)."""
     return _library(KQUANT_SOURCE, "GGUF K-quant CPU kernels unavailable", {
         "q6k_gemv": _gemv(4),  # ql, qh, sc, d
         "q3k_gemv": _gemv(4),  # qs, hm, sc, d
         "q2k_gemv": _gemv(4),  # qs, sc, d, dmin
-        "q4k_gemv": _gemv(5),  # qs, sc, m, d, dmin
-        "q5k_gemv": _gemv(6),  # qs, hb, sc, m, d, dmin
         "requantize_q6k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
         "requantize_q3k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
         "requantize_q2k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
@@ -87,26 +90,26 @@ def kquant_kernel() -> ctypes.CDLL | None:
     })  # fmt: skip
 
 
-# By kind: (library, few-row matmul, per-channel int8 copy); SUPERBLOCK_KINDS' blocks hold
-# 256 values, the others 32.
+# By kind: (library, few-row matmul, library, per-channel int8 copy); SUPERBLOCK_KINDS' blocks
+# hold 256 values, the others 32.
 _KERNELS = {
-    "q5_0": (gguf_kernel, "q5_gemv", "requantize_q5_rows"),
-    "q8_0": (gguf_kernel, "q8_gemv", "requantize_q8_rows"),
-    "q4_0": (gguf_kernel, "q4_gemv", "requantize_q4_rows"),
-    "q5_1": (gguf_kernel, "q51_gemv", "requantize_q51_rows"),
-    "q4_1": (gguf_kernel, "q41_gemv", "requantize_q41_rows"),
-    "q6_k": (kquant_kernel, "q6k_gemv", "requantize_q6k_rows"),
-    "q3_k": (kquant_kernel, "q3k_gemv", "requantize_q3k_rows"),
-    "q2_k": (kquant_kernel, "q2k_gemv", "requantize_q2k_rows"),
-    "q4_k": (kquant_kernel, "q4k_gemv", "requantize_q4k_rows"),
-    "q5_k": (kquant_kernel, "q5k_gemv", "requantize_q5k_rows"),
+    "q5_0": (gguf_kernel, "q5_gemv", gguf_kernel, "requantize_q5_rows"),
+    "q8_0": (gguf_kernel, "q8_gemv", gguf_kernel, "requantize_q8_rows"),
+    "q4_0": (gguf_kernel, "q4_gemv", gguf_kernel, "requantize_q4_rows"),
+    "q5_1": (gguf_kernel, "q51_gemv", gguf_kernel, "requantize_q51_rows"),
+    "q4_1": (gguf_kernel, "q41_gemv", gguf_kernel, "requantize_q41_rows"),
+    "q6_k": (kquant_kernel, "q6k_gemv", kquant_kernel, "requantize_q6k_rows"),
+    "q3_k": (kquant_kernel, "q3k_gemv", kquant_kernel, "requantize_q3k_rows"),
+    "q2_k": (kquant_kernel, "q2k_gemv", kquant_kernel, "requantize_q2k_rows"),
+    "q4_k": (gguf_kernel, "q4k_lanes_gemv", kquant_kernel, "requantize_q4k_rows"),
+    "q5_k": (gguf_kernel, "q5k_lanes_gemv", kquant_kernel, "requantize_q5k_rows"),
 }
 SUPERBLOCK_KINDS = ("q6_k", "q3_k", "q2_k", "q4_k", "q5_k")
 
 
 def max_rows(kind: str) -> int:
     """The most rows one gguf_matmul call of `kind` takes."""
-    return MAX_ROWS if kind in SUPERBLOCK_KINDS else LANE_MAX_ROWS
+    return LANE_MAX_ROWS if kind in LANE_KINDS else MAX_ROWS
 
 
 def gguf_matmul(
@@ -124,7 +127,7 @@ def gguf_matmul(
     rows, k = x.shape
     n = packed[0].shape[0]
     out = torch.empty(rows, n, dtype=x.dtype)
-    library, gemv, _ = _KERNELS[kind]
+    library, gemv, _, _ = _KERNELS[kind]
     status = getattr(library(), gemv)(
         x.data_ptr(), int(out_bf16), rows, k, *[t.data_ptr() for t in packed], n,
         out.data_ptr(), int(out_bf16), None if bias is None else bias.data_ptr(),
@@ -160,7 +163,7 @@ def requantize_packed(
     n, blocks = packed[-1].shape
     k = blocks * (256 if kind in SUPERBLOCK_KINDS else 32)
     out, row = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.float32)
-    library, _, requantize = _KERNELS[kind]
+    _, _, library, requantize = _KERNELS[kind]
     tensors = [t.contiguous() for t in packed]  # held until the call returns
     getattr(library(), requantize)(
         *[t.data_ptr() for t in tensors], n, k, out.data_ptr(), row.data_ptr(),

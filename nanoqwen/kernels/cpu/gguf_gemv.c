@@ -72,71 +72,92 @@ static int lane_activations(const void* x, int is_bf16, int64_t M, int64_t K, in
     return 0;
 }
 
-// Output row n's 16 partial sums (one a lane: a lane's blocks) for M activation rows, into
-// sums[16m]; M, bits (5, 4 or 8) and mins are compile-time constants at each call site, so
-// the accumulators and the group's 8 code vectors stay in registers.
-static inline __attribute__((always_inline)) void lane_row(
-    const int M, const int bits, const int mins, int64_t n, int64_t N, int64_t nb,
-    const uint8_t* qs, const uint64_t* hm, const uint16_t* d, const uint16_t* mn,
-    const Lanes* a, __m512* sums) {
+// A weight's arrays (those of its format; the others NULL).
+typedef struct {
+    const uint8_t* qs;    // codes in lanes
+    const uint64_t* hm;   // fifth bits: Q5_0, Q5_1, Q5_K
+    const uint16_t* d;    // float16 scale a block, or (Q4_K, Q5_K) a superblock of 8
+    const uint16_t* mn;   // float16 min a block (Q5_1, Q4_1), or dmin a superblock (K)
+    const uint8_t *sc, *m;  // Q4_K, Q5_K: six-bit scale and min a block
+} Weight;
+
+// A code vector of a group of w blocks: masked only in a short last group (a masked load
+// streamed the lm_head from memory 10-20% slower).
+static inline __m512i group_load(const uint8_t* p, int64_t w) {
+    if (w == 16) return _mm512_loadu_si512((const void*)p);
+    return _mm512_maskz_loadu_epi32((__mmask16)((1u << w) - 1), p);
+}
+
+// Adds group g of output row n (its blocks 16g..16g+15, one a lane) to the 16 partial sums of
+// the M activation rows, sums[16m]. M, bits (5, 4 or 8), mins and kq (the scales are Q4_K's:
+// d * sc[b], dmin * m[b]) are compile-time constants at each call site, so the group's 8 code
+// vectors stay in registers while every row meets them.
+static inline __attribute__((always_inline)) void lane_group(
+    const int M, const int bits, const int mins, const int kq, int64_t n, int64_t g, int64_t N,
+    int64_t nb, const Weight* wt, const Lanes* a, __m512* sums, int64_t ahead) {
     const int64_t G = (nb + 15) / 16, block_bytes = bits == 8 ? 32 : 16;
-    const int64_t row_bytes = nb * block_bytes;
-    qs += n * row_bytes, d += n * nb;
-    if (bits == 5) hm += n * G * 8;
-    if (mins) mn += n * nb;
-    // The rows PREFETCH_BYTES of weight ahead (this thread's, under the static schedule) into
+    const int64_t row_bytes = nb * block_bytes, nd = kq ? nb / 8 : nb;  // scales a row
+    const int64_t w = nb - 16 * g < 16 ? nb - 16 * g : 16, at_d = kq ? 2 * g : 16 * g;
+    const uint8_t* q = wt->qs + n * row_bytes + 16 * g * block_bytes;
+    const uint64_t* hm = bits == 5 ? wt->hm + (n * G + g) * 8 : NULL;
+    const uint16_t *d = wt->d + n * nd + at_d, *mn = mins ? wt->mn + n * nd + at_d : NULL;
+    const uint8_t *sc = kq ? wt->sc + n * nb + 16 * g : NULL;
+    const uint8_t *mb = kq ? wt->m + n * nb + 16 * g : NULL;
+    // The same group of the row `ahead` on (this thread's, under the static schedule) into
     // the cache while this one computes: without it a core stalls on a row's loads, then
     // computes.
-    const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
     if (n + ahead < N) {
-        const char* next = (const char*)(qs + ahead * row_bytes);
-        for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
-        const char* next_d = (const char*)(d + ahead * nb);
-        for (int64_t at = 0; at < nb * 2; at += 64) _mm_prefetch(next_d + at, _MM_HINT_T0);
-        if (bits == 5) {
-            const char* next_h = (const char*)(hm + ahead * G * 8);
-            for (int64_t at = 0; at < G * 64; at += 64) _mm_prefetch(next_h + at, _MM_HINT_T0);
-        }
-        if (mins) {
-            const char* next_m = (const char*)(mn + ahead * nb);
-            for (int64_t at = 0; at < nb * 2; at += 64) _mm_prefetch(next_m + at, _MM_HINT_T0);
-        }
+        const char* next[6] = {(const char*)(q + ahead * row_bytes), (const char*)(d + ahead * nd),
+                               hm ? (const char*)(hm + ahead * G * 8) : NULL,
+                               mins ? (const char*)(mn + ahead * nd) : NULL,
+                               kq ? (const char*)(sc + ahead * nb) : NULL,
+                               kq ? (const char*)(mb + ahead * nb) : NULL};
+        for (int64_t at = 0; at < w * block_bytes; at += 64) _mm_prefetch(next[0] + at, _MM_HINT_T0);
+        for (int p = 1; p < 6; p++)
+            if (next[p]) _mm_prefetch(next[p], _MM_HINT_T0);
     }
     const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-    __m512 acc[M];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t w = nb - 16 * g < 16 ? nb - 16 * g : 16;
-        const __mmask16 live = (__mmask16)((1u << w) - 1);
-        const uint8_t* q = qs + 16 * g * block_bytes;
-        __m512i c[8];  // c[s]: codes 4s..4s+3 of each block, lanes past w zero
-        if (bits == 8) {
-            for (int s = 0; s < 8; s++) c[s] = _mm512_maskz_loadu_epi32(live, q + 4 * w * s);
-        } else {
-            for (int t = 0; t < 4; t++) {
-                const __m512i p = _mm512_maskz_loadu_epi32(live, q + 4 * w * t);
-                c[t] = _mm512_and_si512(p, low4);
-                c[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
-            }
-            if (bits == 5)
-                for (int s = 0; s < 8; s++)
-                    c[s] = _mm512_mask_add_epi8(c[s], (__mmask64)hm[8 * g + s], c[s], sixteen);
+    const __mmask16 live = (__mmask16)((1u << w) - 1);
+    __m512i c[8];  // c[s]: codes 4s..4s+3 of each block, lanes past w zero
+    if (bits == 8) {
+        for (int s = 0; s < 8; s++) c[s] = group_load(q + 4 * w * s, w);
+    } else {
+        for (int t = 0; t < 4; t++) {
+            const __m512i p = group_load(q + 4 * w * t, w);
+            c[t] = _mm512_and_si512(p, low4);
+            c[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + 16 * g));
-        const __m512 mw = mins ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + 16 * g))
-                               : _mm512_setzero_ps();
-        for (int m = 0; m < M; m++) {
-            const int8_t* x = a->xq + (m * G + g) * 512;
-            const int64_t at = (m * G + g) * 16;
-            __m512i dot = _mm512_loadu_si512((const void*)(a->init + at));
+        if (bits == 5)
             for (int s = 0; s < 8; s++)
-                dot = _mm512_dpbusd_epi32(dot, c[s], _mm512_loadu_si512((const void*)(x + 64 * s)));
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + at));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
-            if (mins) acc[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->sx + at), acc[m]);
-        }
+                c[s] = _mm512_mask_add_epi8(c[s], (__mmask64)hm[s], c[s], sixteen);
     }
-    for (int m = 0; m < M; m++) sums[16 * m] = acc[m];
+    __m512 dw, mw = _mm512_setzero_ps();  // per block: the codes' scale, the min's
+    if (kq) {  // lanes 0-7 are superblock 2g's blocks, 8-15 superblock 2g + 1's
+        const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __mmask16 two = w > 8 ? 3 : 1;
+        const __m512 dd =
+            _mm512_permutexvar_ps(halves, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(two, d)));
+        const __m512 dm =
+            _mm512_permutexvar_ps(halves, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(two, mn)));
+        const __m512i scb = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, sc));
+        const __m512i mb32 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, mb));
+        dw = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(scb));
+        mw = _mm512_sub_ps(mw, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mb32)));
+    } else {
+        dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d));
+        if (mins) mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn));
+    }
+    for (int m = 0; m < M; m++) {
+        const int8_t* x = a->xq + (m * G + g) * 512;
+        const int64_t at = (m * G + g) * 16;
+        __m512i dot = _mm512_loadu_si512((const void*)(a->init + at));
+        for (int s = 0; s < 8; s++)
+            dot = _mm512_dpbusd_epi32(dot, c[s], _mm512_loadu_si512((const void*)(x + 64 * s)));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + at));
+        __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sums[16 * m]);
+        if (mins) acc = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->sx + at), acc);
+        sums[16 * m] = acc;
+    }
 }
 
 // Lane i of the result: the sum of v[i]'s 16 lanes (a tree of adds that halves 16 vectors to
@@ -185,81 +206,115 @@ static inline void store16(void* y, int out_bf16, const uint16_t* bias, int64_t 
     _mm256_mask_storeu_epi16((uint16_t*)y + m * N + n0, live, r);
 }
 
-// Outputs n0..n0+15 of the M rows: each one's lane sums, then 16 added at a time.
+// Outputs n0..n0+15 of the M rows: each one's lane sums, then the 16 outputs summed at once.
+// Row by row, each read whole, as a stream from memory wants it; but where the M rows'
+// activations outgrow L1 (78 KB at 16 rows of K = 4864, which every output row read again
+// from L2) a group of 16 blocks at a time for all 16 outputs (8 KB of activations). Each
+// output's sums add the groups in the same order either way, so the results are the same.
 static inline __attribute__((always_inline)) void lane_rows16(
-    const int M, const int bits, const int mins, int64_t n0, int64_t N, int64_t nb,
-    const uint8_t* qs, const uint64_t* hm, const uint16_t* d, const uint16_t* mn,
-    const Lanes* a, void* y, int out_bf16, const uint16_t* bias) {
-    const int64_t count = N - n0 < 16 ? N - n0 : 16;
+    const int M, const int bits, const int mins, const int kq, int64_t n0, int64_t N,
+    int64_t nb, const Weight* wt, const Lanes* a, void* y, int out_bf16, const uint16_t* bias) {
+    const int64_t count = N - n0 < 16 ? N - n0 : 16, G = (nb + 15) / 16;
+    const int64_t row_bytes = nb * (bits == 8 ? 32 : 16);
     __m512 sums[M * 16];
-    for (int64_t j = 0; j < 16; j++) {
-        if (j < count) lane_row(M, bits, mins, n0 + j, N, nb, qs, hm, d, mn, a, sums + j);
-        else for (int m = 0; m < M; m++) sums[16 * m + j] = _mm512_setzero_ps();
+    for (int i = 0; i < M * 16; i++) sums[i] = _mm512_setzero_ps();
+    if (M * G * 512 > 16384) {
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < count; j++)
+                lane_group(M, bits, mins, kq, n0 + j, g, N, nb, wt, a, sums + j, 16);
+    } else {
+        const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
+        for (int64_t j = 0; j < count; j++)
+            for (int64_t g = 0; g < G; g++)
+                lane_group(M, bits, mins, kq, n0 + j, g, N, nb, wt, a, sums + j, ahead);
     }
     const __mmask16 live = (__mmask16)((1u << count) - 1);
     for (int m = 0; m < M; m++) store16(y, out_bf16, bias, m, n0, N, live, sum16(sums + 16 * m));
 }
 
-#define ROWS_CASE(R, BITS, MINS)                                                        \
+#define ROWS_CASE(R, BITS, MINS, KQ)                                                    \
     case R:                                                                             \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
         for (int64_t n0 = 0; n0 < N; n0 += 16)                                          \
-            lane_rows16(R, BITS, MINS, n0, N, nb, qs, hm, d, mn, &a, y, out_bf16, bias); \
+            lane_rows16(R, BITS, MINS, KQ, n0, N, nb, wt, &a, y, out_bf16, bias);       \
         break;
-#define ALL_ROWS(B, I)                                                                  \
+#define ALL_ROWS(B, I, Q)                                                               \
     switch (M) {                                                                        \
-        ROWS_CASE(1, B, I) ROWS_CASE(2, B, I) ROWS_CASE(3, B, I) ROWS_CASE(4, B, I)     \
-        ROWS_CASE(5, B, I) ROWS_CASE(6, B, I) ROWS_CASE(7, B, I) ROWS_CASE(8, B, I)     \
-        ROWS_CASE(9, B, I) ROWS_CASE(10, B, I) ROWS_CASE(11, B, I) ROWS_CASE(12, B, I)  \
-        ROWS_CASE(13, B, I) ROWS_CASE(14, B, I) ROWS_CASE(15, B, I) ROWS_CASE(16, B, I) \
+        ROWS_CASE(1, B, I, Q) ROWS_CASE(2, B, I, Q) ROWS_CASE(3, B, I, Q)               \
+        ROWS_CASE(4, B, I, Q) ROWS_CASE(5, B, I, Q) ROWS_CASE(6, B, I, Q)               \
+        ROWS_CASE(7, B, I, Q) ROWS_CASE(8, B, I, Q) ROWS_CASE(9, B, I, Q)               \
+        ROWS_CASE(10, B, I, Q) ROWS_CASE(11, B, I, Q) ROWS_CASE(12, B, I, Q)            \
+        ROWS_CASE(13, B, I, Q) ROWS_CASE(14, B, I, Q) ROWS_CASE(15, B, I, Q)            \
+        ROWS_CASE(16, B, I, Q)                                                          \
     }
 
 // y[m][n] = sum_k x[m][k] * w[n][k] for m < M <= LANE_MAX_ROWS; x is bfloat16 when is_bf16,
 // else float32; y is float32 [M][N], or bfloat16 plus bias (NULL: none) when out_bf16. Returns
 // 0, or nonzero for arguments it does not take.
-static int gemv(int bits, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-                const uint64_t* hm, const uint16_t* d, const uint16_t* mn, int64_t N, void* y,
-                int out_bf16, const uint16_t* bias, int threads) {
-    if (M < 1 || M > LANE_MAX_ROWS || K % 32) return 1;
+static int gemv(int bits, int kq, const void* x, int is_bf16, int64_t M, int64_t K,
+                const Weight* wt, int64_t N, void* y, int out_bf16, const uint16_t* bias,
+                int threads) {
+    if (M < 1 || M > LANE_MAX_ROWS || K % (kq ? 256 : 32)) return 1;
     const int64_t nb = K / 32;
-    const int zero = mn ? 0 : bits == 5 ? 16 : bits == 4 ? 8 : 128;
+    const int zero = wt->mn ? 0 : bits == 5 ? 16 : bits == 4 ? 8 : 128;
     Lanes a;
     if (lane_activations(x, is_bf16, M, K, zero, &a)) return 2;
-    if (bits == 5 && mn) ALL_ROWS(5, 1)
-    else if (bits == 5) ALL_ROWS(5, 0)
-    else if (bits == 4 && mn) ALL_ROWS(4, 1)
-    else if (bits == 4) ALL_ROWS(4, 0)
-    else ALL_ROWS(8, 0)
+    if (kq && bits == 5) ALL_ROWS(5, 1, 1)
+    else if (kq) ALL_ROWS(4, 1, 1)
+    else if (bits == 5 && wt->mn) ALL_ROWS(5, 1, 0)
+    else if (bits == 5) ALL_ROWS(5, 0, 0)
+    else if (bits == 4 && wt->mn) ALL_ROWS(4, 1, 0)
+    else if (bits == 4) ALL_ROWS(4, 0, 0)
+    else ALL_ROWS(8, 0, 0)
     free_lanes(&a);
     return 0;
 }
 
+#define GEMV(BITS, KQ, ...)                                                             \
+    const Weight wt = {__VA_ARGS__};                                                    \
+    return gemv(BITS, KQ, x, is_bf16, M, K, &wt, N, y, out_bf16, bias, threads)
+
 int q5_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint64_t* hm, const uint16_t* d, int64_t N, void* y, int out_bf16,
             const uint16_t* bias, int threads) {
-    return gemv(5, x, is_bf16, M, K, qs, hm, d, NULL, N, y, out_bf16, bias, threads);
+    GEMV(5, 0, .qs = qs, .hm = hm, .d = d);
 }
 
 int q51_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
              const uint64_t* hm, const uint16_t* d, const uint16_t* m, int64_t N, void* y,
              int out_bf16, const uint16_t* bias, int threads) {
-    return gemv(5, x, is_bf16, M, K, qs, hm, d, m, N, y, out_bf16, bias, threads);
+    GEMV(5, 0, .qs = qs, .hm = hm, .d = d, .mn = m);
 }
 
 int q41_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
              const uint16_t* d, const uint16_t* m, int64_t N, void* y, int out_bf16,
              const uint16_t* bias, int threads) {
-    return gemv(4, x, is_bf16, M, K, qs, NULL, d, m, N, y, out_bf16, bias, threads);
+    GEMV(4, 0, .qs = qs, .d = d, .mn = m);
 }
 
 int q4_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
             int threads) {
-    return gemv(4, x, is_bf16, M, K, qs, NULL, d, NULL, N, y, out_bf16, bias, threads);
+    GEMV(4, 0, .qs = qs, .d = d);
 }
 
 int q8_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
             const uint16_t* d, int64_t N, void* y, int out_bf16, const uint16_t* bias,
             int threads) {
-    return gemv(8, x, is_bf16, M, K, qs, NULL, d, NULL, N, y, out_bf16, bias, threads);
+    GEMV(8, 0, .qs = qs, .d = d);
+}
+
+// Q4_K and Q5_K (K a multiple of 256) as Q4_1 and Q5_1 with a block's scale d * sc and min
+// -dmin * m: their blocks of 32 repacked at load to Q4_0's nibble order (gguf_lanes.py).
+int q4k_lanes_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+                   const uint8_t* sc, const uint8_t* m, const uint16_t* d, const uint16_t* dmin,
+                   int64_t N, void* y, int out_bf16, const uint16_t* bias, int threads) {
+    GEMV(4, 1, .qs = qs, .d = d, .mn = dmin, .sc = sc, .m = m);
+}
+
+int q5k_lanes_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+                   const uint64_t* hm, const uint8_t* sc, const uint8_t* m, const uint16_t* d,
+                   const uint16_t* dmin, int64_t N, void* y, int out_bf16, const uint16_t* bias,
+                   int threads) {
+    GEMV(5, 1, .qs = qs, .hm = hm, .d = d, .mn = dmin, .sc = sc, .m = m);
 }

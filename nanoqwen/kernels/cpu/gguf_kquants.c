@@ -1,6 +1,7 @@
-// Few-row matmuls over GGUF Q6_K, Q3_K, Q4_K and Q5_K superblocks (AVX512-VNNI), as
-// gguf_gemv.c's over Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per
-// block of 32.
+// Few-row matmuls over GGUF Q6_K, Q3_K and Q2_K superblocks (AVX512-VNNI), as gguf_gemv.c's
+// over Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per block of 32; and
+// the per-channel int8 copies of those and of Q4_K and Q5_K (whose few-row kernel is
+// gguf_gemv.c's).
 
 #include "gguf_common.h"
 
@@ -203,136 +204,14 @@ int q2k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs
                     out_bf16, bias, threads);
 }
 
-// Q4_K (q4k_gemv): superblocks of 256 values in five arrays:
+// Q4_K and Q5_K: gguf_gemv.c's kernel, in lanes (their blocks of 32 are Q4_1's and Q5_1's
+// with a scale d * sc and min dmin * m); their per-channel copies below read the file's:
 //   qs[n][s][128]: 4-bit codes; byte 32c + l holds value 64c + l in its low nibble and value
 //                  64c + 32 + l in its high one (c < 4, l < 32)
 //   sc[n][s][8], m[n][s][8]: the six-bit scale and min of each 32 values (the file's 12
 //                  bytes unpacked at load); d[n][s], dmin[n][s]: float16
-// w = d * sc[j] * c - dmin * m[j] for the code c of value 32j + i. With x's int8 blocks of 32
-// (scale dx, code sum S), block j adds d * sc[j] * dx * (codes . x) - dmin * m[j] * dx * S.
-// Q5_K (q5k_gemv) is Q4_K with a fifth bit a code (c in 0..31): one more array,
-//   hb[n][s][8]: bit l of word j is value 32j + l's fifth bit (the file's qh rearranged at
-//                load), which the kernel turns into a byte mask adding 16 to those codes.
-
-static inline __attribute__((always_inline)) void dot_row_k4(
-    const int M, int64_t n, int64_t N, int64_t K, const uint8_t* qs, const uint32_t* hb,
-    const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-    const int8_t* xq, const float* dx, const float* off, void* y, int out_bf16,
-    const uint16_t* bias) {
-    const int64_t ns = K / 256;
-    qs += n * ns * 128, sc += n * ns * 8, mn += n * ns * 8, d += n * ns, dmin += n * ns;
-    if (hb) hb += n * ns * 8;
-    const int64_t row_bytes = ns * (hb ? 180 : 148);
-    const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
-    if (n + ahead < N) {
-        const char* parts[4] = {(const char*)(qs + ahead * ns * 128),
-                                (const char*)(sc + ahead * ns * 8), (const char*)(mn + ahead * ns * 8),
-                                (const char*)(hb ? hb + ahead * ns * 8 : NULL)};
-        const int64_t sizes[4] = {ns * 128, ns * 8, ns * 8, hb ? ns * 32 : 0};
-        for (int p = 0; p < 4; p++)
-            for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
-    }
-    const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-    // Lanes 0-7 sum sub-block a's values, lanes 8-15 sub-block b's: their scales' lanes.
-    __m512i pair[4];
-    for (int c = 0; c < 4; c += 2)
-        for (int half = 0; half < 2; half++) {
-            const int a = 2 * c + half, b = 2 * c + 2 + half;
-            pair[c + half] = _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
-        }
-    __m512 acc[M];
-    __m256 corr8[M];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(), corr8[m] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < ns; s++) {
-        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * s))));
-        __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mn + 8 * s))));
-        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[s])), scf);
-        __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dmin[s])), mf);
-        __m512 w[M];
-        for (int m = 0; m < M; m++) {
-            const int64_t b = m * (K / 32) + 8 * s;
-            w[m] = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(dx + b)));
-            corr8[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(off + b), corr8[m]);
-        }
-        for (int c = 0; c < 4; c += 2) {
-            __m512i q = _mm512_loadu_si512((const void*)(qs + 128 * s + 32 * c));
-            __m512i codes[2] = {_mm512_and_si512(q, low4),
-                                _mm512_and_si512(_mm512_srli_epi16(q, 4), low4)};
-            // Lanes 0-31 of codes[half] are values 64c + 32 half + l, lanes 32-63 the same
-            // of chunk c + 1: fifth-bit words 2c + half and 2c + 2 + half.
-            for (int half = 0; hb && half < 2; half++) {
-                const uint32_t* h = hb + 8 * s;
-                const __mmask64 k = (__mmask64)h[2 * c + half] | (__mmask64)h[2 * c + 2 + half] << 32;
-                codes[half] = _mm512_mask_add_epi8(codes[half], k, codes[half], sixteen);
-            }
-            for (int m = 0; m < M; m++) {
-                const int8_t* x = xq + m * K + 256 * s + 64 * c;
-                for (int half = 0; half < 2; half++) {
-                    // Values 64c + 32 half + l and 64(c + 1) + 32 half + l (k4_order).
-                    __m512i xv = _mm512_loadu_si512((const void*)(x + 64 * half));
-                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[half], xv);
-                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                             _mm512_permutexvar_ps(pair[c + half], w[m]), acc[m]);
-                }
-            }
-        }
-    }
-    for (int m = 0; m < M; m++)
-        store(y, out_bf16, bias, m, n, N, _mm512_reduce_add_ps(acc[m]) - hsum(corr8[m]));
-}
-
-// Each row's int8 activations, in place, in the order dot_row_k4 reads them: in each 256
-// values, blocks of 32 in the order 0 2 1 3 4 6 5 7, so that the values a 64-byte code vector
-// meets (blocks 2c + half and 2c + 2 + half) are one 64-byte load.
-static void k4_order(int8_t* xq, int64_t M, int64_t K) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t at = 0; at < K; at += 256)
-            for (int c = 0; c < 256; c += 128) {
-                int8_t* v = xq + m * K + at + c;
-                int8_t t[32];
-                memcpy(t, v + 32, 32), memcpy(v + 32, v + 64, 32), memcpy(v + 64, t, 32);
-            }
-}
-
-#define K4_ROWS_CASE(R)                                                                     \
-    case R:                                                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
-        for (int64_t n = 0; n < N; n++)                                                     \
-            dot_row_k4(R, n, N, K, qs, hb, sc, mn, d, dmin, xq, dx, off, y, out_bf16, bias); \
-        break;
-
-// q5_gemv's contract for Q4_K (hb NULL) and Q5_K weights (K a multiple of 256). Inlined
-// into each, so Q4_K's copy has no fifth-bit code at all.
-static inline __attribute__((always_inline)) int k4_gemv(
-    const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs, const uint32_t* hb,
-    const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin, int64_t N,
-    void* y, int out_bf16, const uint16_t* bias, int threads) {
-    if (M < 1 || M > MAX_ROWS || K % 256) return 1;
-    Activations a;  // offset terms with zero 1: dx times the block's code sum
-    if (quantize_activations(x, is_bf16, M, K, 1.0f, &a)) return 2;
-    k4_order(a.xq, M, K);
-    const int8_t* xq = a.xq;
-    const float *dx = a.dx, *off = a.off;
-    switch (M) {
-        K4_ROWS_CASE(1) K4_ROWS_CASE(2) K4_ROWS_CASE(3) K4_ROWS_CASE(4)
-        K4_ROWS_CASE(5) K4_ROWS_CASE(6) K4_ROWS_CASE(7) K4_ROWS_CASE(8)
-    }
-    free_activations(&a);
-    return 0;
-}
-
-int q4k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-             const uint8_t* sc, const uint8_t* mn, const uint16_t* d, const uint16_t* dmin,
-             int64_t N, void* y, int out_bf16, const uint16_t* bias, int threads) {
-    return k4_gemv(x, is_bf16, M, K, qs, NULL, sc, mn, d, dmin, N, y, out_bf16, bias, threads);
-}
-
-int q5k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
-             const uint32_t* hb, const uint8_t* sc, const uint8_t* mn, const uint16_t* d,
-             const uint16_t* dmin, int64_t N, void* y, int out_bf16, const uint16_t* bias,
-             int threads) {
-    return k4_gemv(x, is_bf16, M, K, qs, hb, sc, mn, d, dmin, N, y, out_bf16, bias, threads);
-}
+//   hb[n][s][8] (Q5_K): bit l of word j is value 32j + l's fifth bit.
+// w = d * sc[j] * c - dmin * m[j] for the code c of value 32j + i.
 
 // The per-channel int8 copies for the int8 x int8 prefill matmul, computed from the
 // superblocks: bit for bit what linear.py made of the canonical weights before (gguf_blocks.py's

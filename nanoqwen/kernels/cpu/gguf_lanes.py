@@ -1,15 +1,18 @@
 """gguf_gemv.c's weight layout ("lanes": one block of 32 per 32-bit lane, see its header) made
 from the file's arrays at load, and back (for the per-channel int8 copy, which reads the
-file's). Q5_0, Q4_0, Q5_1, Q4_1 and Q8_0 (LANE_KINDS); the scales and mins stay as they are
-(a row's float16 d [N, K/32] is already one block a lane)."""
+file's). Q5_0, Q4_0, Q5_1, Q4_1 and Q8_0, and Q4_K and Q5_K, whose blocks of 32 take Q4_0's
+nibble order (and Q5_0's fifth bits) first (LANE_KINDS); the scales and mins stay as they are
+(a row's float16 d [N, K/32] is already one block a lane; a K-quant's six-bit sc and m [N,
+K/256, 8] only lose their superblock axis)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-LANE_KINDS = ("q5_0", "q4_0", "q5_1", "q4_1", "q8_0")
-_HIGH_BITS = ("q5_0", "q5_1")  # the second array, qh int32 [N, K/32], becomes masks
+LANE_KINDS = ("q5_0", "q4_0", "q5_1", "q4_1", "q8_0", "q4_k", "q5_k")
+_HIGH_BITS = ("q5_0", "q5_1", "q5_k")  # the second array, qh int32 [N, K/32], becomes masks
+_SUPERBLOCKS = ("q4_k", "q5_k")
 
 
 def _groups(nb: int) -> list[tuple[int, int]]:
@@ -60,22 +63,52 @@ def _unmask(masks: np.ndarray, nb: int) -> np.ndarray:
     return np.ascontiguousarray(qh.reshape(n, g * 16)[:, :nb].astype(np.uint32).view(np.int32))
 
 
+def _k4_blocks(qs: np.ndarray) -> np.ndarray:
+    """Q4_K's codes [N, S, 128] (byte 32c + l: value 64c + l in the low nibble, 64c + 32 + l
+    in the high one) as blocks of 32 in Q4_0's order, [N, 8S, 16]: byte j = c[j] | c[j + 16]
+    << 4."""
+    n, ns, _ = qs.shape
+    q = qs.reshape(n, ns, 4, 2, 16)  # chunk c, half h (values 16h..16h+15 of both blocks)
+    low = (q[:, :, :, 0] & 0x0F) | (q[:, :, :, 1] << 4)  # block 2c: the low nibbles
+    high = (q[:, :, :, 0] >> 4) | (q[:, :, :, 1] & 0xF0)  # block 2c + 1: the high ones
+    return np.stack([low, high], axis=3).reshape(n, ns * 8, 16)
+
+
+def _k4_superblocks(blocks: np.ndarray) -> np.ndarray:
+    """_k4_blocks' inverse."""
+    n, nb, _ = blocks.shape
+    b = blocks.reshape(n, nb // 8, 4, 2, 16)
+    first = (b[:, :, :, 0] & 0x0F) | (b[:, :, :, 1] << 4)  # bytes 32c + l, l < 16
+    second = (b[:, :, :, 0] >> 4) | (b[:, :, :, 1] & 0xF0)  # l >= 16
+    return np.ascontiguousarray(np.stack([first, second], axis=3).reshape(n, nb // 8, 128))
+
+
 def to_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """The file's arrays of `kind` (gguf_packed.PackedBlocks') in gguf_gemv.c's lanes: codes
-    uint8 [N, K or K/2], for Q5_0 and Q5_1 the masks int64 [N, G, 8], the scales (and mins)
-    as they were."""
+    uint8 [N, K or K/2], for Q5_0, Q5_1 and Q5_K the masks int64 [N, G, 8], the scales (and
+    mins) as they were (a K-quant's sc and m [N, K/32])."""
     qs, *rest = (t.numpy() for t in tensors)
-    out = [_code_lanes(qs)]
+    k_quant = kind in _SUPERBLOCKS
+    out = [_code_lanes(_k4_blocks(qs) if k_quant else qs)]
     if kind in _HIGH_BITS:
-        out.append(_masks(rest.pop(0)))
+        high = rest.pop(0)
+        out.append(_masks(high.reshape(high.shape[0], -1)))
+    if k_quant:
+        sc, m = rest.pop(0), rest.pop(0)
+        out += [np.ascontiguousarray(a.reshape(a.shape[0], -1)) for a in (sc, m)]
     return tuple(torch.from_numpy(a) for a in out) + tuple(tensors[len(tensors) - len(rest) :])
 
 
 def from_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """to_lanes' inverse: the file's arrays again."""
-    nb = tensors[-1].shape[1]
+    k_quant = kind in _SUPERBLOCKS
+    nb = tensors[-1].shape[1] * (8 if k_quant else 1)
     lanes, *rest = (t.numpy() for t in tensors)
-    out = [_code_blocks(lanes, nb)]
+    blocks = _code_blocks(lanes, nb)
+    out = [_k4_superblocks(blocks) if k_quant else blocks]
     if kind in _HIGH_BITS:
-        out.append(_unmask(rest.pop(0), nb))
+        high = _unmask(rest.pop(0), nb)
+        out.append(high.reshape(high.shape[0], nb // 8, 8) if k_quant else high)
+    if k_quant:
+        out += [a.reshape(a.shape[0], nb // 8, 8) for a in (rest.pop(0), rest.pop(0))]
     return tuple(torch.from_numpy(a) for a in out) + tuple(tensors[len(tensors) - len(rest) :])
