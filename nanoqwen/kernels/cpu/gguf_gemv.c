@@ -223,7 +223,11 @@ static inline __attribute__((always_inline)) void lane_rows16(
             for (int64_t j = 0; j < count; j++)
                 lane_group(M, bits, mins, kq, n0 + j, g, N, nb, wt, a, sums + j, 16);
     } else {
-        const int64_t ahead = row_bytes >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / row_bytes;
+        // One row (decode) streams faster on the hardware's prefetch alone: the lm_head took
+        // 4.1 ms with ours, 3.9 without; more rows compute long enough for ours to pay.
+        const int64_t ahead = M == 1                      ? N
+                              : row_bytes >= PREFETCH_BYTES ? 1
+                                                            : PREFETCH_BYTES / row_bytes;
         for (int64_t j = 0; j < count; j++)
             for (int64_t g = 0; g < G; g++)
                 lane_group(M, bits, mins, kq, n0 + j, g, N, nb, wt, a, sums + j, ahead);
