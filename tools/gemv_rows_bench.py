@@ -7,9 +7,11 @@ With --baseline DIR (a copy of nanoqwen/kernels/cpu's C files from another commi
 gguf_kquants.c, gguf_common.h, bf16.h and, where REV has it, gguf_requantize.h) that commit's
 kernels (file-layout weights, 8 rows a pass) take turns with this checkout's, call by call,
 in one process: a shared machine's drift slows both alike. Each figure is the fastest of
---reps calls (a call that another job's thread interrupts waits out its time slice).
+--reps calls (a call that another job's thread interrupts waits out its time slice). The
+weights of one layer fit in the L3 cache; --stack times every layer's projections in turn
+(~360 MB, streamed from memory as in decode).
 
-    python3 tools/gemv_rows_bench.py [--rows 1,8,16] [--reps 20] [--baseline DIR]
+    python3 tools/gemv_rows_bench.py [--rows 1,8,16] [--reps 20] [--baseline DIR] [--stack]
 """
 
 from __future__ import annotations
@@ -79,41 +81,76 @@ def current_call(kind: str, tensors: tuple):
     return call
 
 
+def stack() -> list[PackedBlocks]:
+    """Every layer's projections (fused as the model fuses them), in the model's order."""
+    tensors = {t.name: t for t in GGUFReader(GGUF).tensors}
+    found = []
+    for i in range(sum(name.endswith("ffn_down.weight") for name in tensors)):
+        for names in (["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate", "ffn_up"],
+                      ["ffn_down"]):  # fmt: skip
+            parts = [tensors[f"blk.{i}.{n}.weight"] for n in names]
+            found.append(cat_packed([from_file(t.tensor_type.name, t.data) for t in parts]))
+    return found
+
+
+def timed(calls: dict, x_of, reps: int) -> dict[str, float]:
+    """The fastest of reps turns (ms) of each call, the calls taking turns: a call that
+    another job's thread interrupts waits out its time slice, so the fastest is the least
+    disturbed."""
+    times = {k: [] for k in calls}
+    for _ in range(reps):
+        for k, c in calls.items():
+            t = time.perf_counter()
+            c(x_of)
+            times[k].append(time.perf_counter() - t)
+    return {k: min(v) * 1e3 for k, v in times.items()}
+
+
+def line(label: str, ms: dict[str, float]) -> str:
+    text = f"{label}: " + "  ".join(f"{k} {v:7.3f} ms" for k, v in ms.items())
+    return text + (f"  (base/now {ms['base'] / ms['now']:.2f}x)" if "base" in ms else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--baseline", type=Path)
+    ap.add_argument("--stack", action="store_true", help="every layer's weights in turn")
     args = ap.parse_args()
-    weights = load()
     base = {}
     if args.baseline:
         base["gemv"] = load_library(args.baseline / "gguf_gemv.c", "baseline")
         base["kq"] = load_library(args.baseline / "gguf_kquants.c", "baseline")
-    for name, w in weights.items():
+
+    def calls_of(w: PackedBlocks) -> dict:
         lib = base.get("kq" if w.kind in kernels.SUPERBLOCK_KINDS else "gemv")
         calls = {"now": current_call(w.kind, w.tensors)}
         if lib is not None:
             calls["base"] = baseline_call(lib, w.kind, w.tensors, 8)
+        return calls
+
+    if args.stack:  # ~360 MB: streamed from memory, as a decode or verify step reads them
+        layers = [(w.shape[1], calls_of(w)) for w in stack()]
+        for rows in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(rows, k).bfloat16() for k, _ in layers}
+            names = layers[0][1].keys()
+            turns = {k: (lambda xs, k=k: [c[k](xs[n]) for n, c in layers]) for k in names}
+            print(line(f"{len(layers) // 4} layers rows {rows:2d}", timed(turns, xs, args.reps)))
+        return
+    for name, w in load().items():
+        calls = calls_of(w)
         reps = max(2, args.reps // 5) if name == "lm_head" else args.reps
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
             x = x.bfloat16()
-            times = {k: [] for k in calls}
             outs = {k: c(x) for k, c in calls.items()}  # warm
-            for _ in range(reps):
-                for k, c in calls.items():
-                    t = time.perf_counter()
-                    c(x)
-                    times[k].append(time.perf_counter() - t)
-            med = {k: min(v) * 1e3 for k, v in times.items()}  # the least disturbed call
-            line = f"{name:8s} {w.kind:5s} rows {rows:2d}: " + "  ".join(
-                f"{k} {v:7.3f} ms" for k, v in med.items()
-            )
+            text = line(f"{name:8s} {w.kind:5s} rows {rows:2d}", timed(calls, x, reps))
             if "base" in outs:
-                diff = (outs["now"].float() - outs["base"].float()).abs().max().item()
-                line += f"  (base/now {med['base'] / med['now']:.2f}x; max |diff| {diff:.3g})"
-            print(line, flush=True)
+                text += (
+                    f" max |diff| {(outs['now'].float() - outs['base'].float()).abs().max():.3g}"
+                )
+            print(text, flush=True)
 
 
 if __name__ == "__main__":
