@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from contextlib import contextmanager
 
 import torch
 from gpu_timing import graph_us
@@ -21,6 +22,18 @@ from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.model.shapes import shape_config
 
 PAGE = 256
+
+
+@contextmanager
+def forced(tile: int, warps: int, stages: int):
+    """The decode kernel's tile, warps and pipeline depth at every batch size."""
+    saved = da.tile_config, da.NUM_STAGES
+    da.tile_config = lambda *args: (tile, warps)
+    da.NUM_STAGES = stages
+    try:
+        yield
+    finally:
+        da.tile_config, da.NUM_STAGES = saved
 
 
 def attention(shape: str, batch_sizes, contexts, sweep: bool, balance: bool = False) -> None:
@@ -81,17 +94,15 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
             row[name] = graph_us(lambda s=splits, f=first: tr(s, longest_first if f else None))
     if sweep:
         for tile, warps, stages, splits in itertools.product(
-            (32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4)
+            (32, 64, 128), (1, 2, 4, 8), (2, 3, 4), (1, 2, 4)
         ):
-            da.TILE = da.LARGE_TILE = tile
-            da.NUM_WARPS, da.NUM_STAGES = warps, stages
             try:
-                us = graph_us(lambda s=splits: tr(s))
+                with forced(tile, warps, stages):
+                    us = graph_us(lambda s=splits: tr(s))
             except Exception as e:  # out of shared memory at large tiles and stages
                 print(f"  tile={tile} warps={warps} stages={stages}: {type(e).__name__}")
                 continue
             row[f"triton tile={tile} warps={warps} stages={stages} splits={splits}"] = us
-        da.TILE, da.LARGE_TILE, da.NUM_WARPS, da.NUM_STAGES = 64, 128, 4, 2
     best_fa = min((v, k) for k, v in row.items() if k.startswith("flash"))
     best = sorted((v, k) for k, v in row.items() if k.startswith("triton"))[: 8 if balance else 4]
     label = "U[100,2048]" if ctx == 0 else str(ctx)
@@ -109,7 +120,7 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
 
 def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
     """The Triton decode kernel over a bfloat16 and a float8 cache of bs sequences of ctx
-    tokens, over tile sizes, split counts and pipeline stages: a float8 tile of the same keys
+    tokens, over tile sizes, warps and split counts: a float8 tile of the same keys
     moves half the bytes, so its best tile, split count or depth may differ."""
     cfg = shape_config(shape)
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -127,9 +138,7 @@ def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
         v_cache = torch.randn(blocks, PAGE, kvh, d, device=dev).to(kv_dtype)
         kv_bytes = bs * ctx * kvh * d * 2 * k_cache.element_size()
         row = {}
-        for tile, splits, stages in itertools.product((64, 128, 256), (0, 1, 2, 4, 8), (2, 3, 4)):
-            da.TILE = da.LARGE_TILE = tile
-            da.NUM_STAGES = stages
+        for tile, warps, splits in itertools.product((64, 128, 256), (1, 2, 4), (0, 1, 2, 4, 8)):
 
             def tr(s=splits, k=k_cache, v=v_cache):
                 da.decode_attention(
@@ -138,15 +147,18 @@ def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
                 )  # fmt: skip
 
             try:
-                row[f"tile={tile} splits={splits or 'default'} stages={stages}"] = graph_us(tr)
+                with forced(tile, warps, da.NUM_STAGES):
+                    us = graph_us(tr)
+                row[f"tile={tile} warps={warps} splits={splits or 'default'}"] = us
             except Exception as e:  # out of shared memory or registers
-                print(f"  tile={tile} stages={stages}: {type(e).__name__}")
-        da.TILE, da.LARGE_TILE, da.NUM_STAGES = 64, 128, 2
+                print(f"  tile={tile} warps={warps}: {type(e).__name__}")
+        default = da.tile_config(bs, kvh, d, kv_dtype == torch.float8_e4m3fn, PAGE)
         best = sorted((v, k) for k, v in row.items())[:4]
         print(
             f"{shape} bs {bs} ctx {ctx} {str(kv_dtype).removeprefix('torch.')} "
             f"({kv_bytes / 1e6:.0f} MB of KV): default "
-            f"{row.get('tile=128 splits=default stages=2', float('nan')):.1f} µs; best: "
+            f"{row.get(f'tile={default[0]} warps={default[1]} splits=default', float('nan')):.1f}"
+            " µs; best: "
             + "; ".join(f"{k} {v:.1f} ({kv_bytes / v / 1e6:.2f} TB/s)" for v, k in best),
             flush=True,
         )

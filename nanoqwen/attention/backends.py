@@ -22,9 +22,10 @@ __all__ = [
 ]
 
 
-def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the Triton kernels cannot serve this setup, or None when they can (any block
-    size: they look keys up block by block)."""
+def triton_problem(
+    device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int
+) -> str | None:
+    """Why the Triton kernels cannot serve this setup, or None when they can."""
     if device.type != "cuda":
         return "it needs a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -33,6 +34,8 @@ def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
         return "it needs an Ampere or newer GPU"
     if head_dim not in (64, 128):
         return f"head_dim {head_dim} is not supported (64, 128)"
+    if block_size < 16:  # the decode kernel copies a tile of 16 keys or more from one block
+        return f"block_size {block_size} is below 16"
     try:
         import triton  # noqa: F401
     except ImportError as e:
@@ -42,7 +45,8 @@ def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
 
 def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int):
     """Why flash-attn cannot serve this setup, or None when it can."""
-    problem = triton_problem(device, dtype, head_dim)  # its prefill needs the RoPE kernel
+    # its prefill needs the RoPE kernel
+    problem = triton_problem(device, dtype, head_dim, block_size)
     if problem:
         return problem
     if block_size % 256:
@@ -88,7 +92,7 @@ def create_backend(
     without flash-attn's kernels, which read the cache in the model's dtype."""
     choice("attention_backend", name, BACKENDS)
     if fp8_kv:
-        return _fp8_backend(name, rotary, scale, device, dtype, head_dim)
+        return _fp8_backend(name, rotary, scale, device, dtype, head_dim, block_size)
     if name == "native" or (name == "auto" and device.type == "cpu"):
         problem = native_problem(device, dtype)
         if problem is None:
@@ -100,7 +104,7 @@ def create_backend(
     problem = (
         flash_attn_problem(device, dtype, head_dim, block_size)
         if name == "flash-attn"
-        else triton_problem(device, dtype, head_dim)
+        else triton_problem(device, dtype, head_dim, block_size)
     )
     if name in ("flash-attn", "triton") and problem:
         raise invalid("attention_backend", name, f"is unavailable ({problem})", "auto or torch")
@@ -116,13 +120,13 @@ def create_backend(
     return TritonAttention(rotary, scale, use_flash_attn=use_flash)
 
 
-def _fp8_backend(name, rotary, scale, device, dtype, head_dim) -> AttentionBackend:
+def _fp8_backend(name, rotary, scale, device, dtype, head_dim, block_size) -> AttentionBackend:
     allowed = "auto, or fp8 with the Triton attention on a CUDA GPU in float16/bfloat16"
     if name not in ("auto", "triton"):
         raise invalid(
             "kv_cache_dtype", "fp8", f"does not work with attention_backend={name!r}", allowed
         )
-    problem = triton_problem(device, dtype, head_dim)
+    problem = triton_problem(device, dtype, head_dim, block_size)
     if problem:
         raise invalid(
             "kv_cache_dtype", "fp8", f"needs the Triton attention, unavailable here ({problem})",

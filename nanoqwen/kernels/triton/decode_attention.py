@@ -13,6 +13,13 @@ The same kernel rotates q and the new key (HF's rounding, see rope._rotate), wri
 new key and value to their cache slot and attends to the new token straight from registers.
 Only the last split holding keys owns the new token, so no program reads a slot another
 program writes in the same launch.
+
+Splits and tiles are tile-aligned and a tile divides a block, so each tile of keys lies in
+one block and arrives as one bulk copy (TMA, a descriptor over the cache seen as rows of
+tokens) that the compiler pipelines into shared memory. Key rows gathered by pointer were
+not pipelined: each program waited on every tile's loads, with its registers holding them
+(64 x 8K contexts at 0.5B: a float8 cache 77.8 -> 49.6 µs a layer, bfloat16 71.1 -> 68.6;
+batch 1 at 32K: 36.2 -> 21.8). A float8 tile widens to float16, one instruction a pair.
 """
 
 from __future__ import annotations
@@ -20,22 +27,40 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanoqwen.kernels.triton.rope import _rotate, to_cache
+from nanoqwen.kernels.triton.rope import to_cache
 
-TILE = 64  # keys per inner step
-# From LARGE_BATCH (sequence, KV head) pairs up: longer tiles and fewer splits. With uneven
-# contexts (the throughput workload's U[100, 2048], 7B shape, sequences launched longest
-# first) the best split count is 4 at 128 pairs, 2 at 256-384 and 1 from 512
-# (tools/kernel_bench.py --balance); flash-attn's decode runs 8-25% slower at every one of
-# those batches.
-LARGE_TILE = 128
-LARGE_BATCH = 128
-NUM_WARPS = 4
+# Tile (keys per inner step) and warps by (sequence, KV head) pairs, chosen with
+# tools/kernel_bench.py on the H200 at 1 x 2K-32K, 64 x 8K and the throughput workload's
+# U[100, 2048] at 64-256 sequences: below LARGE_BATCH pairs 128 keys over four warps (batch
+# 1 at 32K: 22 / 39 µs a layer at 0.5B / 7B); up to XL_BATCH 64 keys on a warp per 64 of
+# head_dim (7B, 64 x 8K: 244 µs against 272 for 128 on four); from there 128 keys on four
+# (0.5B, 256 x U: 46 against 53). A float8 tile is converted before its dots, and 128 keys
+# on a warp per 64 of head_dim do best at any large batch (0.5B, 64 x 8K: 50 µs against 81
+# on four warps).
+SMALL_TILE, SMALL_WARPS = 128, 4
+LARGE_BATCH, LARGE_TILE = 128, 64
+XL_BATCH, XL_TILE, XL_WARPS = 512, 128, 4
+FP8_LARGE_TILE = 128
 NUM_STAGES = 2
 MAX_SPLITS = 16
 # Programs per launch worth filling at small batch: about two per SM of an H100/H200.
 TARGET_PROGRAMS = 256
+
+
+def tile_config(batch: int, num_kv_heads: int, head_dim: int, fp8: bool, page: int):
+    """(keys a tile, warps a program); a tile never spans two blocks of the cache."""
+    pairs = batch * num_kv_heads
+    if pairs < LARGE_BATCH:
+        tile, warps = SMALL_TILE, SMALL_WARPS
+    elif fp8:
+        tile, warps = FP8_LARGE_TILE, head_dim // 64
+    elif pairs < XL_BATCH:
+        tile, warps = LARGE_TILE, head_dim // 64
+    else:
+        tile, warps = XL_TILE, XL_WARPS
+    return min(tile, page), warps
 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
@@ -65,9 +90,44 @@ def split_range(
 
 
 @triton.jit
+def _rotate_rows(x, x_swap, cos, sin, first, dtype: tl.constexpr):
+    """rope._rotate over whole rows: x_swap holds each element's partner in the other half
+    (rotate_half's source), first marks the first half, whose sine term is subtracted."""
+    c = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    s = (x_swap.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    return tl.where(first, c - s, c + s).to(dtype)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_desc, v_desc, table, kvh, n0, end, scale_log2,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over keys [n0, n0 + TILE_N) of one KV head, MASKED when the tile
+    runs past the context's end. A tile divides a page, so its rows are one bulk copy (TMA)
+    from one block; rows past the end are read but never trusted (a slot never written, or
+    written by an earlier request, may hold anything, NaN included)."""
+    block = tl.load(table + n0 // PAGE)
+    at = [block * PAGE + n0 % PAGE, kvh * HEAD_DIM]
+    k = k_desc.load(at).to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    v = v_desc.load(at).to(q.dtype)
+    if MASKED:
+        n = n0 + tl.arange(0, TILE_N)
+        s = tl.where((n < end)[None, :], s, float("-inf"))
+        v = tl.where((n < end)[:, None], v, 0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     qkv_ptr, pos_ptr, slot_ptr, ctx_ptr, tables_ptr, order_ptr, cos_ptr, sin_ptr,
-    k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, part_out_ptr, part_lse_ptr,
     qkv_stride, table_stride, scale_log2,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -84,62 +144,59 @@ def _decode_kernel(
         return
     half: tl.constexpr = HEAD_DIM // 2
     dtype: tl.constexpr = qkv_ptr.dtype.element_ty
-    d = tl.arange(0, half)
+    # A float8 cache widens to float16 in one instruction per pair (to bfloat16 it takes
+    # three); q fits float16's range and has more of its bits there.
+    dot_dtype: tl.constexpr = tl.float16 if k_cache_ptr.dtype.element_ty.is_fp8() else dtype
     dv = tl.arange(0, HEAD_DIM)
     g = tl.arange(0, GROUP_PAD)
     g_mask = g < GROUP
     heads = kvh * GROUP + g
 
+    # Whole rows: the rotation of both halves at once, so that each key is one contiguous
+    # load and one dot over the head dimension.
     pos = tl.load(pos_ptr + seq)
-    cos = tl.load(cos_ptr + pos * half + d).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * half + d).to(dtype).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * half + dv % half).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * half + dv % half).to(dtype).to(tl.float32)
+    first = dv < half
+    partner = (dv + half) % HEAD_DIM
     row = qkv_ptr + seq * qkv_stride
-    q_offs = heads[:, None] * HEAD_DIM + d[None, :]
-    q1 = tl.load(row + q_offs, mask=g_mask[:, None], other=0.0)
-    q2 = tl.load(row + q_offs + half, mask=g_mask[:, None], other=0.0)
-    q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], dtype)
+    q_offs = heads[:, None] * HEAD_DIM
+    q = tl.load(row + q_offs + dv[None, :], mask=g_mask[:, None], other=0.0)
+    q_swap = tl.load(row + q_offs + partner[None, :], mask=g_mask[:, None], other=0.0)
+    q = _rotate_rows(q, q_swap, cos[None, :], sin[None, :], first[None, :], dtype)
+    q = q.to(dot_dtype)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     table = tables_ptr + seq * table_stride
-    for n0 in range(start, end, TILE_N):
-        n = n0 + tl.arange(0, TILE_N)
-        n_mask = n < end
-        block = tl.load(table + n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        base = ((block * PAGE + n % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
-        # A float8 cache's keys and values widen to q's dtype for the dots.
-        k1 = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-        k2 = tl.load(
-            k_cache_ptr + base[:, None] + half + d[None, :], mask=n_mask[:, None], other=0.0
-        )
-        k1, k2 = k1.to(dtype), k2.to(dtype)
-        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
-        m_i = m_new
+    # Tiles start tile-aligned, so only a context's last tile runs past it: the others skip
+    # the masks.
+    full_end = start + (end - start) // TILE_N * TILE_N
+    for n0 in range(start, full_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_desc, v_desc, table, kvh, n0, end, scale_log2,
+            HEAD_DIM, PAGE, TILE_N, False,
+        )  # fmt: skip
+    if full_end < end:
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_desc, v_desc, table, kvh, full_end, end, scale_log2,
+            HEAD_DIM, PAGE, TILE_N, True,
+        )  # fmt: skip
 
     if split == used - 1:
         # The step's own token: rotate and store its key, store its value, attend to both.
         k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
         v_row = row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
-        k1n, k2n = _rotate(tl.load(k_row + d), tl.load(k_row + half + d), cos, sin, dtype)
-        # As later steps will read them back from the cache.
-        k1n, k2n = to_cache(k1n, k_cache_ptr), to_cache(k2n, k_cache_ptr)
+        kn = _rotate_rows(tl.load(k_row + dv), tl.load(k_row + partner), cos, sin, first, dtype)
+        # As later steps will read it back from the cache.
+        kn = to_cache(kn, k_cache_ptr)
         vn = to_cache(tl.load(v_row + dv), v_cache_ptr)
         slot = tl.load(slot_ptr + seq)
         dst = (slot * NUM_KV_HEADS + kvh) * HEAD_DIM
-        tl.store(k_cache_ptr + dst + d, k1n)
-        tl.store(k_cache_ptr + dst + half + d, k2n)
+        tl.store(k_cache_ptr + dst + dv, kn)
         tl.store(v_cache_ptr + dst + dv, vn)
-        s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], 1)
-        s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], 1)
-        s_new = s_new * scale_log2
+        s_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale_log2
         m_new = tl.maximum(m_i, s_new)
         alpha = tl.exp2(m_i - m_new)
         p_new = tl.exp2(s_new - m_new)
@@ -193,6 +250,14 @@ def merge_splits_kernel(
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + dv, out.to(out_ptr.dtype.element_ty))
 
 
+def tile_reader(cache: torch.Tensor, tile: int) -> TensorDescriptor:
+    """A bulk-copy (TMA) descriptor of a paged cache [blocks, page, kv_heads, head_dim] seen
+    as rows of tokens, one KV head's tile of keys a copy."""
+    blocks, page, kv_heads, head_dim = cache.shape
+    rows = cache.view(blocks * page, kv_heads * head_dim)
+    return TensorDescriptor.from_tensor(rows, [tile, head_dim])
+
+
 def decode_attention(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -217,7 +282,7 @@ def decode_attention(
     num_heads = qkv.shape[1] // head_dim - 2 * kv_heads
     group = num_heads // kv_heads
     splits = num_splits or num_splits_for(seqs, kv_heads)
-    tile = LARGE_TILE if seqs * kv_heads >= LARGE_BATCH else TILE
+    tile, warps = tile_config(seqs, kv_heads, head_dim, k_cache.dtype.itemsize == 1, page)
     out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     part_out = part_lse = out  # unused with one split
     if splits > 1:
@@ -226,12 +291,13 @@ def decode_attention(
         part_lse = torch.empty(seqs, num_heads, splits, **f32)
     _decode_kernel[(splits, kv_heads, seqs)](
         qkv, positions, slot_mapping, context_lens, block_tables,
-        context_lens if order is None else order, cos_half, sin_half, k_cache, v_cache, out,
+        context_lens if order is None else order, cos_half, sin_half, k_cache, v_cache,
+        tile_reader(k_cache, tile), tile_reader(v_cache, tile), out,
         part_out, part_lse, qkv.stride(0), block_tables.stride(0), scale * 1.4426950408889634,
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
         HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         PAGE=page, TILE_N=tile, NUM_SPLITS=splits, ORDERED=order is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(seqs, num_heads)](

@@ -110,12 +110,18 @@ def attention_cases():
                       cos_ptr=F32, sin_ptr=F32, out_ptr=BF16, part_out_ptr=F32,
                       part_lse_ptr=F32, qkv_stride="i32", table_stride="i32",
                       scale_log2="fp32", **kv)  # fmt: skip
-        for tile, splits, ordered in ((da.TILE, 8, False), (da.LARGE_TILE, 1, True)):
+        # Batch 1 (8 splits), 128 pairs (the large tile, 4 splits) and 512 (one split, in
+        # launch order), with each batch's tile and warps.
+        for batch, splits, ordered in ((1, 8, False), (128 // kv_heads, 4, True),
+                                       (512 // kv_heads, 1, True)):  # fmt: skip
+            tile, warps = da.tile_config(batch, kv_heads, dim, cache == "fp8", 256)
             pad = max(16, triton.next_power_of_2(group))
             flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
                          ORDERED=ordered, **heads_flags)  # fmt: skip
-            label = f"decode attention {shape} {cache} tile {tile} splits {splits}"
-            yield label, da._decode_kernel, decode, flags, da.NUM_WARPS, da.NUM_STAGES
+            label = f"decode attention {shape} {cache} tile {tile} warps {warps} splits {splits}"
+            desc = f"tensordesc<{cache_type[1:]}[{tile}, {dim}]>"
+            decode.update(k_desc=desc, v_desc=desc)
+            yield label, da._decode_kernel, decode, flags, warps, da.NUM_STAGES
         rows = max(16, triton.next_power_of_2(5 * group))
         verify = dict(q_ptr=BF16, ctx_ptr=I32, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,
                       q_stride="i32", table_stride="i32", scale_log2="fp32", **kv)  # fmt: skip
@@ -144,7 +150,7 @@ def attention_cases():
         yield f"rope and store {shape} {cache}", rope._rope_store_kernel, store, flags, 1, 3
     merge = dict(part_out_ptr=F32, part_lse_ptr=F32, ctx_ptr=I32, out_ptr=BF16)
     for rows_per_seq, offset in ((1, 1), (5, 0)):
-        flags = dict(NUM_HEADS=14, HEAD_DIM=64, NUM_SPLITS=8, SPLITS_PAD=8, TILE_N=da.TILE,
+        flags = dict(NUM_HEADS=14, HEAD_DIM=64, NUM_SPLITS=8, SPLITS_PAD=8, TILE_N=128,
                      ROWS_PER_SEQ=rows_per_seq, CACHED_OFFSET=offset)  # fmt: skip
         yield f"merge splits x{rows_per_seq}", da.merge_splits_kernel, merge, flags, 1, 3
     norm = dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, out_ptr=BF16, n_cols="i32",

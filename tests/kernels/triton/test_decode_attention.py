@@ -123,3 +123,33 @@ def test_float16_rounds_like_the_torch_path():
     torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=2e-3)
     # RoPE rounds after every op as HF does: the cached keys are bit-identical.
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("config", ["small", "large", "xl"])
+def test_slots_past_the_context_are_never_trusted(config, monkeypatch):
+    """A tile is copied whole from its block, so it reads slots past the context: ones never
+    written, or left by an earlier request. NaN there must not reach the output (a masked
+    score alone would not do: 0 * NaN is NaN in the second dot)."""
+    import nanoqwen.kernels.triton.decode_attention as decode
+
+    if config != "small":
+        monkeypatch.setattr(decode, "LARGE_BATCH", 1)
+    if config == "xl":
+        monkeypatch.setattr(decode, "XL_BATCH", 1)
+    lengths = [1, 2, 65, 130, 257, 700]
+    qkv, k_cache, v_cache, meta = _decode_step(lengths, 14, 2, 64, 256, torch.float32)
+    rotary = RotaryEmbedding(64, 1024, 1e6, "cpu")
+    ref = TorchAttention(rotary, 0.125).forward(
+        qkv.clone(), k_cache.clone(), v_cache.clone(), meta
+    )
+    live = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        at = torch.arange(n)
+        live[meta.block_tables[row, at // 256].long() * 256 + at % 256] = True
+    k_cache.view(-1, 2, 64)[~live] = float("nan")
+    v_cache.view(-1, 2, 64)[~live] = float("nan")
+    out = decode_attention(
+        qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
+        rotary.cos_half, rotary.sin_half, k_cache, v_cache, 0.125, num_splits=2,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -53,7 +53,13 @@ def check(out, ref, k8, v8, k16, v16):
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("magnitude", [1.0, 1000.0], ids=["in-range", "saturating"])
-def test_decode_writes_float8_and_attends_over_it(splits, magnitude):
+@pytest.mark.parametrize("large", [False, True], ids=["small-batch", "large-batch"])
+def test_decode_writes_float8_and_attends_over_it(splits, magnitude, large, monkeypatch):
+    """large: the tile and warps a float8 cache takes from LARGE_BATCH pairs up."""
+    import nanoqwen.kernels.triton.decode_attention as decode
+
+    if large:
+        monkeypatch.setattr(decode, "LARGE_BATCH", 1)
     qkv, k16, v16, meta = _decode_step([1, 17, 65, 300], HEADS, KV_HEADS, HEAD_DIM, PAGE,
                                        torch.float16)  # fmt: skip
     qkv[:, HEADS * HEAD_DIM :] *= magnitude  # the new keys and values

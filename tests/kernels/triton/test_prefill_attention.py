@@ -203,3 +203,24 @@ def test_split_counts_fill_the_gpu_only_over_long_contexts():
     assert pa.num_splits_for(1, 14, 1024) == 2
     assert pa.num_splits_for(2, 28, 512) == 1
     assert pa.num_splits_for(64, 28, 32768) == 1
+
+
+@pytest.mark.parametrize("page", [16, 64], ids=["key-by-key", "one-copy-a-tile"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "3-splits"])
+def test_slots_past_the_context_are_never_trusted(page, splits, monkeypatch):
+    """A tile inside one block is copied whole, slots past the context included: NaN there
+    (a slot never written, or left by an earlier request) must not reach the output."""
+    runs = [(0, 37), (30, 5), (45, 40), (100, 1)]
+    qkv, k_cache, v_cache, meta = paged_prefill_step(runs, 14, 2, 64, page, torch.float32)
+    monkeypatch.setitem(pa.CONFIGS, 64, (16, 32, 4, 1))
+    monkeypatch.setattr(pa, "MIN_SPLIT_KEYS", 32)
+    monkeypatch.setattr(pa, "num_splits_for", lambda tiles, heads, keys: splits)
+    live = torch.zeros(k_cache.shape[0] * page, dtype=torch.bool)
+    for row, (cached, new) in enumerate(runs):
+        at = torch.arange(cached + new)
+        live[meta.block_tables[row, at // page].long() * page + at % page] = True
+    _, (ref, _, _) = _run_both(qkv.clone(), k_cache.clone(), v_cache.clone(), meta, 64)
+    k_cache.view(-1, 2, 64)[~live] = float("nan")
+    v_cache.view(-1, 2, 64)[~live] = float("nan")
+    (out, _, _), _ = _run_both(qkv, k_cache, v_cache, meta, 64)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
