@@ -95,7 +95,7 @@ def test_kernel_equals_int8_activation_reference(type_name, rows, k):
     assert torch.equal(gguf_matmul(x.bfloat16(), kind, packed, bias), sums.bfloat16() + bias)
 
 
-@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [13, LANE_MAX_ROWS])
 def test_verify_rows_equal_decode_rows(type_name, rows):
     """A speculative verify step's rows, in one call, each bit for bit what that row alone (a
@@ -141,6 +141,25 @@ def test_k_quant_lanes_hold_blocks_of_32(type_name):
     assert sc.shape == m.shape == (4, 16)
     assert np.array_equal(sc, file.tensors[-4].numpy().reshape(4, 16))
     assert all(torch.equal(a, b) for a, b in zip(from_lanes(file.kind, lanes), file.tensors))
+
+
+def test_q6_k_lanes_hold_groups_of_16():
+    """Q6_K in lanes: lane j of a superblock holds its values 16j..16j+15, vector v values
+    16j + 4v..4v+3: the low nibbles of vectors 0 and 2 in one vector's bytes (low and high
+    nibble), of 1 and 3 in the next, the top two bits of vectors 0-3 in the third (bits 2v, 2v
+    + 1); the scales one a lane. from_lanes undoes it."""
+    raw = random_blocks("Q6_K", 4, 512, seed=5)
+    file = from_file("Q6_K", raw)
+    codes, sc, d = to_lanes("q6_k", file.tensors)
+    values = to_canonical(file).q.numpy().astype(np.int16) + 32  # 0..63, [4, 512]
+    b = codes.numpy().reshape(4, 2, 3, 16, 4)  # superblock, vector kind, lane, byte
+    for v in range(4):
+        want = values.reshape(4, 2, 16, 4, 4)[:, :, :, v]  # [row, superblock, lane, byte]
+        low = (b[:, :, v % 2] >> (4 * (v // 2))) & 15
+        top = (b[:, :, 2] >> (2 * v)) & 3
+        assert np.array_equal(low | top << 4, want)
+    assert torch.equal(sc, file.tensors[2].reshape(4, 32))
+    assert all(torch.equal(a, b) for a, b in zip(from_lanes("q6_k", (codes, sc, d)), file.tensors))
 
 
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1"])

@@ -208,7 +208,7 @@ def test_a_fused_projection_keeps_each_parts_kernel_where_layouts_differ():
     canonical = [from_gguf_blocks(t, raw) for t, raw in zip(types, raws)]
     old = cat_rows([SCHEMES["int8"].apply(c) for c in canonical])
     assert _same(layer._int8, (old.q, old.scale.view(-1)))
-    for rows in (1, 3, 17):  # decode's kernels, then (past 8 and 16 rows) the prefill's int8 matmul
+    for rows in (1, 3, 17):  # decode's kernels, then (past 16 rows) the prefill's int8 matmul
         x = torch.randn(rows, 512).to(torch.bfloat16)
         assert torch.equal(layer(x), torch.cat([a(x) for a in alone], dim=-1)), rows
         half = x.half()
@@ -382,9 +382,8 @@ def test_a_file_without_a_bos_id_loads(tmp_path):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_decode_arithmetic_runs_any_number_of_rows_as_decode_steps_would(type_name):
     """A speculative verify step's rows (decode_arithmetic) come out bit for bit as one-row
-    decode steps would compute them, past the GEMV kernels' 8 (Q6_K) or 16 rows (Q4_K) too;
-    outside it, 17 rows take the int8 matmul over requantized codes, which is not that
-    arithmetic."""
+    decode steps would compute them, past the GEMV kernels' 16 rows too; outside it, 17 rows
+    take the int8 matmul over requantized codes, which is not that arithmetic."""
     layer = QuantizedLinear(from_file(type_name, random_blocks(type_name, 64, 512, seed=7)), None)
     layer.prepare(torch.bfloat16)
     x = torch.randn(17, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

@@ -25,7 +25,7 @@ from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS
 
 SOURCE = Path(__file__).with_name("gguf_gemv.c")
 KQUANT_SOURCE = Path(__file__).with_name("gguf_kquants.c")
-MAX_ROWS = 8  # MAX_ROWS in gguf_common.h: the K-quants' kernels
+MAX_ROWS = 8  # MAX_ROWS in gguf_common.h: Q3_K's and Q2_K's kernel
 LANE_MAX_ROWS = 16  # LANE_MAX_ROWS in gguf_gemv.c: gguf_lanes.LANE_KINDS
 _c_int64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -55,8 +55,8 @@ def _library(source: Path, note: str, signatures: dict) -> ctypes.CDLL | None:
 
 @cache
 def gguf_kernel() -> ctypes.CDLL | None:
-    """gguf_gemv.c's library (Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q4_K and Q5_K in lanes, and the
-    int8 prefill copies of the first five)."""
+    """gguf_gemv.c's library (Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K in lanes, and
+    the int8 prefill copies of the first five)."""
     return _library(SOURCE, "GGUF CPU kernels unavailable, using torch's int8 kernel", {
         "q5_gemv": _gemv(3),  # qs, hm, d (in lanes)
         "q8_gemv": _gemv(2),  # qs, d
@@ -65,6 +65,7 @@ def gguf_kernel() -> ctypes.CDLL | None:
         "q41_gemv": _gemv(3),  # qs, d, m
         "q4k_lanes_gemv": _gemv(5),  # qs, sc, m, d, dmin
         "q5k_lanes_gemv": _gemv(6),  # qs, hm, sc, m, d, dmin
+        "q6k_lanes_gemv": _gemv(3),  # qs, sc, d
         "requantize_rows": ([_ptr, _ptr, *[_c_int64] * 3, _ptr, _ptr, _int], None),
         "requantize_q5_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
         "requantize_q8_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
@@ -76,10 +77,9 @@ def gguf_kernel() -> ctypes.CDLL | None:
 
 @cache
 def kquant_kernel() -> ctypes.CDLL | None:
-    """gguf_kquants.c's library (Q6_K, Q3_K and Q2_K; the per-channel copies of those and of
+    """gguf_kquants.c's library (Q3_K and Q2_K; the per-channel copies of those and of Q6_K,
     Q4_K and Q5_K, whose few-row kernel is gguf_gemv.c's)."""
     return _library(KQUANT_SOURCE, "GGUF K-quant CPU kernels unavailable", {
-        "q6k_gemv": _gemv(4),  # ql, qh, sc, d
         "q3k_gemv": _gemv(4),  # qs, hm, sc, d
         "q2k_gemv": _gemv(4),  # qs, sc, d, dmin
         "requantize_q6k_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
@@ -98,7 +98,7 @@ _KERNELS = {
     "q4_0": (gguf_kernel, "q4_gemv", gguf_kernel, "requantize_q4_rows"),
     "q5_1": (gguf_kernel, "q51_gemv", gguf_kernel, "requantize_q51_rows"),
     "q4_1": (gguf_kernel, "q41_gemv", gguf_kernel, "requantize_q41_rows"),
-    "q6_k": (kquant_kernel, "q6k_gemv", kquant_kernel, "requantize_q6k_rows"),
+    "q6_k": (gguf_kernel, "q6k_lanes_gemv", kquant_kernel, "requantize_q6k_rows"),
     "q3_k": (kquant_kernel, "q3k_gemv", kquant_kernel, "requantize_q3k_rows"),
     "q2_k": (kquant_kernel, "q2k_gemv", kquant_kernel, "requantize_q2k_rows"),
     "q4_k": (gguf_kernel, "q4k_lanes_gemv", kquant_kernel, "requantize_q4k_rows"),

@@ -1,76 +1,38 @@
-// Few-row matmuls over GGUF Q5_0, Q4_0, Q5_1, Q4_1 and Q8_0 blocks (AVX512-VNNI), built at
-// first use by nanoqwen/kernels/cpu/gguf.py and called through ctypes; gguf_kquants.c has the
-// K-quants', gguf_requantize.h the per-channel int8 copies for prefill.
+// Few-row matmuls over GGUF Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights
+// (AVX512-VNNI), built at first use by nanoqwen/kernels/cpu/gguf.py and called through ctypes;
+// gguf_kquants.c has Q3_K's and Q2_K's, gguf_requantize.h and gguf_kquants.c the per-channel
+// int8 copies for prefill.
 //
 // A weight row is K/32 blocks of 32 codes c and a float16 scale d[n][b]:
 //   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16);  Q4_0 (q4_gemv): four-bit, w = d * (c - 8);
 //   Q5_1 (q51_gemv), Q4_1 (q41_gemv): those codes with w = d * c + m, a float16 min m[n][b];
-//   Q8_0 (q8_gemv): c = the file's int8 code + 128, w = d * (c - 128).
+//   Q8_0 (q8_gemv): c = the file's int8 code + 128, w = d * (c - 128);
+//   Q4_K, Q5_K (q4k_lanes_gemv, q5k_lanes_gemv): Q4_1's and Q5_1's codes with a six-bit scale
+//     and min a block, w = d * sc * c - dmin * m, d and dmin a superblock of 8 blocks.
+// Q6_K (q6k_lanes_gemv) has groups of 16 values instead: w = d * sc * (c - 32), six-bit c.
 // The activations are quantized per block of 32 to int8 (scale dx = max|x| / 127), as llama.cpp
 // does for its Q5_0/Q8_0 x Q8_0 dot products, so a block's dot product is an exact integer,
 // sum(c * x_q) - zero * sum(x_q) (zero: the codes' offset), and y = sum over blocks of
 // d * dx * that integer (+ m * dx * sum(x_q) for a min).
 //
-// The layout ("lanes", gguf_lanes.py packs it at load): one block per 32-bit lane of a vector.
-// A row's blocks go in groups of 16 (the last one of nb % 16 if that is not 0); in a group of
-// w blocks, vector v holds, in lane j, bytes 4v..4v+3 of block j's codes: Q8_0's 32 bytes c
-// give 8 vectors, the nibble formats' 16 (the file's qs: byte i = c[i] | c[i + 16] << 4) 4,
-// whose low nibbles are codes 4v..4v+3 and high ones codes 16 + 4v... Vector v starts at byte
-// 4w * v of its group. hm[n][g][8] (Q5_0, Q5_1): the fifth bits as 64-bit byte masks, bit
-// 4j + i of mask s set for block j's code 4s + i. The activations are reordered to match
-// once per call, so eight vpdpbusd sum each block's 32 products in its own lane with no
-// shuffle, and a row's float work is one convert and two multiplies a 16 blocks (against
-// three shuffles, converts and multiplies a 4 blocks for one block per 128 bits): what a
-// speculative verify step's 16 rows cost, where this CPU is bound by arithmetic, not reads.
-// Every row is computed alike whatever M is, so a verify row equals a decode step's.
+// The layout ("lanes", gguf_lanes.py packs it at load): one block (Q6_K: group) per 32-bit
+// lane of a vector. A row's blocks go in groups of 16 (the last one of nb % 16 if that is not
+// 0); in a group of w blocks, vector v holds, in lane j, bytes 4v..4v+3 of block j's codes:
+// Q8_0's 32 bytes c give 8 vectors, the nibble formats' 16 (Q4_0's qs: byte i = c[i] | c[i +
+// 16] << 4) 4, whose low nibbles are codes 4v..4v+3 and high ones codes 16 + 4v... Vector v
+// starts at byte 4w * v of its group. hm[n][g][8] (Q5_0, Q5_1, Q5_K): the fifth bits as 64-bit
+// byte masks, bit 4j + i of mask s set for block j's code 4s + i. The activations are
+// reordered to match once per call, so eight vpdpbusd sum each block's 32 products in its own
+// lane with no shuffle, and a row's float work is one convert and two multiplies a 16 blocks
+// (against three shuffles, converts and multiplies a 4 blocks for one block per 128 bits):
+// what a speculative verify step's 16 rows cost, where this CPU is bound by arithmetic, not
+// reads. Every row is computed alike whatever M is, so a verify row equals a decode step's.
 
 #include "gguf_common.h"
+#include "gguf_lanes.h"
 #include "gguf_requantize.h"
 
 #define LANE_MAX_ROWS 16
-
-// The M activation rows as int8 in lanes: xq [M][G * 512] (byte 512g + 64s + 4j + i: code
-// 4s + i of block 16g + j; 0 past the last block), and per block, padded to G * 16: dx, the
-// integer offset -zero * sum(x_q) that starts a block's dot product, and dx * sum(x_q) (a
-// min's factor).
-typedef struct {
-    int8_t* xq;
-    int32_t* init;
-    float *dx, *sx;
-} Lanes;
-
-static void free_lanes(Lanes* a) { free(a->xq), free(a->init), free(a->dx), free(a->sx); }
-
-static int lane_activations(const void* x, int is_bf16, int64_t M, int64_t K, int zero,
-                            Lanes* a) {
-    const int64_t nb = K / 32, G = (nb + 15) / 16;
-    a->xq = calloc((size_t)(M * G * 512), 1);
-    a->init = calloc((size_t)(M * G * 16), sizeof(int32_t));
-    a->dx = calloc((size_t)(M * G * 16), sizeof(float));
-    a->sx = calloc((size_t)(M * G * 16), sizeof(float));
-    int8_t* row = malloc((size_t)K);
-    float* unused = malloc(sizeof(float) * nb);
-    if (!a->xq || !a->init || !a->dx || !a->sx || !row || !unused) {
-        free_lanes(a), free(row), free(unused);
-        return 2;
-    }
-    const size_t x_row = (size_t)K * (is_bf16 ? 2 : 4);
-    for (int64_t m = 0; m < M; m++) {
-        float* dx = a->dx + m * G * 16;
-        quantize_row((const char*)x + m * x_row, is_bf16, K, 0.0f, row, dx, unused);
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t* v = row + 32 * b;
-            int sum = 0;
-            for (int i = 0; i < 32; i++) sum += v[i];
-            a->init[m * G * 16 + b] = -zero * sum;
-            a->sx[m * G * 16 + b] = dx[b] * (float)sum;
-            int8_t* to = a->xq + m * G * 512 + 512 * (b / 16) + 4 * (b % 16);
-            for (int s = 0; s < 8; s++) memcpy(to + 64 * s, v + 4 * s, 4);
-        }
-    }
-    free(row), free(unused);
-    return 0;
-}
 
 // A weight's arrays (those of its format; the others NULL).
 typedef struct {
@@ -78,7 +40,7 @@ typedef struct {
     const uint64_t* hm;   // fifth bits: Q5_0, Q5_1, Q5_K
     const uint16_t* d;    // float16 scale a block, or (Q4_K, Q5_K) a superblock of 8
     const uint16_t* mn;   // float16 min a block (Q5_1, Q4_1), or dmin a superblock (K)
-    const uint8_t *sc, *m;  // Q4_K, Q5_K: six-bit scale and min a block
+    const uint8_t *sc, *m;  // Q4_K, Q5_K: six-bit scale and min a block; Q6_K: int8 scale
 } Weight;
 
 // A code vector of a group of w blocks: masked only in a short last group (a masked load
@@ -88,20 +50,22 @@ static inline __m512i group_load(const uint8_t* p, int64_t w) {
     return _mm512_maskz_loadu_epi32((__mmask16)((1u << w) - 1), p);
 }
 
-// Adds group g of output row n (its blocks 16g..16g+15, one a lane) to the 16 partial sums of
-// the M activation rows, sums[16m]. M, bits (5, 4 or 8), mins and kq (the scales are Q4_K's:
-// d * sc[b], dmin * m[b]) are compile-time constants at each call site, so the group's 8 code
-// vectors stay in registers while every row meets them.
+// Adds group g of output row n (its lanes 16g..16g+15: blocks of 32, or Q6_K's groups of 16
+// values) to the 16 partial sums of the M activation rows, sums[16m]. M, bits (5, 4, 8, or 6
+// for Q6_K), mins and kq (the scales are Q4_K's: d * sc[b], dmin * m[b]) are compile-time
+// constants at each call site, so the group's code vectors stay in registers while every
+// row meets them. nb: lanes a row.
 static inline __attribute__((always_inline)) void lane_group(
     const int M, const int bits, const int mins, const int kq, int64_t n, int64_t g, int64_t N,
     int64_t nb, const Weight* wt, const Lanes* a, __m512* sums, int64_t ahead) {
-    const int64_t G = (nb + 15) / 16, block_bytes = bits == 8 ? 32 : 16;
-    const int64_t row_bytes = nb * block_bytes, nd = kq ? nb / 8 : nb;  // scales a row
-    const int64_t w = nb - 16 * g < 16 ? nb - 16 * g : 16, at_d = kq ? 2 * g : 16 * g;
+    const int q6 = bits == 6, V = q6 ? 4 : 8;  // code vectors a group
+    const int64_t G = (nb + 15) / 16, block_bytes = bits == 8 ? 32 : q6 ? 12 : 16;
+    const int64_t row_bytes = nb * block_bytes, nd = kq ? nb / 8 : q6 ? G : nb;  // scales a row
+    const int64_t w = nb - 16 * g < 16 ? nb - 16 * g : 16, at_d = kq ? 2 * g : q6 ? g : 16 * g;
     const uint8_t* q = wt->qs + n * row_bytes + 16 * g * block_bytes;
     const uint64_t* hm = bits == 5 ? wt->hm + (n * G + g) * 8 : NULL;
     const uint16_t *d = wt->d + n * nd + at_d, *mn = mins ? wt->mn + n * nd + at_d : NULL;
-    const uint8_t *sc = kq ? wt->sc + n * nb + 16 * g : NULL;
+    const uint8_t *sc = kq || q6 ? wt->sc + n * nb + 16 * g : NULL;
     const uint8_t *mb = kq ? wt->m + n * nb + 16 * g : NULL;
     // The same group of the row `ahead` on (this thread's, under the static schedule) into
     // the cache while this one computes: without it a core stalls on a row's loads, then
@@ -110,7 +74,7 @@ static inline __attribute__((always_inline)) void lane_group(
         const char* next[6] = {(const char*)(q + ahead * row_bytes), (const char*)(d + ahead * nd),
                                hm ? (const char*)(hm + ahead * G * 8) : NULL,
                                mins ? (const char*)(mn + ahead * nd) : NULL,
-                               kq ? (const char*)(sc + ahead * nb) : NULL,
+                               sc ? (const char*)(sc + ahead * nb) : NULL,
                                kq ? (const char*)(mb + ahead * nb) : NULL};
         for (int64_t at = 0; at < w * block_bytes; at += 64) _mm_prefetch(next[0] + at, _MM_HINT_T0);
         for (int p = 1; p < 6; p++)
@@ -119,7 +83,19 @@ static inline __attribute__((always_inline)) void lane_group(
     const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
     const __mmask16 live = (__mmask16)((1u << w) - 1);
     __m512i c[8];  // c[s]: codes 4s..4s+3 of each block, lanes past w zero
-    if (bits == 8) {
+    if (q6) {
+        // Q6_K (K a multiple of 256, so w = 16): two vectors of low nibbles (codes 0-3 and 8-11,
+        // 4-7 and 12-15 of each lane) and one of the 2-bit highs (bits 2v, 2v + 1: vector v's).
+        // A 16-bit shift carries bits across bytes only where the masks drop them.
+        const __m512i n0 = _mm512_loadu_si512((const void*)q);
+        const __m512i n1 = _mm512_loadu_si512((const void*)(q + 64));
+        const __m512i h = _mm512_loadu_si512((const void*)(q + 128)), top = _mm512_set1_epi8(0x30);
+        const __m512i hv[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h,
+                               _mm512_srli_epi16(h, 2)};
+        const __m512i lo[4] = {n0, n1, _mm512_srli_epi16(n0, 4), _mm512_srli_epi16(n1, 4)};
+        for (int v = 0; v < 4; v++)
+            c[v] = _mm512_or_si512(_mm512_and_si512(lo[v], low4), _mm512_and_si512(hv[v], top));
+    } else if (bits == 8) {
         for (int s = 0; s < 8; s++) c[s] = group_load(q + 4 * w * s, w);
     } else {
         for (int t = 0; t < 4; t++) {
@@ -132,7 +108,10 @@ static inline __attribute__((always_inline)) void lane_group(
                 c[s] = _mm512_mask_add_epi8(c[s], (__mmask64)hm[s], c[s], sixteen);
     }
     __m512 dw, mw = _mm512_setzero_ps();  // per block: the codes' scale, the min's
-    if (kq) {  // lanes 0-7 are superblock 2g's blocks, 8-15 superblock 2g + 1's
+    if (q6) {
+        const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc));
+        dw = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(*d)), _mm512_cvtepi32_ps(s32));
+    } else if (kq) {  // lanes 0-7 are superblock 2g's blocks, 8-15 superblock 2g + 1's
         const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         const __mmask16 two = w > 8 ? 3 : 1;
         const __m512 dd =
@@ -148,62 +127,16 @@ static inline __attribute__((always_inline)) void lane_group(
         if (mins) mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn));
     }
     for (int m = 0; m < M; m++) {
-        const int8_t* x = a->xq + (m * G + g) * 512;
+        const int8_t* x = a->xq + (m * G + g) * 64 * V;
         const int64_t at = (m * G + g) * 16;
         __m512i dot = _mm512_loadu_si512((const void*)(a->init + at));
-        for (int s = 0; s < 8; s++)
+        for (int s = 0; s < V; s++)
             dot = _mm512_dpbusd_epi32(dot, c[s], _mm512_loadu_si512((const void*)(x + 64 * s)));
         const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + at));
         __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sums[16 * m]);
         if (mins) acc = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->sx + at), acc);
         sums[16 * m] = acc;
     }
-}
-
-// Lane i of the result: the sum of v[i]'s 16 lanes (a tree of adds that halves 16 vectors to
-// 8, 4, 2 and 1, 45 instructions for the 16 sums where one at a time takes 8 each).
-static inline __m512 sum16(const __m512* v) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)  // lanes 4l + {0, 2} and {1, 3}: v[2i]'s, v[2i + 1]'s
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  // lane 4l + k: v[4i + k]'s
-        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)  // 128-bit lanes 0, 1: u[2i]'s; 2, 3: u[2i + 1]'s
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
-                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-// float_to_bf16 (bf16.h) of 16 values.
-static inline __m256i bf16x16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                      _mm512_and_si512(high, one)));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-// Outputs n0..n0+15 (those of live) of row m, as store() writes one.
-static inline void store16(void* y, int out_bf16, const uint16_t* bias, int64_t m, int64_t n0,
-                           int64_t N, __mmask16 live, __m512 v) {
-    if (!out_bf16) {
-        _mm512_mask_storeu_ps((float*)y + m * N + n0, live, v);
-        return;
-    }
-    __m256i r = bf16x16(v);
-    if (bias) {
-        const __m512 b = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + n0)), 16));
-        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
-        r = bf16x16(_mm512_add_ps(f, b));
-    }
-    _mm256_mask_storeu_epi16((uint16_t*)y + m * N + n0, live, r);
 }
 
 // Outputs n0..n0+15 of the M rows: each one's lane sums, then the 16 outputs summed at once.
@@ -215,10 +148,10 @@ static inline __attribute__((always_inline)) void lane_rows16(
     const int M, const int bits, const int mins, const int kq, int64_t n0, int64_t N,
     int64_t nb, const Weight* wt, const Lanes* a, void* y, int out_bf16, const uint16_t* bias) {
     const int64_t count = N - n0 < 16 ? N - n0 : 16, G = (nb + 15) / 16;
-    const int64_t row_bytes = nb * (bits == 8 ? 32 : 16);
+    const int64_t row_bytes = nb * (bits == 8 ? 32 : bits == 6 ? 12 : 16);
     __m512 sums[M * 16];
     for (int i = 0; i < M * 16; i++) sums[i] = _mm512_setzero_ps();
-    if (M * G * 512 > 16384) {
+    if (M * G * (bits == 6 ? 256 : 512) > 16384) {
         for (int64_t g = 0; g < G; g++)
             for (int64_t j = 0; j < count; j++)
                 lane_group(M, bits, mins, kq, n0 + j, g, N, nb, wt, a, sums + j, 16);
@@ -258,12 +191,14 @@ static inline __attribute__((always_inline)) void lane_rows16(
 static int gemv(int bits, int kq, const void* x, int is_bf16, int64_t M, int64_t K,
                 const Weight* wt, int64_t N, void* y, int out_bf16, const uint16_t* bias,
                 int threads) {
-    if (M < 1 || M > LANE_MAX_ROWS || K % (kq ? 256 : 32)) return 1;
-    const int64_t nb = K / 32;
-    const int zero = wt->mn ? 0 : bits == 5 ? 16 : bits == 4 ? 8 : 128;
+    if (M < 1 || M > LANE_MAX_ROWS || K % (kq || bits == 6 ? 256 : 32)) return 1;
+    const int lv = bits == 6 ? 16 : 32;  // values a lane
+    const int64_t nb = K / lv;
+    const int zero = wt->mn ? 0 : bits == 5 ? 16 : bits == 4 ? 8 : bits == 6 ? 32 : 128;
     Lanes a;
-    if (lane_activations(x, is_bf16, M, K, zero, &a)) return 2;
-    if (kq && bits == 5) ALL_ROWS(5, 1, 1)
+    if (lane_activations(x, is_bf16, M, K, lv, zero, &a)) return 2;
+    if (bits == 6) ALL_ROWS(6, 0, 0)
+    else if (kq && bits == 5) ALL_ROWS(5, 1, 1)
     else if (kq) ALL_ROWS(4, 1, 1)
     else if (bits == 5 && wt->mn) ALL_ROWS(5, 1, 0)
     else if (bits == 5) ALL_ROWS(5, 0, 0)
@@ -321,4 +256,14 @@ int q5k_lanes_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8
                    const uint16_t* dmin, int64_t N, void* y, int out_bf16, const uint16_t* bias,
                    int threads) {
     GEMV(5, 1, .qs = qs, .hm = hm, .d = d, .mn = dmin, .sc = sc, .m = m);
+}
+
+// Q6_K (K a multiple of 256): a lane is one of its groups of 16 values (one int8 scale), a
+// group of 16 lanes one superblock; per superblock (gguf_lanes.py packs it) two vectors of low
+// nibbles and one of the high bits, 192 bytes as the file's ql and qh, then the file's 16
+// scales sc[n][s][16] and d[n][s]. w = d * sc * (c - 32).
+int q6k_lanes_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
+                   const int8_t* sc, const uint16_t* d, int64_t N, void* y, int out_bf16,
+                   const uint16_t* bias, int threads) {
+    GEMV(6, 0, .qs = qs, .d = d, .sc = (const uint8_t*)sc);
 }

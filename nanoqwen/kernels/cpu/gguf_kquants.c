@@ -1,20 +1,17 @@
-// Few-row matmuls over GGUF Q6_K, Q3_K and Q2_K superblocks (AVX512-VNNI), as gguf_gemv.c's
-// over Q5_0 and Q8_0 blocks: the file's own bytes, the activations int8 per block of 32; and
-// the per-channel int8 copies of those and of Q4_K and Q5_K (whose few-row kernel is
-// gguf_gemv.c's).
+// Few-row matmuls over GGUF Q3_K and Q2_K superblocks (AVX512-VNNI): the file's own bytes,
+// the activations int8 per block of 32; and the per-channel int8 copies of those and of Q6_K,
+// Q4_K and Q5_K, whose few-row kernel is gguf_gemv.c's (in lanes).
 
 #include "gguf_common.h"
 
-// Q6_K (q6k_gemv): superblocks of 256 values as the file stores them, in four arrays:
+// Q6_K's file arrays (its per-channel copy below reads them):
 //   ql[n][s][128]: low 4 bits. In half h (values 128h..128h+127), byte 64h + l holds value
 //                  128h + l in its low nibble and value 128h + 64 + l in its high one (l < 64).
 //   qh[n][s][64]:  high 2 bits. Byte 32h + l holds values 128h + l, +32, +64, +96 in bits
 //                  0-1, 2-3, 4-5, 6-7 (l < 32).
 //   sc[n][s][16]:  an int8 scale a 16 values; d[n][s]: float16.
-// w = d * sc[j / 16] * (c - 32) for the 6-bit code c. The activations are int8 blocks of 32
-// as for Q5_0 (scale dx); the offset 32 contributes d * sc * dx * 32 * (the 16 codes' sum),
-// so each 16 values' sum of x's codes is kept too.
-// Q3_K (q3k_gemv) has the same form with 3-bit codes c and offset 4, in the file's arrays:
+// w = d * sc[j / 16] * (c - 32) for the 6-bit code c.
+// Q3_K (q3k_gemv) has that form with 3-bit codes c and offset 4, in the file's arrays:
 //   qs[n][s][64]:  low 2 bits. Byte 32h + l holds values 128h + 32t + l at bits 2t, 2t + 1.
 //   hm[n][s][32]:  third bits. Bit 4h + t of byte l is value 128h + 32t + l's (code c - 4
 //                  with the bit clear, as the file's "subtract 4 where unset", is c = low + 4
@@ -23,13 +20,14 @@
 // Q2_K (q2k_gemv): 2-bit codes c (0..3) in Q3_K's qs layout, and per 16 values a scale and a
 // min, w = d * sc * c - dmin * m, in the file's arrays:
 //   sc[n][s][16]:  scale in the low nibble, min in the high one; d[n][s], dmin[n][s]: float16.
-// The min contributes dmin * m * dx * (the 16 codes' sum), as Q4_K's does a 32 values.
+// The activations are int8 blocks of 32 as for Q5_0 (scale dx); Q3_K's offset 4 contributes
+// d * sc * dx * 4 * (the 16 codes' sum), Q2_K's min dmin * m * dx * (that sum).
 
 // Rows n of the output for M activation rows: per superblock, the 16 group scales d * sc (exact
 // in float32: an 11-bit by 7-bit product), then 4 x 64 codes (values 64c..64c+63 are groups
 // 4c..4c+3: lane i of a 64-byte dot product sums values 4i..4i+3, group 4c + i / 4).
-// kind: G16_Q6 (lo, hi: ql and qh), G16_Q3 (qs and hm) or G16_Q2 (qs; hi NULL, dmin set).
-enum { G16_Q6, G16_Q3, G16_Q2 };
+// kind: G16_Q3 (lo, hi: qs and hm) or G16_Q2 (qs; hi NULL, dmin set).
+enum { G16_Q3, G16_Q2 };
 static inline __attribute__((always_inline)) void dot_row_g16(
     const int M, const int kind, int64_t n, int64_t N, int64_t K, const uint8_t* lo,
     const uint8_t* hi, const int8_t* sc, const uint16_t* d, const uint16_t* dmin,
@@ -37,7 +35,7 @@ static inline __attribute__((always_inline)) void dot_row_g16(
     const uint16_t* bias) {
     const int64_t ns = K / 256;
     const int q3 = kind == G16_Q3, q2 = kind == G16_Q2;
-    const int64_t lo_bytes = kind == G16_Q6 ? 128 : 64, hi_bytes = q2 ? 0 : (q3 ? 32 : 64);
+    const int64_t lo_bytes = 64, hi_bytes = q2 ? 0 : 32;
     lo += n * ns * lo_bytes, sc += n * ns * 16, d += n * ns;
     if (q2) dmin += n * ns;
     else hi += n * ns * hi_bytes;
@@ -54,9 +52,7 @@ static inline __attribute__((always_inline)) void dot_row_g16(
         for (int p = 0; p < 5; p++)
             for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(0x03),
-                  four = _mm512_set1_epi8(4);
-    const __m256i two = _mm256_set1_epi8(0x03);
+    const __m512i three = _mm512_set1_epi8(0x03), four = _mm512_set1_epi8(4);
     // Q3_K: the 16-bit shifts that bring field t of each qs byte to bits 0-1, fields 0 and 1
     // (2 and 3) in the low and high 256 bits.
     const __m512i shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -92,35 +88,18 @@ static inline __attribute__((always_inline)) void dot_row_g16(
             q3 ? _mm256_loadu_si256((const __m256i*)(hi + 32 * s)) : _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m512i c0, c1;  // values 128h + 0..63 and 128h + 64..127, unsigned codes
-            if (kind != G16_Q6) {
-                __m256i q = _mm256_loadu_si256((const __m256i*)(lo + 64 * s + 32 * h));
-                __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
-                // Fields up to bit 7 of a byte: a 16-bit shift moves none across bytes.
-                c0 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift01), three);
-                c1 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift23), three);
-                if (q3) {
-                    __mmask64 k[4];
-                    for (int t = 0; t < 4; t++)
-                        k[t] = _mm256_test_epi8_mask(hm,
-                                                     _mm256_set1_epi8((char)(1 << (4 * h + t))));
-                    c0 = _mm512_mask_add_epi8(c0, k[0] | k[1] << 32, c0, four);
-                    c1 = _mm512_mask_add_epi8(c1, k[2] | k[3] << 32, c1, four);
-                }
-            } else {
-                __m512i q = _mm512_loadu_si512((const void*)(lo + 128 * s + 64 * h));
-                __m256i hb = _mm256_loadu_si256((const __m256i*)(hi + 64 * s + 32 * h));
-                __m512i ql = _mm512_and_si512(q, low4);
-                __m512i qh = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-                __m256i b0 = _mm256_and_si256(hb, two);
-                __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), two);
-                __m256i b2 = _mm256_and_si256(_mm256_srli_epi16(hb, 4), two);
-                __m256i b3 = _mm256_and_si256(_mm256_srli_epi16(hb, 6), two);
-                __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1);
-                __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(b2), b3, 1);
-                // Bits 4-5 from the high parts: values up to 3, so a 16-bit shift moves no bit
-                // across a byte.
-                c0 = _mm512_or_si512(ql, _mm512_slli_epi16(h01, 4));
-                c1 = _mm512_or_si512(qh, _mm512_slli_epi16(h23, 4));
+            __m256i q = _mm256_loadu_si256((const __m256i*)(lo + 64 * s + 32 * h));
+            __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
+            // Fields up to bit 7 of a byte: a 16-bit shift moves none across bytes.
+            c0 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift01), three);
+            c1 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift23), three);
+            if (q3) {
+                __mmask64 k[4];
+                for (int t = 0; t < 4; t++)
+                    k[t] = _mm256_test_epi8_mask(hm,
+                                                 _mm256_set1_epi8((char)(1 << (4 * h + t))));
+                c0 = _mm512_mask_add_epi8(c0, k[0] | k[1] << 32, c0, four);
+                c1 = _mm512_mask_add_epi8(c1, k[2] | k[3] << 32, c1, four);
             }
             for (int m = 0; m < M; m++) {
                 const int8_t* x = xq + m * K + 256 * s + 128 * h;
@@ -148,7 +127,7 @@ static inline __attribute__((always_inline)) void dot_row_g16(
             dot_row_g16(R, kind, n, N, K, lo, hi, sc, d, dmin, xq, dxg, off, y, out_bf16, bias); \
         break;
 
-// q5_gemv's contract for Q6_K, Q3_K and Q2_K weights (K a multiple of 256). Inlined into
+// q5_gemv's contract for Q3_K and Q2_K weights (K a multiple of 256). Inlined into
 // each, so each copy has only its own code unpacking.
 static inline __attribute__((always_inline)) int g16_gemv(
     const int kind, const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* lo,
@@ -156,9 +135,9 @@ static inline __attribute__((always_inline)) int g16_gemv(
     void* y, int out_bf16, const uint16_t* bias, int threads) {
     if (M < 1 || M > MAX_ROWS || K % 256) return 1;
     const int64_t nb = K / 32, ng = K / 16;
-    // What multiplies the codes' sum in the offset term: Q6_K's and Q3_K's code offsets, Q2_K's
-    // min (its scale and dmin applied in the kernel).
-    const float offset = kind == G16_Q6 ? 32.0f : kind == G16_Q3 ? 4.0f : 1.0f;
+    // What multiplies the codes' sum in the offset term: Q3_K's code offset, Q2_K's min (its
+    // scale and dmin applied in the kernel).
+    const float offset = kind == G16_Q3 ? 4.0f : 1.0f;
     Activations a;
     if (quantize_activations(x, is_bf16, M, K, 0.0f, &a)) return 2;
     const int8_t* xq = a.xq;
@@ -183,12 +162,6 @@ static inline __attribute__((always_inline)) int g16_gemv(
     }
     free(dxg), free(off), free_activations(&a);
     return 0;
-}
-
-int q6k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* ql,
-             const uint8_t* qh, const int8_t* sc, const uint16_t* d, int64_t N, void* y,
-             int out_bf16, const uint16_t* bias, int threads) {
-    return g16_gemv(G16_Q6, x, is_bf16, M, K, ql, qh, sc, d, NULL, N, y, out_bf16, bias, threads);
 }
 
 int q3k_gemv(const void* x, int is_bf16, int64_t M, int64_t K, const uint8_t* qs,
