@@ -9,7 +9,7 @@ kernels (file-layout weights, 8 rows a pass) take turns with this checkout's, ca
 in one process: a shared machine's drift slows both alike. Each figure is the fastest of
 --reps calls (a call that another job's thread interrupts waits out its time slice). The
 weights of one layer fit in the L3 cache; --stack times every layer's projections in turn
-(~360 MB, streamed from memory as in decode).
+(~256 MB, streamed from memory as in decode).
 
     python3 tools/gemv_rows_bench.py [--rows 1,8,16] [--reps 20] [--baseline DIR] [--stack]
 """
@@ -130,7 +130,7 @@ def main() -> None:
             calls["base"] = baseline_call(lib, w.kind, w.tensors, 8)
         return calls
 
-    if args.stack:  # ~360 MB: streamed from memory, as a decode or verify step reads them
+    if args.stack:  # ~256 MB: streamed from memory, as a decode or verify step reads them
         layers = [(w.shape[1], calls_of(w)) for w in stack()]
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k).bfloat16() for k, _ in layers}
