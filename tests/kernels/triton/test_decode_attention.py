@@ -139,9 +139,7 @@ def test_slots_past_the_context_are_never_trusted(config, monkeypatch):
     lengths = [1, 2, 65, 130, 257, 700]
     qkv, k_cache, v_cache, meta = _decode_step(lengths, 14, 2, 64, 256, torch.float32)
     rotary = RotaryEmbedding(64, 1024, 1e6, "cpu")
-    ref = TorchAttention(rotary, 0.125).forward(
-        qkv.clone(), k_cache.clone(), v_cache.clone(), meta
-    )
+    ref = TorchAttention(rotary, 0.125).forward(qkv.clone(), k_cache.clone(), v_cache.clone(), meta)
     live = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
     for row, n in enumerate(lengths):
         at = torch.arange(n)
