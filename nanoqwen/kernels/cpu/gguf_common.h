@@ -1,7 +1,7 @@
-// What the GGUF few-row matmuls share (gguf_gemv.c: Q5_0, Q8_0; gguf_kquants.c: the K-quants):
-// the activations quantized to int8 per block of 32 (scale max|x| / 127), as llama.cpp does
-// for its dot products with Q8_0 activations, the output's rounding and bias, and the
-// per-channel int8 copy of a weight row for the prefill matmul.
+// What the GGUF few-row matmuls share (gguf_gemv.c: the formats in lanes; gguf_kquants.c:
+// Q3_K and Q2_K): the activations quantized to int8 per block of 32 (scale max|x| / 127), as
+// llama.cpp does for its dot products with Q8_0 activations, the output's rounding and bias,
+// and the per-channel int8 copy of a weight row for the prefill matmul.
 #pragma once
 
 #include <immintrin.h>
@@ -85,13 +85,6 @@ static int quantize_activations(const void* x, int is_bf16, int64_t M, int64_t K
         quantize_row((const char*)x + m * x_row, is_bf16, K, zero, a->xq + m * K, a->dx + m * nb,
                      a->off + m * nb);
     return 0;
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 // Per-channel int8 of one row of a symmetric int8 weight in groups of g (codes q [K], float32
