@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from nanoqwen.attention.cascade import shared_prefix_blocks
 from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.runtime.graph_capture import capture
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.step_buffer import Layout, StepBuffer
 
@@ -180,7 +181,7 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread may query events while this captures.
         mode = "global" if model.tp is None else "thread_local"
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
+        with capture(graph, self.pool, mode):
             logits = self._forward(model, key, meta)
             tokens = None
             if sampler is not None:

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.runtime.graph_capture import capture
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.step_buffer import Layout, StepBuffer
@@ -209,7 +210,7 @@ class PrefillGraphRunner:
             self.forward(key)  # compiles, autotuning
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+            with capture(graph, pool, mode):
                 logits, tokens = self.forward(key)
             pool = graph.pool()
             self.graphs[key] = (graph, logits, tokens)

@@ -19,8 +19,11 @@ pytestmark = [
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7] * 3, [40, 41, 42, 43] * 5, list(range(100, 160))]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-# bfloat16 rounding of these logits stays well under this (test_fidelity_hf.py's margin).
-MARGIN = 0.1
+# Logits here reach ~14 (initializer_range 0.2), so bfloat16 rounding moves them by more
+# than on real shapes. Measured on the H200, 11 prompts x 64 greedy tokens: a decode kernel
+# scored by a different prefill kernel (torch vs Triton, either way) falls up to 0.51 below
+# the best logit; a wrong position or a dropped key (injected, float32) falls 6 to 13 below.
+MARGIN = 1.0
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 import torch
 from conftest import launch_two_steps_without_host_sync
@@ -20,6 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
 
 TEMPLATE = Path(__file__).parent.parent / "runtime" / "qwen25_chat_template.jinja"
 SCHEMA = {

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.cuda_graph import capture_sizes
+from nanoqwen.runtime.graph_capture import capture
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.sequence import Sequence
 from nanoqwen.runtime.step_buffer import Layout, StepBuffer
@@ -114,7 +115,7 @@ class VerifyGraphRunner:
             self.forward(key)  # warm-up: compiles, autotuning
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capture(graph, pool):
                 logits, tokens = self.forward(key)
             pool = graph.pool()
             self.graphs[key] = (graph, logits, tokens)
