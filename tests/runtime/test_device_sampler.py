@@ -125,6 +125,29 @@ def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monk
     assert where == {"union", "row"}
 
 
+def test_a_flat_rows_nucleus_is_searched_over_the_row_by_many_programs(monkeypatch):
+    """Flat rows (random weights' logits) put top-p's boundary below every candidate: the
+    whole row is searched, its slices measured by programs of their own (24 a row here)
+    and added up round by round. The kept sets are the reference's, and rows beside them
+    that need no search keep theirs."""
+    pytest.importorskip("triton")
+    from nanoqwen.kernels.triton import row_search
+
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 8)
+    monkeypatch.setattr(row_search, "TARGET_PROGRAMS", 96)
+    vocab = 6000
+    params = [dict(top_p=0.9), dict(top_k=5), dict(top_p=0.5), dict(top_k=50, top_p=0.9)]
+    seqs = [make_seq([1, 2], temperature=1.0, **p) for p in params]
+    sampler, slots = make_sampler(seqs, vocab, "triton")
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(11)) * 0.5
+    ours = sampler.filtered_logits(logits, slots)
+    top_k = [s.params.top_k for s in seqs]
+    ref = filter_logits(logits, top_k, [s.params.top_p for s in seqs], [0.0] * len(seqs))
+    for row, p in enumerate(params):
+        assert torch.equal(torch.isfinite(ours[row]), torch.isfinite(ref[row])), p
+    assert int(torch.isfinite(ours[0]).sum()) > 4000  # a nucleus of most of the row
+
+
 def test_tiles_under_the_rows_bound_are_skipped_and_the_rest_cover_its_top_k(monkeypatch):
     """20 tiles of 32 tokens, 8 candidates: for top-k k <= 8, the tiles whose max is under
     the k-th largest tile max hold none of the row's k largest and get no candidates (their

@@ -9,7 +9,8 @@ where the cumulative renormalised mass first reaches p; min-p's max(z) + log(min
 whose boundary lies past the exact values (a larger top-k, a top-p mass they do not reach,
 ties with the k-th beyond them) is flagged, and _finish_kernel searches its thresholds: over
 the union of every tile's candidates where that holds them, else over the whole row; other
-rows only take the largest of their three.
+rows only take the largest of their three. A top-p search over the whole row runs after
+_finish_kernel, split over many programs a row (row_search.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
+from nanoqwen.kernels.triton.row_search import search_rows
 from nanoqwen.kernels.triton.select import from_ordered_key, ordered_key, store_above, store_largest
 
 F_TOP_P = tl.constexpr(layout.F_TOP_P)
@@ -178,17 +180,23 @@ def _search(
 def _finish_kernel(
     z_ptr, cand_ptr, floor_ptr, num_tiles, need_ptr, slots_ptr, fparams_ptr, iparams_ptr,
     tau_k_ptr, tau_p_ptr, tau_min_ptr, m_ptr, s_ptr, tau_ptr, vocab,
+    search_keys_ptr, search_target_ptr,
     CAP: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """Each row's threshold: the largest of its three, after a search for a flagged row (need
     bit 1: top-k, bit 2: top-p). The search runs over the union of the tiles' candidates where
     that holds the answer: every token above c, the largest of the tiles' floors, is a
     candidate, so a threshold above c is found among them (a top-p nucleus of hundreds or
-    thousands of tokens, as a trained model's flatter rows have). Otherwise, over the row."""
+    thousands of tokens, as a trained model's flatter rows have). Otherwise, over the row:
+    a top-k count here, a top-p mass by row_search.py's programs, after this kernel (this
+    one leaves the row's key range in search_keys and its target in search_target)."""
     row = tl.program_id(0).to(tl.int64)
     need = tl.load(need_ptr + row)
     tau_k = tl.load(tau_k_ptr + row)
     tau_p = tl.load(tau_p_ptr + row)
+    search_lo = tl.zeros((), tl.int64)
+    search_hi = tl.zeros((), tl.int64)
+    target = tl.zeros((), tl.float32)
     if need != 0:
         z_row = z_ptr + row * vocab
         num_cands = num_tiles * CAP
@@ -223,11 +231,17 @@ def _finish_kernel(
                 tau_p = _search(union, num_cands, c, tau_k, tl.maximum(lo_key, above_c),
                                 top_key, m, target, True, PROBES, BLOCK)  # fmt: skip
             else:
-                below_c = tl.minimum(above_c, top_key)
-                tau_p = _search(z_row, vocab, no_bound, tau_k, lo_key, below_c, m, target, True,
-                                PROBES, BLOCK)  # fmt: skip
+                tau_p = tl.full((), float("-inf"), tl.float32)
+                search_lo = lo_key
+                search_hi = tl.minimum(above_c, top_key)
     tau = tl.maximum(tl.maximum(tau_k, tau_p), tl.load(tau_min_ptr + row))
     tl.store(tau_ptr + row, tau)
+    # tau_k bounds the search (tau_k_ptr holds it); a range of one key or none is no search.
+    tl.store(tau_k_ptr + row, tau_k)
+    tl.store(search_keys_ptr + row * 3, search_lo)
+    tl.store(search_keys_ptr + row * 3 + 1, search_hi)
+    tl.store(search_keys_ptr + row * 3 + 2, (search_hi > search_lo).to(tl.int64))
+    tl.store(search_target_ptr + row, target)
 
 
 def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: int):
@@ -250,9 +264,12 @@ def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: i
         state.iparams, tau_k, tau_p, tau_min, need, vocab, CAP=candidates,
         BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, num_warps=8,
     )  # fmt: skip
+    search_keys = torch.empty(rows, 3, dtype=torch.int64, device=z.device)
+    search_target = torch.empty(rows, **f32)
     _finish_kernel[(rows,)](
         z, parts.cand, parts.floor, tiles, need, slots, state.fparams, state.iparams, tau_k,
-        tau_p, tau_min, parts.m, parts.s, tau, vocab, CAP=candidates, PROBES=PROBES,
-        BLOCK=SEARCH_BLOCK, TILES=pow2, num_warps=SEARCH_WARPS,
+        tau_p, tau_min, parts.m, parts.s, tau, vocab, search_keys, search_target,
+        CAP=candidates, PROBES=PROBES, BLOCK=SEARCH_BLOCK, TILES=pow2, num_warps=SEARCH_WARPS,
     )  # fmt: skip
+    search_rows(z, search_keys, tau_k, parts.m, search_target, tau)
     return tau

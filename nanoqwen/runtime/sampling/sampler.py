@@ -10,7 +10,8 @@ Per row (the semantics of reference.py, HF's order):
    row; with top-k, only tiles that can hold its k largest take part); a row whose top-k or
    top-p boundary lies past them gets it from a search over the union of the tiles'
    candidates where that holds it (a nucleus of up to thousands of tokens), else over its
-   whole row (a kernel whose other rows return at once). min-p's is closed-form:
+   whole row (a top-p nucleus of a flat row: many programs a row, kernels/triton/
+   row_search.py; rows that need no search return at once). min-p's is closed-form:
    z >= max(z) + log(min_p);
 3. a Gumbel-max draw over the kept tokens, with counter-based noise keyed by (seed, output
    position, token): a seeded request's tokens do not depend on its batch.

@@ -62,6 +62,7 @@ def gemv_cases():
 def sampler_cases():
     """The sampler's passes (kernels/triton/sample.py, sampling_thresholds.py) at Qwen2.5's
     vocabulary with the default tiles and candidates."""
+    from nanoqwen.kernels.triton import row_search as rs
     from nanoqwen.kernels.triton import sample
     from nanoqwen.kernels.triton import sampling_thresholds as st
     from nanoqwen.runtime.sampling.sampler import CANDIDATES as CAP
@@ -81,9 +82,17 @@ def sampler_cases():
     yield "sampler reduce", sample._reduce_kernel, reduce, flags, 1, 3
     finish = dict(z_ptr=F32, cand_ptr=F32, floor_ptr=F32, num_tiles="i32", need_ptr=I32,
                   tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32, m_ptr=F32, s_ptr=F32,
-                  tau_ptr=F32, vocab="i32", **state)  # fmt: skip
+                  tau_ptr=F32, vocab="i32", search_keys_ptr=I64, search_target_ptr=F32,
+                  **state)  # fmt: skip
     flags = dict(CAP=CAP, PROBES=st.PROBES, BLOCK=st.SEARCH_BLOCK, TILES=pow2)
     yield "sampler thresholds finish", st._finish_kernel, finish, flags, st.SEARCH_WARPS, 3
+    probe = dict(z_ptr=F32, vocab="i32", keys_ptr=I64, bound_ptr=F32, m_ptr=F32,
+                 partial_ptr=F32, parts="i32")  # fmt: skip
+    flags = dict(SLICE=rs.BLOCK, PROBES=rs.PROBES, BLOCK=rs.BLOCK)
+    yield "sampler row search probe", rs._probe_kernel, probe, flags, 4, 3
+    narrow = dict(keys_ptr=I64, target_ptr=F32, partial_ptr=F32, tau_ptr=F32, parts="i32")
+    flags = dict(PROBES=rs.PROBES, PARTS_BLOCK=64, LAST=True)
+    yield "sampler row search narrow", rs._narrow_kernel, narrow, flags, 4, 3
 
 
 # (heads, KV heads, head dim) of the 0.5B and 7B shapes; bfloat16 and float8 KV caches.
