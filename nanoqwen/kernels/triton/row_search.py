@@ -5,11 +5,12 @@ candidates. A top-p boundary below every candidate (a flat row, whose nucleus ho
 thousands of tokens: what random weights give, and a trained model at a high temperature)
 needs the row's probability mass at trial thresholds. One program a row took ~500 µs at
 batch 1 on the H200 (11 passes over 151,936 values on one SM), a third of the step. Here a
-row is split over many programs: in each round every program measures PROBES trial
-thresholds over its slice, then one program a row adds the slices' measures and narrows
-the row's key range PROBES-fold. ROUNDS rounds bring any range of float32 keys (2^32) down
-to one key, so a CUDA graph captures a fixed count of launches; a row whose range is one key
-already returns at once, as do rows that need no search.
+row is split over many programs: in each round (one launch) every program measures PROBES
+trial thresholds over its slice, and the row's last program to finish adds the slices'
+measures and narrows the row's key range PROBES-fold. ROUNDS rounds bring any range of
+float32 keys (2^32) down to one key, so a CUDA graph captures a fixed count of launches;
+the programs of a row whose range is one key return at once, as do those of rows that need
+no search (most steps: a launch of programs that return costs the step a few µs).
 
 The answer is _search's (sampling_thresholds.py): the largest v in [lo, hi) whose mass
 sum(exp(x - m) for x >= max(v, bound)) reaches the target, lo when none does.
@@ -24,32 +25,32 @@ import triton.language as tl
 from nanoqwen.kernels.triton.select import from_ordered_key
 
 PROBES = 16
-ROUNDS = 8  # PROBES ** ROUNDS >= 2^32
+ROUNDS = 8
+assert PROBES**ROUNDS >= 2**32, "any range of float32 keys must come down to one key"
 BLOCK = 256
 # Programs a round, over all rows: the measure is arithmetic (PROBES compares a value).
 TARGET_PROGRAMS = 1024
 
 
 @triton.jit
-def _range(keys_ptr, row, PROBES: tl.constexpr):
-    """The row's key range [lo, hi), its trial keys (lo, lo + step, ...) and step."""
-    lo = tl.load(keys_ptr + row * 3)
-    hi = tl.load(keys_ptr + row * 3 + 1)
-    step = (hi - lo + PROBES - 1) // PROBES
-    return lo, hi, lo + tl.arange(0, PROBES).to(tl.int64) * step, step
-
-
-@triton.jit
-def _probe_kernel(
-    z_ptr, vocab, keys_ptr, bound_ptr, m_ptr, partial_ptr, parts,
-    SLICE: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr,
+def _round_kernel(
+    z_ptr, vocab, keys_ptr, bound_ptr, m_ptr, target_ptr, partial_ptr, count_ptr, tau_ptr,
+    parts, SLICE: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr,
+    PARTS_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """The mass at each trial key of the row's values in this program's slice."""
+    """The mass at each trial key of the row's values in this program's slice; the row's
+    last program adds them up and cuts the range [lo, hi) to the piece from the last trial
+    key whose mass reaches the target to the next. A row whose range comes down to one key
+    has its threshold, which joins its tau (the largest of top-k's, top-p's and min-p's)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    lo, hi, keys, _ = _range(keys_ptr, row, PROBES)
+    lo = tl.load(keys_ptr + row * 2)
+    hi = tl.load(keys_ptr + row * 2 + 1)
     if hi - lo <= 1:
         return
+    step = (hi - lo + PROBES - 1) // PROBES
+    j = tl.arange(0, PROBES)
+    keys = lo + j.to(tl.int64) * step
     probes = from_ordered_key(keys)
     bound = tl.load(bound_ptr + row)
     m = tl.load(m_ptr + row)
@@ -61,49 +62,38 @@ def _probe_kernel(
         x = tl.where(x >= bound, x, float("-inf"))
         keep = (x[None, :] >= probes[:, None]) & (x[None, :] > float("-inf"))
         acc += tl.where(keep, tl.exp(x - m)[None, :], 0.0)
-    tl.store(partial_ptr + (row * parts + part) * PROBES + tl.arange(0, PROBES), tl.sum(acc, 1))
-
-
-@triton.jit
-def _narrow_kernel(
-    keys_ptr, target_ptr, partial_ptr, tau_ptr, parts,
-    PROBES: tl.constexpr, PARTS_BLOCK: tl.constexpr, LAST: tl.constexpr,
-):  # fmt: skip
-    """The slices' measures added; the range cut to the piece from the last trial key that
-    reaches the target to the next. After the last round a searched row's threshold joins
-    its tau (the largest of top-k's, top-p's and min-p's)."""
-    row = tl.program_id(0).to(tl.int64)
-    lo, hi, keys, step = _range(keys_ptr, row, PROBES)
-    if hi - lo > 1:
+    tl.store(partial_ptr + (row * parts + part) * PROBES + j, tl.sum(acc, 1))
+    # Every thread's store, then one release-acquire count: the last program sees them all.
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == parts - 1:
         measure = tl.zeros([PROBES], dtype=tl.float32)
-        j = tl.arange(0, PROBES)
         for p0 in range(0, parts, PARTS_BLOCK):
             p = p0 + tl.arange(0, PARTS_BLOCK)
             at = partial_ptr + (row * parts + p[:, None]) * PROBES + j[None, :]
-            measure += tl.sum(tl.load(at, mask=(p < parts)[:, None], other=0.0), 0)
+            measure += tl.sum(tl.load(at, mask=(p < parts)[:, None], other=0.0,
+                                      cache_modifier=".cg"), 0)  # fmt: skip
         reached = (measure >= tl.load(target_ptr + row)) & (keys < hi)
         lo = tl.max(tl.where(reached, keys, lo), axis=0)
-        tl.store(keys_ptr + row * 3, lo)
-        tl.store(keys_ptr + row * 3 + 1, tl.minimum(lo + step, hi))
-    if LAST:
-        searched = tl.load(keys_ptr + row * 3 + 2) != 0
-        tau = tl.load(tau_ptr + row)
-        tl.store(tau_ptr + row, tl.where(searched, tl.maximum(tau, from_ordered_key(lo)), tau))
+        hi = tl.minimum(lo + step, hi)
+        tl.store(keys_ptr + row * 2, lo)
+        tl.store(keys_ptr + row * 2 + 1, hi)
+        tl.store(count_ptr + row, 0)
+        if hi - lo <= 1:
+            tau = tl.load(tau_ptr + row)
+            tl.store(tau_ptr + row, tl.maximum(tau, from_ordered_key(lo)))
 
 
 def search_rows(z: torch.Tensor, keys: torch.Tensor, bound, m, target, tau) -> None:
-    """keys: [rows, 3] int64, each row's (lo, hi, searched) as _finish_kernel left them;
-    bound, m, target: [rows] float32. Raises tau where a row searched."""
+    """keys: [rows, 2] int64, each row's key range [lo, hi) as _finish_kernel left it (lo = hi
+    where the row needs no search); bound (top-k's threshold), m (the row max), target (the
+    mass to reach): [rows] float32. Raises tau where a row searched."""
     rows, vocab = z.shape
     slice_ = triton.cdiv(triton.cdiv(vocab, max(1, TARGET_PROGRAMS // rows)), BLOCK) * BLOCK
     parts = triton.cdiv(vocab, slice_)
     partial = torch.empty(rows, parts, PROBES, dtype=torch.float32, device=z.device)
-    for r in range(ROUNDS):
-        _probe_kernel[(rows, parts)](
-            z, vocab, keys, bound, m, partial, parts, SLICE=slice_, PROBES=PROBES, BLOCK=BLOCK,
-            num_warps=4,
-        )  # fmt: skip
-        _narrow_kernel[(rows,)](
-            keys, target, partial, tau, parts, PROBES=PROBES,
-            PARTS_BLOCK=64, LAST=r == ROUNDS - 1, num_warps=4,
+    count = torch.zeros(rows, dtype=torch.int32, device=z.device)
+    for _ in range(ROUNDS):
+        _round_kernel[(rows, parts)](
+            z, vocab, keys, bound, m, target, partial, count, tau, parts, SLICE=slice_,
+            PROBES=PROBES, BLOCK=BLOCK, PARTS_BLOCK=64, num_warps=4,
         )  # fmt: skip

@@ -231,16 +231,20 @@ def _finish_kernel(
                 tau_p = _search(union, num_cands, c, tau_k, tl.maximum(lo_key, above_c),
                                 top_key, m, target, True, PROBES, BLOCK)  # fmt: skip
             else:
-                tau_p = tl.full((), float("-inf"), tl.float32)
                 search_lo = lo_key
                 search_hi = tl.minimum(above_c, top_key)
+                # A range of one key or none holds the answer already; else row_search.py.
+                tau_p = from_ordered_key(lo_key)
+                if search_hi - search_lo <= 1:
+                    search_hi = search_lo
+                else:
+                    tau_p = tl.full((), float("-inf"), tl.float32)
     tau = tl.maximum(tl.maximum(tau_k, tau_p), tl.load(tau_min_ptr + row))
     tl.store(tau_ptr + row, tau)
-    # tau_k bounds the search (tau_k_ptr holds it); a range of one key or none is no search.
+    # For row_search.py: tau_k bounds its values (tau_k_ptr holds it), lo = hi is no search.
     tl.store(tau_k_ptr + row, tau_k)
-    tl.store(search_keys_ptr + row * 3, search_lo)
-    tl.store(search_keys_ptr + row * 3 + 1, search_hi)
-    tl.store(search_keys_ptr + row * 3 + 2, (search_hi > search_lo).to(tl.int64))
+    tl.store(search_keys_ptr + row * 2, search_lo)
+    tl.store(search_keys_ptr + row * 2 + 1, search_hi)
     tl.store(search_target_ptr + row, target)
 
 
@@ -264,7 +268,7 @@ def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: i
         state.iparams, tau_k, tau_p, tau_min, need, vocab, CAP=candidates,
         BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, num_warps=8,
     )  # fmt: skip
-    search_keys = torch.empty(rows, 3, dtype=torch.int64, device=z.device)
+    search_keys = torch.empty(rows, 2, dtype=torch.int64, device=z.device)
     search_target = torch.empty(rows, **f32)
     _finish_kernel[(rows,)](
         z, parts.cand, parts.floor, tiles, need, slots, state.fparams, state.iparams, tau_k,

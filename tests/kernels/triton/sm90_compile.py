@@ -86,13 +86,20 @@ def sampler_cases():
                   **state)  # fmt: skip
     flags = dict(CAP=CAP, PROBES=st.PROBES, BLOCK=st.SEARCH_BLOCK, TILES=pow2)
     yield "sampler thresholds finish", st._finish_kernel, finish, flags, st.SEARCH_WARPS, 3
-    probe = dict(z_ptr=F32, vocab="i32", keys_ptr=I64, bound_ptr=F32, m_ptr=F32,
-                 partial_ptr=F32, parts="i32")  # fmt: skip
-    flags = dict(SLICE=rs.BLOCK, PROBES=rs.PROBES, BLOCK=rs.BLOCK)
-    yield "sampler row search probe", rs._probe_kernel, probe, flags, 4, 3
-    narrow = dict(keys_ptr=I64, target_ptr=F32, partial_ptr=F32, tau_ptr=F32, parts="i32")
-    flags = dict(PROBES=rs.PROBES, PARTS_BLOCK=64, LAST=True)
-    yield "sampler row search narrow", rs._narrow_kernel, narrow, flags, 4, 3
+    search = dict(
+        z_ptr=F32,
+        vocab="i32",
+        keys_ptr=I64,
+        bound_ptr=F32,
+        m_ptr=F32,
+        target_ptr=F32,
+        partial_ptr=F32,
+        count_ptr=I32,
+        tau_ptr=F32,
+        parts="i32",
+    )
+    flags = dict(SLICE=rs.BLOCK, PROBES=rs.PROBES, BLOCK=rs.BLOCK, PARTS_BLOCK=64)
+    yield "sampler row search round", rs._round_kernel, search, flags, 4, 3
 
 
 # (heads, KV heads, head dim) of the 0.5B and 7B shapes; bfloat16 and float8 KV caches.
