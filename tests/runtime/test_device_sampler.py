@@ -125,16 +125,19 @@ def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monk
     assert where == {"union", "row"}
 
 
-def test_a_flat_rows_nucleus_is_searched_over_the_row_by_many_programs(monkeypatch):
+@pytest.mark.parametrize("batch", ["small", "large"])
+def test_a_flat_rows_nucleus_is_searched_over_the_row_by_many_programs(monkeypatch, batch):
     """Flat rows (random weights' logits) put top-p's boundary below every candidate: the
     whole row is searched, its slices measured by programs of their own (24 a row here)
-    and added up round by round. The kept sets are the reference's, and rows beside them
-    that need no search keep theirs."""
+    and added up round by round (4 rounds of 256 trial keys at small batches, 8 of 16 at
+    large ones). The kept sets are the reference's, and rows beside them that need no
+    search keep theirs."""
     pytest.importorskip("triton")
     from nanoqwen.kernels.triton import row_search
 
     monkeypatch.setattr(sampler_module, "CANDIDATES", 8)
     monkeypatch.setattr(row_search, "TARGET_PROGRAMS", 96)
+    monkeypatch.setattr(row_search, "SMALL_BATCH", 16 if batch == "small" else 0)
     vocab = 6000
     params = [dict(top_p=0.9), dict(top_k=5), dict(top_p=0.5), dict(top_k=50, top_p=0.9)]
     seqs = [make_seq([1, 2], temperature=1.0, **p) for p in params]

@@ -7,7 +7,7 @@ needs the row's probability mass at trial thresholds. One program a row took ~50
 batch 1 on the H200 (11 passes over 151,936 values on one SM), a third of the step. Here a
 row is split over many programs: in each round (one launch) every program measures PROBES
 trial thresholds over its slice, and the row's last program to finish adds the slices'
-measures and narrows the row's key range PROBES-fold. ROUNDS rounds bring any range of
+measures and narrows the row's key range PROBES-fold. The rounds bring any range of
 float32 keys (2^32) down to one key, so a CUDA graph captures a fixed count of launches;
 the programs of a row whose range is one key return at once, as do those of rows that need
 no search (most steps: a launch of programs that return costs the step a few µs).
@@ -24,11 +24,15 @@ import triton.language as tl
 
 from nanoqwen.kernels.triton.select import from_ordered_key
 
-PROBES = 16
-ROUNDS = 8
-assert PROBES**ROUNDS >= 2**32, "any range of float32 keys must come down to one key"
-BLOCK = 256
-# Programs a round, over all rows: the measure is arithmetic (PROBES compares a value).
+# (trial keys a round, rounds, values a program loads at a time) by batch: at small batches
+# a round costs its launch, so fewer rounds of more trial keys; at large ones the compares
+# (every value against every trial key) are the cost, so more rounds of fewer.
+SMALL_BATCH = 16
+SMALL = (256, 4, 32)
+LARGE = (16, 8, 256)
+for _probes, _rounds, _ in (SMALL, LARGE):
+    assert _probes**_rounds >= 2**32, "any range of float32 keys must come down to one key"
+# Programs a round, over all rows.
 TARGET_PROGRAMS = 1024
 
 
@@ -88,12 +92,13 @@ def search_rows(z: torch.Tensor, keys: torch.Tensor, bound, m, target, tau) -> N
     where the row needs no search); bound (top-k's threshold), m (the row max), target (the
     mass to reach): [rows] float32. Raises tau where a row searched."""
     rows, vocab = z.shape
-    slice_ = triton.cdiv(triton.cdiv(vocab, max(1, TARGET_PROGRAMS // rows)), BLOCK) * BLOCK
+    probes, rounds, block = SMALL if rows <= SMALL_BATCH else LARGE
+    slice_ = triton.cdiv(triton.cdiv(vocab, max(1, TARGET_PROGRAMS // rows)), 256) * 256
     parts = triton.cdiv(vocab, slice_)
-    partial = torch.empty(rows, parts, PROBES, dtype=torch.float32, device=z.device)
+    partial = torch.empty(rows, parts, probes, dtype=torch.float32, device=z.device)
     count = torch.zeros(rows, dtype=torch.int32, device=z.device)
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         _round_kernel[(rows, parts)](
             z, vocab, keys, bound, m, target, partial, count, tau, parts, SLICE=slice_,
-            PROBES=PROBES, BLOCK=BLOCK, PARTS_BLOCK=64, num_warps=4,
+            PROBES=probes, BLOCK=block, PARTS_BLOCK=64 if probes <= 64 else 8, num_warps=4,
         )  # fmt: skip

@@ -98,8 +98,9 @@ def sampler_cases():
         tau_ptr=F32,
         parts="i32",
     )
-    flags = dict(SLICE=rs.BLOCK, PROBES=rs.PROBES, BLOCK=rs.BLOCK, PARTS_BLOCK=64)
-    yield "sampler row search round", rs._round_kernel, search, flags, 4, 3
+    for label, (probes, _, block) in (("small", rs.SMALL), ("large", rs.LARGE)):
+        flags = dict(SLICE=256, PROBES=probes, BLOCK=block, PARTS_BLOCK=64 if probes <= 64 else 8)
+        yield f"sampler row search round {label}", rs._round_kernel, search, flags, 4, 3
 
 
 # (heads, KV heads, head dim) of the 0.5B and 7B shapes; bfloat16 and float8 KV caches.
