@@ -95,6 +95,19 @@ def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candid
         torch.testing.assert_close(ours[torch.isfinite(ours)], ref[torch.isfinite(ref)])
 
 
+def triton_kept_sets(params, logits):
+    """The Triton passes' filtered logits for rows of these settings (temperature 1), after
+    asserting that each row keeps the reference's set."""
+    seqs = [make_seq([1, 2], temperature=1.0, **p) for p in params]
+    sampler, slots = make_sampler(seqs, logits.shape[1], "triton")
+    ours = sampler.filtered_logits(logits, slots)
+    top_k = [s.params.top_k for s in seqs]
+    ref = filter_logits(logits, top_k, [s.params.top_p for s in seqs], [0.0] * len(seqs))
+    for row, p in enumerate(params):
+        assert torch.equal(torch.isfinite(ours[row]), torch.isfinite(ref[row])), p
+    return ours, sampler, slots
+
+
 def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monkeypatch):
     """8 tiles of 128 tokens with up to 8 candidates each: a boundary past what the row's
     merged candidates tell exactly is searched among the union of all tiles' candidates
@@ -109,17 +122,12 @@ def test_boundaries_past_the_candidates_are_found_in_their_union_or_the_row(monk
     params = [dict(top_k=k) for k in (12, 24, 100, 400)]
     params += [dict(top_p=0.9), dict(top_p=0.99), dict(top_k=200, top_p=0.8)]
     params += [dict(top_k=30, top_p=0.95)]
-    seqs = [make_seq([1, 2], temperature=1.0, **p) for p in params]
-    sampler, slots = make_sampler(seqs, vocab, "triton")
-    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(5)) * 3
-    ours = sampler.filtered_logits(logits, slots)
-    top_k = [s.params.top_k for s in seqs]
-    ref = filter_logits(logits, top_k, [s.params.top_p for s in seqs], [0.0] * len(seqs))
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(5)) * 3
+    ours, sampler, slots = triton_kept_sets(params, logits)
     c = kernels.filter_thresholds(logits, slots, sampler.state, cap)[2].floor.amax(dim=1)
     where = set()
-    for row, p in enumerate(params):
-        kept = torch.isfinite(ref[row])
-        assert torch.equal(torch.isfinite(ours[row]), kept), p
+    for row in range(len(params)):
+        kept = torch.isfinite(ours[row])
         if int(kept.sum()) > cap:
             where.add("union" if logits[row][kept].min() > c[row] else "row")
     assert where == {"union", "row"}
@@ -140,14 +148,8 @@ def test_a_flat_rows_nucleus_is_searched_over_the_row_by_many_programs(monkeypat
     monkeypatch.setattr(row_search, "SMALL_BATCH", 16 if batch == "small" else 0)
     vocab = 6000
     params = [dict(top_p=0.9), dict(top_k=5), dict(top_p=0.5), dict(top_k=50, top_p=0.9)]
-    seqs = [make_seq([1, 2], temperature=1.0, **p) for p in params]
-    sampler, slots = make_sampler(seqs, vocab, "triton")
-    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(11)) * 0.5
-    ours = sampler.filtered_logits(logits, slots)
-    top_k = [s.params.top_k for s in seqs]
-    ref = filter_logits(logits, top_k, [s.params.top_p for s in seqs], [0.0] * len(seqs))
-    for row, p in enumerate(params):
-        assert torch.equal(torch.isfinite(ours[row]), torch.isfinite(ref[row])), p
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(11)) * 0.5
+    ours, _, _ = triton_kept_sets(params, logits)
     assert int(torch.isfinite(ours[0]).sum()) > 4000  # a nucleus of most of the row
 
 
