@@ -10,7 +10,7 @@ trial thresholds over its slice, and the row's last program to finish adds the s
 measures and narrows the row's key range PROBES-fold. The rounds bring any range of
 float32 keys (2^32) down to one key, so a CUDA graph captures a fixed count of launches;
 the programs of a row whose range is one key return at once, as do those of rows that need
-no search (most steps: a launch of programs that return costs the step a few µs).
+no search (most steps, which then pay for the launches alone).
 
 The answer is _search's (sampling_thresholds.py): the largest v in [lo, hi) whose mass
 sum(exp(x - m) for x >= max(v, bound)) reaches the target, lo when none does.
