@@ -131,6 +131,25 @@ def test_graphs_and_eager_generate_the_same_tokens(gpu_model, backend):
                 assert a.token_ids == b.token_ids, p
 
 
+def test_a_capture_survives_a_collection_of_a_dead_engines_graphs(gpu_model):
+    """An engine no longer used but kept in a reference cycle still holds its CUDA graphs;
+    a garbage collection that frees them while another engine captures its own would end
+    that capture ("operation failed due to a previous error during capture")."""
+    import gc
+
+    old = _engine(gpu_model, ("triton", 16, False))
+    old.cycle = old  # only the cyclic collector frees it
+    del old
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # collections, full ones too, through every capture
+    try:
+        new = _engine(gpu_model, ("triton", 16, False))
+    finally:
+        gc.set_threshold(*thresholds)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert len(new.generate([[5, 6, 7]], greedy)[0].token_ids) == 8
+
+
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_auto_runs_triton_with_graphs_without_flash_attn(gpu_model, block_size, monkeypatch):
     """A GPU without flash-attn still gets the Triton backend and its CUDA graphs at any
