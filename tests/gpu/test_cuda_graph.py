@@ -131,23 +131,27 @@ def test_graphs_and_eager_generate_the_same_tokens(gpu_model, backend):
                 assert a.token_ids == b.token_ids, p
 
 
-def test_a_capture_survives_a_collection_of_a_dead_engines_graphs(gpu_model):
-    """An engine no longer used but kept in a reference cycle still holds its CUDA graphs;
-    a garbage collection that frees them while another engine captures its own would end
-    that capture ("operation failed due to a previous error during capture")."""
+def test_captures_pause_the_garbage_collector():
+    """A collection inside a capture may free a dead engine's CUDA graphs (one kept in a
+    reference cycle), which ends the capture ("operation failed due to a previous error
+    during capture"): every capture runs with the cyclic collector paused, and gets it back
+    after, also when the capture fails."""
     import gc
 
-    old = _engine(gpu_model, ("triton", 16, False))
-    old.cycle = old  # only the cyclic collector frees it
-    del old
-    thresholds = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)  # collections, full ones too, through every capture
-    try:
-        new = _engine(gpu_model, ("triton", 16, False))
-    finally:
-        gc.set_threshold(*thresholds)
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert len(new.generate([[5, 6, 7]], greedy)[0].token_ids) == 8
+    from nanoqwen.runtime.graph_capture import capture
+
+    x = torch.ones(4, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with capture(graph):
+        assert not gc.isenabled()
+        y = x * 2
+    assert gc.isenabled()
+    graph.replay()
+    assert y.tolist() == [2.0] * 4
+    with pytest.raises(RuntimeError), capture(torch.cuda.CUDAGraph()):
+        x.sum().item()  # a host sync: not permitted while capturing
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
