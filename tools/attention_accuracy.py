@@ -7,60 +7,46 @@ Bit-level agreement between two bfloat16 kernels says little: both round. Agains
 each kernel's own error shows, and two kernels that agree by sharing an error stand out.
 
     python3 tools/attention_accuracy.py [--scales 1,4] [--block 16]
-On a machine without a GPU, TRITON_INTERPRET=1 and --device cpu --dtype float16 run it in
-Triton's interpreter (slowly; --small).
+On a machine without a GPU, --device cpu --dtype float16 runs it in Triton's interpreter
+(slowly; --small).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 
-from nanoqwen.attention.metadata import AttentionMetadata
-from nanoqwen.attention.rotary import RotaryEmbedding
-from nanoqwen.attention.torch_backend import TorchAttention
-from nanoqwen.attention.triton_backend import TritonAttention
+# The tests' paged steps; without a GPU, importing conftest also turns Triton's interpreter
+# on, before any kernel module is imported.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import paged_prefill_step  # noqa: E402
+
+from nanoqwen.attention.rotary import RotaryEmbedding  # noqa: E402
+from nanoqwen.attention.torch_backend import TorchAttention  # noqa: E402
+from nanoqwen.attention.triton_backend import TritonAttention  # noqa: E402
 
 HEADS = {"tiny": (4, 2, 64), "0.5B": (14, 2, 64), "7B": (28, 4, 128)}
 
 
-def paged_step(runs, heads, kv_heads, head_dim, block, scale, dtype, dev, seed=0):
-    """qkv, caches and metadata for sequences of (cached, new) tokens over shuffled blocks;
-    cached K/V random, q and k times scale."""
-    gen = torch.Generator().manual_seed(seed)
-    widths = [-(-(c + n) // block) for c, n in runs]
-    perm = torch.randperm(sum(widths) + 1, generator=gen)
-    tables = torch.zeros(len(runs), max(widths), dtype=torch.int32)
-    first = 0
-    for i, w in enumerate(widths):
-        tables[i, :w] = perm[first : first + w]
-        first += w
-    shape = (sum(widths) + 1, block, kv_heads, head_dim)
-    k_cache = (torch.randn(shape, generator=gen) * scale).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    tokens = sum(n for _, n in runs)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
-    qkv[:, : (heads + kv_heads) * head_dim] *= scale
-    positions = [p for c, n in runs for p in range(c, c + n)]
-    seq_of = [i for i, (_, n) in enumerate(runs) for _ in range(n)]
-    slots = [int(tables[i, p // block]) * block + p % block for i, p in zip(seq_of, positions)]
-    cu_q = list(itertools.accumulate([0] + [n for _, n in runs]))
-    cu_k = list(itertools.accumulate([0] + [c + n for c, n in runs]))
-    i32 = dict(dtype=torch.int32, device=dev)
-    meta = AttentionMetadata(
-        is_prefill=any(n > 1 for _, n in runs),
-        positions=torch.tensor(positions, device=dev),
-        slot_mapping=torch.tensor(slots, device=dev),
-        context_lens=torch.tensor([c + n for c, n in runs], **i32),
-        block_tables=tables.to(dev),
-        cu_seqlens_q=torch.tensor(cu_q, **i32),
-        max_seqlen_q=max(n for _, n in runs),
-        max_seqlen_k=max(c + n for c, n in runs),
-        cu_seqlens_k=torch.tensor(cu_k, **i32),
-    )
-    return qkv.to(dtype).to(dev), k_cache.to(dev), v_cache.to(dev), meta
+def paged_step(runs, heads, kv_heads, head_dim, block, scale, dtype, dev):
+    """tests/conftest.py's paged step of sequences of (cached, new) tokens, on dev, with q,
+    new k and cached k at scale times a standard normal (a power of two keeps it exact)."""
+    qkv, k_cache, v_cache, meta = paged_prefill_step(runs, heads, kv_heads, head_dim, block,
+                                                     dtype)  # fmt: skip
+    qkv[:, : (heads + kv_heads) * head_dim] *= scale / 2  # conftest draws 2 x N(0, 1)
+    k_cache *= scale
+    moved = {
+        f.name: getattr(meta, f.name).to(dev)
+        for f in dataclasses.fields(meta)
+        if isinstance(getattr(meta, f.name), torch.Tensor)
+    }
+    meta = dataclasses.replace(meta, is_prefill=any(n > 1 for _, n in runs), **moved)
+    return qkv.to(dev), k_cache.to(dev), v_cache.to(dev), meta
 
 
 def float64_attention(qkv, k_cache, v_cache, meta, rotary, heads, kv_heads, head_dim, dtype):
