@@ -205,13 +205,13 @@ def test_cascade_decode_matches_plain_decode(gpu_model):
     assert torch.equal(graph_logits, eager)
     llm.runner.graphs = None
     plain = llm.runner.compute_logits(b)
-    # The plain step here runs the Triton decode kernel: another summation order, so the
-    # same tokens where the choice is clear (tests/gpu/test_cascade_gpu.py holds both
-    # kernels to a float32 reference).
-    top2 = plain.topk(2).values
-    clear = top2[:, 0] - top2[:, 1] > 0.05
-    assert int(clear.sum()) >= 30
-    assert torch.equal(graph_logits.argmax(-1)[clear], plain.argmax(-1)[clear])
+    # The plain step runs the Triton decode kernel, the cascade step flash-attn (both parts):
+    # other roundings. The H200 measured such cross-kernel differences on tiny models up to
+    # 0.5 logits (tests/gpu/test_speculative_and_mixed_gpu.py); a wrong prefix falls several
+    # logits below (tests/gpu/test_cascade_gpu.py holds both kernels to a float32 reference).
+    chosen = plain.gather(1, graph_logits.argmax(-1, keepdim=True)).squeeze(1)
+    short = plain.max(-1).values - chosen
+    assert float(short.max()) <= 1.0, short
 
 
 def test_capture_warm_ups_run_every_padding_row(gpu_model):

@@ -153,6 +153,65 @@ def test_a_flat_rows_nucleus_is_searched_over_the_row_by_many_programs(monkeypat
     assert int(torch.isfinite(ours[0]).sum()) > 4000  # a nucleus of most of the row
 
 
+@pytest.mark.parametrize("rounds", [1, 2, 5])
+def test_a_flat_rows_draw_without_its_threshold_is_the_reference_token(monkeypatch, rounds):
+    """A step draws a top-p row without its threshold (nucleus_draw.py): candidates from
+    the Gumbel-max down, each kept or passed by the mass above it. Over 6 steps of flat
+    rows, top_p 0.3 passes many first candidates (its tokens differ from the unfiltered
+    draws of the same noise), and every token is the one the torch passes draw from the
+    exact threshold. With one round (a measure), the last round's single program walks every
+    passed row to its token; two end on finding the next candidate; five decide most rows
+    before the walk."""
+    pytest.importorskip("triton")
+    from nanoqwen.kernels.triton import nucleus_draw
+    from nanoqwen.kernels.triton import sample as kernels
+
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 8)
+    monkeypatch.setattr(kernels, "TILE", 256)
+    monkeypatch.setattr(nucleus_draw, "ROUNDS", rounds)
+    monkeypatch.setattr(nucleus_draw, "TARGET_PROGRAMS", 8)  # 8 tiles a program: 2 a row
+    vocab = 3000
+    params = [dict(top_p=0.3), dict(top_p=0.9), dict(top_k=1000, top_p=0.3),
+              dict(top_p=0.5, min_p=0.2), dict(top_k=5), dict(temperature=0)]  # fmt: skip
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(4)) * 0.5
+
+    def steps(passes, **override):
+        seqs = []
+        for i, p in enumerate(params):
+            seqs.append(make_seq([1, 2], **{"temperature": 1.0, **p, **override}))
+            seqs[-1].sampling_seed = 200 + i
+        sampler, slots = make_sampler(seqs, vocab, passes)
+        return torch.stack([sampler(logits, slots, True) for _ in range(6)])
+
+    ours = steps("triton")
+    assert torch.equal(ours, steps("torch"))
+    unfiltered = steps("torch", top_p=1.0)
+    assert int((ours[:, [0, 2]] != unfiltered[:, [0, 2]]).sum()) >= 4
+    assert torch.equal(ours[:, 4:], unfiltered[:, 4:])
+
+
+def test_rows_of_nan_logits_get_a_token_each_step_from_the_triton_passes(monkeypatch):
+    """NaN logits (a warm-up's padding rows have fed the sampler such rows) still give each
+    row one token inside the vocabulary a step, top-p rows drawn without their threshold
+    included: no draw loops on a mass that is not a number."""
+    pytest.importorskip("triton")
+    from nanoqwen.kernels.triton import sample as kernels
+
+    monkeypatch.setattr(kernels, "TILE", 128)
+    vocab, calls = 1000, 2
+    params = [dict(temperature=0.7, top_k=20, top_p=0.8), dict(top_p=0.9), dict(top_p=0.5),
+              dict(min_p=0.1), dict(temperature=0)]  # fmt: skip
+    seqs = [make_seq([1, 2], **{"temperature": 1.0, **p}) for p in params]
+    sampler, slots = make_sampler(seqs, vocab, "triton")
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(3))
+    logits[:2] = float("nan")
+    logits[2:, ::2] = float("nan")
+    for _ in range(calls):
+        tokens = sampler(logits, slots, True)
+        assert bool(((tokens >= 0) & (tokens < vocab)).all()), tokens.tolist()
+    assert sampler.state.counts[slots].sum(dim=1).tolist() == [calls] * len(params)
+
+
 def test_tiles_under_the_rows_bound_are_skipped_and_the_rest_cover_its_top_k(monkeypatch):
     """20 tiles of 32 tokens, 8 candidates: for top-k k <= 8, the tiles whose max is under
     the k-th largest tile max hold none of the row's k largest and get no candidates (their
@@ -167,7 +226,7 @@ def test_tiles_under_the_rows_bound_are_skipped_and_the_rest_cover_its_top_k(mon
     seqs = [make_seq([1, 2], temperature=1.0, top_k=k) for k in ks]
     sampler, slots = make_sampler(seqs, vocab, "triton")
     logits = torch.randn(len(ks), vocab, generator=torch.Generator().manual_seed(9)) * 2
-    z, _, parts = kernels.filter_thresholds(logits, slots, sampler.state, cap)
+    z, _, parts, _ = kernels.filter_thresholds(logits, slots, sampler.state, cap)
     for row, k in enumerate(ks):
         tile_max = z[row].view(-1, tile).amax(dim=1)
         bound = tile_max.sort(descending=True).values[k - 1] if k <= cap else float("-inf")

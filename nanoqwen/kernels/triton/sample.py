@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
+from nanoqwen.kernels.triton.draw import first_max, gumbel, record_token
 
 TILE = 2048  # vocabulary entries per program
 
@@ -34,24 +35,6 @@ NUM_I = tl.constexpr(layout.NUM_I)
 FLAG_GREEDY = tl.constexpr(layout.FLAG_GREEDY)
 FLAG_PENALTY = tl.constexpr(layout.FLAG_PENALTY)
 FLAG_BAN = tl.constexpr(layout.FLAG_BAN)
-
-
-@triton.jit
-def _mix64(x):
-    x = x ^ (x >> 30)
-    x = x * 0xBF58476D1CE4E5B9
-    x = x ^ (x >> 27)
-    x = x * 0x94D049BB133111EB
-    return x ^ (x >> 31)
-
-
-@triton.jit
-def _gumbel(seed, pos, offs):
-    """Gumbel(0, 1) noise for tokens offs of a request at output position pos."""
-    key = _mix64(seed.to(tl.uint64, bitcast=True) + pos.to(tl.uint64) * 0x9E3779B97F4A7C15)
-    bits = _mix64(key + (offs.to(tl.uint64) + 1) * 0xD1B54A32D192ED03)
-    u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    return -tl.log(-tl.log(u))
 
 
 @triton.jit
@@ -104,7 +87,7 @@ def _prepare_kernel(
 def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_ptr, gidx_ptr):
     """The tile's Gumbel-max candidate among `keep` (none for greedy rows)."""
     if (flags & FLAG_GREEDY) == 0:
-        score = x + _gumbel(tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
+        score = x + gumbel(tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
         score = tl.where(keep & (x > float("-inf")), score, float("-inf"))
         tl.store(gval_ptr + part, tl.max(score, axis=0))
         tl.store(gidx_ptr + part, first + tl.argmax(score, axis=0))
@@ -138,31 +121,25 @@ def _sample_kernel(
 
 
 @triton.jit
-def _first_max(values, payload, idx, n):
-    """The payload at the first position holding the max of values (positions < n)."""
-    best = tl.max(values, axis=0)
-    first = tl.min(tl.where((values == best) & (idx < n), idx, n), axis=0)
-    return best, tl.sum(tl.where(idx == first, payload, 0), axis=0)
-
-
-@triton.jit
 def _reduce_kernel(
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
     m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr,
-    out_pos_ptr, vocab,
+    out_pos_ptr, pending_ptr, vocab,
     FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
-    CANDIDATES: tl.constexpr,
+    CANDIDATES: tl.constexpr, PENDING: tl.constexpr,
 ):  # fmt: skip
     """Per row, over the tile partials: FIRST: max, sum of exp and greedy token, and with
     CANDIDATES the row's bound for them (sampling_thresholds._candidates_kernel); SAMPLED: the
-    draw; RECORD: the row's token (greedy or drawn) stored and counted as the slot's output."""
+    draw; RECORD: the row's token (greedy or drawn) stored and counted as the slot's output.
+    With PENDING, a row whose top-p boundary is still open gets its draw stored as the first
+    candidate of nucleus_draw.py, which records the row's token."""
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, TILES)
     parts = row * num_tiles + idx
     inside = idx < num_tiles
     if FIRST:
         pmax = tl.load(part_max_ptr + parts, mask=inside, other=float("-inf"))
-        m, greedy = _first_max(pmax, tl.load(part_arg_ptr + parts, mask=inside, other=0), idx,
+        m, greedy = first_max(pmax, tl.load(part_arg_ptr + parts, mask=inside, other=0), idx,
                                num_tiles)  # fmt: skip
         psum = tl.load(part_sum_ptr + parts, mask=inside, other=0.0)
         tl.store(m_ptr + row, m)
@@ -185,15 +162,17 @@ def _reduce_kernel(
         if SAMPLED:
             gval = tl.load(part_gval_ptr + parts, mask=inside, other=float("-inf"))
             gidx = tl.load(part_gidx_ptr + parts, mask=inside, other=0)
-            _, drawn = _first_max(gval, gidx, idx, num_tiles)
+            _, drawn = first_max(gval, gidx, idx, num_tiles)
             greedy_row = (tl.load(iparams_ptr + slot * NUM_I + I_FLAGS) & FLAG_GREEDY) != 0
             token = tl.where(greedy_row, token, drawn)
-        # A NaN logit makes the argmax's index unspecified: the token indexes the counts
-        # below and the next step's embedding, so it stays inside the vocabulary.
-        token = tl.minimum(tl.maximum(token, 0), vocab - 1)
-        tl.store(tokens_ptr + row, token.to(tl.int64))
-        tl.atomic_add(counts_ptr + slot * vocab + token, 1)
-        tl.atomic_add(out_pos_ptr + slot, 1)
+        if PENDING:  # noqa: SIM108 (a compile-time choice, which Triton's ternary is not)
+            open_row = tl.load(pending_ptr + row) != 0
+        else:
+            open_row = False
+        if open_row:
+            tl.store(tokens_ptr + row, tl.minimum(tl.maximum(token, 0), vocab - 1).to(tl.int64))
+        else:
+            record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab)
 
 
 class _Partials:
@@ -224,13 +203,14 @@ def _prepare(logits, slots, state, z, parts: _Partials, sample: bool) -> None:
 
 def _reduce(
     parts: _Partials, slots, state, tokens, first: bool, sampled: bool, record: bool,
-    candidates: int = 0,
+    candidates: int = 0, pending: torch.Tensor | None = None,
 ):  # fmt: skip
     _reduce_kernel[(slots.shape[0],)](
         parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, parts.tiles, parts.m, parts.s,
         parts.greedy, parts.bound, tokens, slots, state.iparams, state.counts, state.out_pos,
-        state.counts.shape[1], FIRST=first, SAMPLED=sampled, RECORD=record,
-        TILES=triton.next_power_of_2(parts.tiles), CANDIDATES=candidates, num_warps=1,
+        tokens if pending is None else pending, state.counts.shape[1], FIRST=first,
+        SAMPLED=sampled, RECORD=record, TILES=triton.next_power_of_2(parts.tiles),
+        CANDIDATES=candidates, PENDING=pending is not None, num_warps=1,
     )  # fmt: skip
 
 
@@ -245,10 +225,11 @@ def plain_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor
 
 
 def filter_thresholds(
-    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int
-) -> tuple[torch.Tensor, torch.Tensor, _Partials]:
-    """The processed logits z and each row's threshold tau (top-k, top-p and min-p keep
-    z >= tau)."""
+    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int, exact: bool = True
+):
+    """The processed logits z, each row's threshold tau (top-k, top-p and min-p keep
+    z >= tau), the partials and the rows left open (sampling_thresholds.thresholds; with
+    exact, none)."""
     from nanoqwen.kernels.triton.sampling_thresholds import thresholds
 
     rows, vocab = logits.shape
@@ -257,18 +238,24 @@ def filter_thresholds(
     _prepare(logits, slots, state, z, parts, sample=False)
     _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False,
             candidates=candidates)  # fmt: skip
-    tau = thresholds(z, parts, slots, state, candidates)
-    return z, tau, parts
+    tau, open_rows = thresholds(z, parts, slots, state, candidates, exact)
+    return z, tau, parts, open_rows
 
 
 def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: int):
-    """Tokens with top-k/top-p/min-p: thresholds from the candidates, then a draw over z."""
-    z, tau, parts = filter_thresholds(logits, slots, state, candidates)
+    """Tokens with top-k/top-p/min-p: thresholds from the candidates, then a draw over z; rows
+    whose top-p boundary lies below every candidate are drawn without it (nucleus_draw.py)."""
+    from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
+
+    z, tau, parts, open_rows = filter_thresholds(logits, slots, state, candidates, exact=False)
     rows, vocab = z.shape
     _sample_kernel[(rows, parts.tiles)](
         z, tau, parts.max, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab,
         parts.tiles, BLOCK=parts.tile, num_warps=4,
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
-    _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True)
+    _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True,
+            pending=open_rows.pending)  # fmt: skip
+    draw_open_rows(z, tokens, open_rows.pending, open_rows.bound, tau, parts.m,
+                   open_rows.target, slots, state, parts.max, parts.tile)  # fmt: skip
     return tokens

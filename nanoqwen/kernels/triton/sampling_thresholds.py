@@ -9,11 +9,15 @@ where the cumulative renormalised mass first reaches p; min-p's max(z) + log(min
 whose boundary lies past the exact values (a larger top-k, a top-p mass they do not reach,
 ties with the k-th beyond them) is flagged, and _finish_kernel searches its thresholds: over
 the union of every tile's candidates where that holds them, else over the whole row; other
-rows only take the largest of their three. A top-p search over the whole row runs after
-_finish_kernel, split over many programs a row (row_search.py).
+rows only take the largest of their three. A top-p boundary below every candidate is left
+open: a step's draw decides such a row without it (nucleus_draw.py); its exact threshold
+(Sampler.filtered_logits) comes from a search over the whole row, split over many programs
+a row (row_search.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,15 +44,18 @@ def _at(values, idx, i):
 
 @triton.jit
 def _candidates_kernel(
-    z_ptr, part_max_ptr, bound_ptr, cand_ptr, floor_ptr, vocab, num_tiles,
-    CAP: tl.constexpr, BLOCK: tl.constexpr,
+    z_ptr, part_max_ptr, bound_ptr, cand_ptr, floor_ptr, slots_ptr, iparams_ptr, vocab,
+    num_tiles, CAP: tl.constexpr, BLOCK: tl.constexpr, OPEN_P: tl.constexpr,
 ):  # fmt: skip
     """Each tile's candidates: its values above a floor, at most CAP (select.store_above). A
     tile whose max is under the row's bound (from sampling._reduce_kernel) holds none of the
     row's values the filters read: it is skipped, with its max as its floor. With top-k 20
-    most tiles are."""
+    most tiles are. With OPEN_P, rows without top-k need none (_thresholds_kernel)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
+    if OPEN_P:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
+        if tl.load(iparams_ptr + tl.load(slots_ptr + row) * NUM_I + I_TOP_K) >= vocab:
+            return
     part = row * num_tiles + tile
     out = cand_ptr + part * CAP
     tile_max = tl.load(part_max_ptr + part)
@@ -73,9 +80,25 @@ def _row_floor(floor_ptr, row, num_tiles, TILES: tl.constexpr):
 def _thresholds_kernel(
     cand_ptr, floor_ptr, num_tiles, top_ptr, m_ptr, s_ptr, slots_ptr, fparams_ptr, iparams_ptr,
     tau_k_ptr, tau_p_ptr, tau_min_ptr, need_ptr, vocab,
-    CAP: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    CAP: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, OPEN_P: tl.constexpr,
 ):  # fmt: skip
+    """With OPEN_P, a row without top-k reads no candidate: its top-p is left open (need bit
+    3) for nucleus_draw.py, which needs no threshold."""
     row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    top_k = tl.load(iparams_ptr + slot * NUM_I + I_TOP_K)
+    top_p = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P)
+    min_p = tl.load(fparams_ptr + slot * NUM_F + F_MIN_P)
+    m = tl.load(m_ptr + row)
+    tl.store(
+        tau_min_ptr + row, tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+    )
+    if OPEN_P:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
+        if top_k >= vocab:
+            tl.store(tau_k_ptr + row, float("-inf"))
+            tl.store(tau_p_ptr + row, float("-inf"))
+            tl.store(need_ptr + row, tl.where(top_p < 1.0, 4, 0))
+            return
     num_cands = num_tiles * CAP
     offs = tl.arange(0, BLOCK)
     merged = tl.load(cand_ptr + row * num_cands + offs, mask=offs < num_cands, other=float("-inf"))
@@ -86,11 +109,6 @@ def _thresholds_kernel(
     values = tl.sort(tl.load(top_ptr + row * CAP + idx), descending=True)
     # values[i] is the row's (i+1)-th largest while it is above c.
     exact = tl.sum((values > _row_floor(floor_ptr, row, num_tiles, TILES)).to(tl.int32), axis=0)
-    slot = tl.load(slots_ptr + row)
-    top_k = tl.load(iparams_ptr + slot * NUM_I + I_TOP_K)
-    top_p = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P)
-    min_p = tl.load(fparams_ptr + slot * NUM_F + F_MIN_P)
-    m = tl.load(m_ptr + row)
     k_on = top_k < vocab
     k_inside = k_on & (top_k <= exact)
     tau_k = tl.where(k_inside, _at(values, idx, top_k - 1), float("-inf"))
@@ -112,9 +130,6 @@ def _thresholds_kernel(
     p_past = p_on & (p_short | k_past | tie_past)
     tl.store(tau_k_ptr + row, tau_k)
     tl.store(tau_p_ptr + row, tau_p)
-    tl.store(
-        tau_min_ptr + row, tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
-    )
     tl.store(need_ptr + row, k_past.to(tl.int32) | (p_past.to(tl.int32) << 1))
 
 
@@ -180,16 +195,18 @@ def _search(
 def _finish_kernel(
     z_ptr, cand_ptr, floor_ptr, num_tiles, need_ptr, slots_ptr, fparams_ptr, iparams_ptr,
     tau_k_ptr, tau_p_ptr, tau_min_ptr, m_ptr, s_ptr, tau_ptr, vocab,
-    search_keys_ptr, search_target_ptr,
+    search_keys_ptr, search_target_ptr, pending_ptr,
     CAP: tl.constexpr, PROBES: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """Each row's threshold: the largest of its three, after a search for a flagged row (need
-    bit 1: top-k, bit 2: top-p). The search runs over the union of the tiles' candidates where
-    that holds the answer: every token above c, the largest of the tiles' floors, is a
-    candidate, so a threshold above c is found among them (a top-p nucleus of hundreds or
-    thousands of tokens, as a trained model's flatter rows have). Otherwise, over the row:
-    a top-k count here, a top-p mass by row_search.py's programs, after this kernel (this
-    one leaves the row's key range in search_keys and its target in search_target)."""
+    bit 1: top-k, bit 2: top-p; bit 3: top-p without top-k, left open). The search runs over
+    the union of the tiles' candidates where that holds the answer: every token above c, the
+    largest of the tiles' floors, is a candidate, so a threshold above c is found among them
+    (a top-p nucleus of hundreds or thousands of tokens, as a trained model's flatter rows
+    have). Otherwise, over the row: a top-k count here; a top-p boundary there is left open
+    (pending): a step draws such a row without it (nucleus_draw.py), an exact threshold comes
+    from row_search.py's programs, after this kernel (this one leaves the row's key range in
+    search_keys and its target in search_target)."""
     row = tl.program_id(0).to(tl.int64)
     need = tl.load(need_ptr + row)
     tau_k = tl.load(tau_k_ptr + row)
@@ -216,6 +233,8 @@ def _finish_kernel(
                 below_c = tl.minimum(above_c, top_key)  # the k-th value is c or less
                 tau_k = _search(z_row, vocab, no_bound, no_bound, ordered_key(no_bound), below_c,
                                 m, k, False, PROBES, BLOCK)  # fmt: skip
+        if (need & 4) != 0:  # top-p without top-k, left open
+            target = tl.load(fparams_ptr + slot * NUM_F + F_TOP_P) * tl.load(s_ptr + row)
         if (need & 2) != 0:
             # top-p over the top-k survivors, renormalised: their mass
             union_mass = _total(union, num_cands, c, tau_k, m, True, BLOCK)
@@ -246,16 +265,30 @@ def _finish_kernel(
     tl.store(search_keys_ptr + row * 2, search_lo)
     tl.store(search_keys_ptr + row * 2 + 1, search_hi)
     tl.store(search_target_ptr + row, target)
+    tl.store(pending_ptr + row, ((search_hi > search_lo) | ((need & 4) != 0)).to(tl.int32))
 
 
-def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: int):
-    """tau [rows] from z and the sampling._Partials of its prepare and first reduce passes:
-    the tile maxima, the row max m, the sum of exp(z - m) and the candidates' bound."""
+@dataclass
+class OpenRows:
+    """Rows whose top-p boundary lies below every candidate, left open by thresholds():
+    pending [rows] int32 (1: open), bound [rows] float32 (top-k's threshold, which bounds the
+    mass top-p counts) and target [rows] float32 (top_p times the top-k survivors' mass)."""
+
+    pending: torch.Tensor
+    bound: torch.Tensor
+    target: torch.Tensor
+
+
+def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: int, exact: bool):
+    """(tau [rows], OpenRows) from z and the sampling._Partials of its prepare and first
+    reduce passes (the tile maxima, the row max m, the sum of exp(z - m) and the candidates'
+    bound). With exact, row_search.py finds the open rows' top-p thresholds and raises tau;
+    else tau leaves top-p out of the open rows, for nucleus_draw.py."""
     rows, vocab = z.shape
     tiles = parts.tiles
     _candidates_kernel[(rows, tiles)](
-        z, parts.max, parts.bound, parts.cand, parts.floor, vocab, tiles, CAP=candidates,
-        BLOCK=parts.tile, num_warps=4,
+        z, parts.max, parts.bound, parts.cand, parts.floor, slots, state.iparams, vocab, tiles,
+        CAP=candidates, BLOCK=parts.tile, OPEN_P=not exact, num_warps=4,
     )  # fmt: skip
     num_cands = tiles * candidates
     f32 = dict(dtype=torch.float32, device=z.device)
@@ -266,14 +299,17 @@ def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: i
     _thresholds_kernel[(rows,)](
         parts.cand, parts.floor, tiles, top, parts.m, parts.s, slots, state.fparams,
         state.iparams, tau_k, tau_p, tau_min, need, vocab, CAP=candidates,
-        BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, num_warps=8,
+        BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, OPEN_P=not exact,
+        num_warps=8,
     )  # fmt: skip
     search_keys = torch.empty(rows, 2, dtype=torch.int64, device=z.device)
     search_target = torch.empty(rows, **f32)
+    pending = torch.empty(rows, dtype=torch.int32, device=z.device)
     _finish_kernel[(rows,)](
         z, parts.cand, parts.floor, tiles, need, slots, state.fparams, state.iparams, tau_k,
-        tau_p, tau_min, parts.m, parts.s, tau, vocab, search_keys, search_target,
+        tau_p, tau_min, parts.m, parts.s, tau, vocab, search_keys, search_target, pending,
         CAP=candidates, PROBES=PROBES, BLOCK=SEARCH_BLOCK, TILES=pow2, num_warps=SEARCH_WARPS,
     )  # fmt: skip
-    search_rows(z, search_keys, tau_k, parts.m, search_target, tau)
-    return tau
+    if exact:
+        search_rows(z, search_keys, tau_k, parts.m, search_target, tau)
+    return tau, OpenRows(pending, tau_k, search_target)

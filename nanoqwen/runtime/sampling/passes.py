@@ -167,7 +167,7 @@ class TritonPasses:
         return self.kernels.plain_step(logits, slots, state)
 
     def filtered(self, logits, slots, state, candidates: int) -> torch.Tensor:
-        z, tau, _ = self.kernels.filter_thresholds(logits, slots, state, candidates)
+        z, tau, _, _ = self.kernels.filter_thresholds(logits, slots, state, candidates)
         return z.masked_fill(z < tau[:, None], NEG_INF)
 
 

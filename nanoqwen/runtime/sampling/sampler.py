@@ -5,16 +5,17 @@ Per row (the semantics of reference.py, HF's order):
 1. processed logits z: penalties from the slot's token tables, min_tokens bans, temperature
    (greedy rows: temperature 1, and their token is the argmax of z);
 2. top-k, top-p and min-p each keep the tokens of z above a threshold, so together they keep
-   z >= tau with tau the largest of the three. The thresholds come from the CANDIDATES most
-   likely tokens, merged from each vocabulary tile's values above a floor (no sort of the
-   row; with top-k, only tiles that can hold its k largest take part); a row whose top-k or
-   top-p boundary lies past them gets it from a search over the union of the tiles'
-   candidates where that holds it (a nucleus of up to thousands of tokens), else over its
-   whole row (a top-p nucleus of a flat row: many programs a row, kernels/triton/
-   row_search.py; rows that need no search return at once). min-p's is closed-form:
-   z >= max(z) + log(min_p);
+   z >= tau with tau the largest of the three. top-k's (and, for a row with top-k, top-p's)
+   comes from the CANDIDATES most likely tokens, merged from each vocabulary tile's values
+   above a floor (no sort of the row; only tiles that can hold the k largest take part); a
+   boundary past them is searched over the union of the tiles' candidates where that holds
+   it, else over the row. min-p's is closed-form: z >= max(z) + log(min_p);
 3. a Gumbel-max draw over the kept tokens, with counter-based noise keyed by (seed, output
-   position, token): a seeded request's tokens do not depend on its batch.
+   position, token): a seeded request's tokens do not depend on its batch. A row whose
+   top-p threshold is not known (no top-k, or a nucleus past the candidates) is drawn
+   without it (kernels/triton/nucleus_draw.py): the draw over the other filters' tokens is
+   kept while the mass above it stays under top_p, else the next candidate above it is
+   tried, which picks the same token as the threshold would.
 Batches with no filtering row skip step 2 and draw in the same pass as step 1.
 """
 

@@ -62,6 +62,7 @@ def gemv_cases():
 def sampler_cases():
     """The sampler's passes (kernels/triton/sample.py, sampling_thresholds.py) at Qwen2.5's
     vocabulary with the default tiles and candidates."""
+    from nanoqwen.kernels.triton import nucleus_draw as nd
     from nanoqwen.kernels.triton import row_search as rs
     from nanoqwen.kernels.triton import sample
     from nanoqwen.kernels.triton import sampling_thresholds as st
@@ -77,13 +78,13 @@ def sampler_cases():
     flags = dict(WRITE_Z=True, SAMPLE=False, BLOCK=sample.TILE)
     yield "sampler prepare", sample._prepare_kernel, prepare, flags, 4, 3
     reduce = dict(m_ptr=F32, s_ptr=F32, greedy_ptr=I32, bound_ptr=F32, tokens_ptr=I64,
-                  counts_ptr=I32, **state, **parts)  # fmt: skip
-    flags = dict(FIRST=True, SAMPLED=True, RECORD=True, TILES=pow2, CANDIDATES=CAP)
+                  counts_ptr=I32, pending_ptr=I32, **state, **parts)  # fmt: skip
+    flags = dict(FIRST=True, SAMPLED=True, RECORD=True, TILES=pow2, CANDIDATES=CAP, PENDING=True)
     yield "sampler reduce", sample._reduce_kernel, reduce, flags, 1, 3
     finish = dict(z_ptr=F32, cand_ptr=F32, floor_ptr=F32, num_tiles="i32", need_ptr=I32,
                   tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32, m_ptr=F32, s_ptr=F32,
                   tau_ptr=F32, vocab="i32", search_keys_ptr=I64, search_target_ptr=F32,
-                  **state)  # fmt: skip
+                  pending_ptr=I32, **state)  # fmt: skip
     flags = dict(CAP=CAP, PROBES=st.PROBES, BLOCK=st.SEARCH_BLOCK, TILES=pow2)
     yield "sampler thresholds finish", st._finish_kernel, finish, flags, st.SEARCH_WARPS, 3
     search = dict(
@@ -101,6 +102,15 @@ def sampler_cases():
     for label, (probes, _, block) in (("small", rs.SMALL), ("large", rs.LARGE)):
         flags = dict(SLICE=256, PROBES=probes, BLOCK=block, PARTS_BLOCK=64 if probes <= 64 else 8)
         yield f"sampler row search round {label}", rs._round_kernel, search, flags, 4, 3
+    draw = dict(z_ptr=F32, vocab="i32", num_tiles="i32", part_max_ptr=F32, pending_ptr=I32,
+                tokens_ptr=I64, bound_ptr=F32, tau_ptr=F32, m_ptr=F32, target_ptr=F32,
+                counts_ptr=I32, mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32,
+                num_parts="i32", **state)  # fmt: skip
+    for final, group in ((False, 1), (True, 1), (False, nd.MAX_GROUP), (True, nd.MAX_GROUP)):
+        parts = triton.next_power_of_2(triton.cdiv(vocab, sample.TILE * group))
+        flags = dict(FINAL=final, BLOCK=sample.TILE, GROUP=group, PARTS=parts)
+        label = f"sampler nucleus draw round final={final} group={group}"
+        yield label, nd._round_kernel, draw, flags, 4, 3
 
 
 # (heads, KV heads, head dim) of the 0.5B and 7B shapes; bfloat16 and float8 KV caches.

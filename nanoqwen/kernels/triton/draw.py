@@ -1,0 +1,45 @@
+"""Pieces every Triton draw of the sampler shares: the counter-based Gumbel noise (bit for
+bit runtime/sampling/noise.py's), the first-max reduction over tile partials, and recording
+a row's token as its slot's output."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mix64(x):
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def gumbel(seed, pos, offs):
+    """Gumbel(0, 1) noise for tokens offs of a request at output position pos."""
+    key = _mix64(seed.to(tl.uint64, bitcast=True) + pos.to(tl.uint64) * 0x9E3779B97F4A7C15)
+    bits = _mix64(key + (offs.to(tl.uint64) + 1) * 0xD1B54A32D192ED03)
+    u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def first_max(values, payload, idx, n):
+    """The payload at the first position holding the max of values (positions < n)."""
+    best = tl.max(values, axis=0)
+    first = tl.min(tl.where((values == best) & (idx < n), idx, n), axis=0)
+    return best, tl.sum(tl.where(idx == first, payload, 0), axis=0)
+
+
+@triton.jit
+def record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab):
+    """Stores the row's token and counts it as its slot's next output (penalties, positions).
+    A NaN logit makes an argmax's index unspecified: the token indexes the counts and the
+    next step's embedding, so it is kept inside the vocabulary."""
+    token = tl.minimum(tl.maximum(token, 0), vocab - 1)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.atomic_add(counts_ptr + slot * vocab + token, 1)
+    tl.atomic_add(out_pos_ptr + slot, 1)

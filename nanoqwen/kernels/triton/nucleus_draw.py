@@ -1,0 +1,179 @@
+"""A top-p draw without its threshold.
+
+The draw is the Gumbel-max over the kept tokens K = {z >= tau}. Top-p's tau needs the
+row's sorted mass: from the 64 candidates when the nucleus lies among them, else a search
+over the whole row, round after round (a flat row: random weights, or a trained model at a
+high temperature, whose nucleus holds tens of thousands of tokens). The draw needs less:
+start from x, the Gumbel-max over S = {z >= max(top-k's and min-p's thresholds)}, a
+superset of K. Top-p keeps x exactly when the top-k survivors' mass strictly above z_x is
+under top_p times their whole mass. If it does, x is the draw over K (K lies in S). If not,
+z_x is below tau, so K lies in {z > z_x}: the Gumbel-max over S without the tokens up to
+z_x is the next candidate, with the same noise. Each candidate is kept with probability at
+least top_p, so few are tried, and the token is the one a draw over z >= tau gives. A step
+draws this way every top-p row without top-k (which then reads no candidate at all) and
+every row whose nucleus lies past the candidates.
+
+A round (one launch over rows x groups of vocabulary tiles) either measures each open row's mass
+above its candidate (exponentials only: most rows end here) or, for a row whose candidate
+was passed, finds the next one (the noise, for the tiles above the passed one). The row's
+last program to finish (an acq_rel counter) adds the tiles up and decides. After ROUNDS
+rounds the last one's deciding program walks on over the whole row alone until a candidate
+is kept (with top_p 0.9 a row needs it about once in a thousand steps). The row's token
+is recorded when it is decided; rows that are not open return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoqwen.kernels import sampling_layout as layout
+from nanoqwen.kernels.triton.draw import first_max, gumbel, record_token
+
+I_SEED = tl.constexpr(layout.I_SEED)
+NUM_I = tl.constexpr(layout.NUM_I)
+ROUNDS = 5  # measure, advance, measure, advance, measure (then the walk)
+TARGET_PROGRAMS = 512  # programs a round, about: four per SM of an H100/H200
+MAX_GROUP = 8
+WALK_BLOCK = tl.constexpr(1024)  # values the walk loads at a time (2,048 spill)
+
+
+MEASURE = tl.constexpr(1)  # the row's candidate waits for its mass above
+ADVANCE = tl.constexpr(2)  # the row's candidate was passed: the next one waits to be found
+
+
+@triton.jit
+def _walk(z_row, vocab, v, bound, lo, m, seed, pos, BLOCK: tl.constexpr):
+    """One program over the whole row: the top-k survivors' mass above v, and the next
+    candidate (the Gumbel-max over z > v, z >= lo)."""
+    lane = tl.arange(0, BLOCK)
+    mass = tl.zeros([BLOCK], dtype=tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], dtype=tl.int64)
+    ahead = tl.load(z_row + lane, mask=lane < vocab, other=float("-inf"))
+    for start in range(0, vocab, BLOCK):
+        offs = start + lane
+        x = ahead
+        # The next block's load goes out before this one's arithmetic.
+        ahead = tl.load(z_row + offs + BLOCK, mask=offs + BLOCK < vocab, other=float("-inf"))
+        mass += tl.where((x > v) & (x >= bound), tl.exp(x - m), 0.0)
+        score = tl.where((x > v) & (x >= lo), x + gumbel(seed, pos, offs), float("-inf"))
+        better = score > best  # strictly: each lane keeps its first index of a tie
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, offs.to(tl.int64), best_idx)
+    top = tl.max(best, axis=0)
+    nxt = tl.min(tl.where(best == top, best_idx, vocab - 1), axis=0)
+    return tl.sum(mass, axis=0), nxt
+
+
+@triton.jit
+def _round_kernel(
+    z_ptr, vocab, num_tiles, part_max_ptr, pending_ptr, tokens_ptr, bound_ptr, tau_ptr, m_ptr,
+    target_ptr, slots_ptr, iparams_ptr, out_pos_ptr, counts_ptr, mass_ptr, gval_ptr, gidx_ptr,
+    count_ptr, num_parts,
+    FINAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, PARTS: tl.constexpr,
+):  # fmt: skip
+    """One round for each open row: MEASURE its candidate's mass above (exponentials only),
+    or ADVANCE past a passed candidate (the noise, for the tiles above it), GROUP tiles a
+    program. The row's last program decides; with FINAL it walks on alone until a candidate
+    is kept. A mass that is not below the target (NaN included) passes the candidate."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    state = tl.load(pending_ptr + row)
+    if state == 0:
+        return
+    z_row = z_ptr + row * vocab
+    token = tl.load(tokens_ptr + row)
+    v = tl.load(z_row + token)
+    bound = tl.load(bound_ptr + row)
+    lo = tl.load(tau_ptr + row)
+    m = tl.load(m_ptr + row)
+    slot = tl.load(slots_ptr + row)
+    seed = tl.load(iparams_ptr + slot * NUM_I + I_SEED)
+    pos = tl.load(out_pos_ptr + slot)
+    mass = 0.0
+    best = float("-inf")
+    best_idx = group * GROUP * BLOCK
+    for t in range(GROUP):
+        tile = group * GROUP + t
+        tile_max = tl.load(part_max_ptr + row * num_tiles + tile, mask=tile < num_tiles,
+                           other=float("-inf"))  # fmt: skip
+        if (tile_max > v) & (tile_max >= lo):  # else no value of the tile counts
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(z_row + offs, mask=offs < vocab, other=float("-inf"))
+            if state == MEASURE:
+                mass += tl.sum(tl.where((x > v) & (x >= bound), tl.exp(x - m), 0.0), axis=0)
+            else:
+                score = tl.where((x > v) & (x >= lo), x + gumbel(seed, pos, offs), float("-inf"))
+                tile_best = tl.max(score, axis=0)
+                if tile_best > best:  # strictly: the first tile of a tie keeps it
+                    best_idx = tile * BLOCK + tl.argmax(score, axis=0)
+                    best = tile_best
+    part = row * num_parts + group
+    tl.store(mass_ptr + part, mass)
+    tl.store(gval_ptr + part, best)
+    tl.store(gidx_ptr + part, best_idx)
+    # Every thread's stores, then one release-acquire count: the last program sees them all.
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == num_parts - 1:
+        tl.store(count_ptr + row, 0)
+        idx = tl.arange(0, PARTS)
+        at = row * num_parts + idx
+        inside = idx < num_parts
+        target = tl.load(target_ptr + row)
+        if state == MEASURE:
+            masses = tl.load(mass_ptr + at, mask=inside, other=0.0, cache_modifier=".cg")
+            state = tl.where(tl.sum(masses, axis=0) >= target, ADVANCE, 0)
+        else:
+            gval = tl.load(gval_ptr + at, mask=inside, other=float("-inf"), cache_modifier=".cg")
+            gidx = tl.load(gidx_ptr + at, mask=inside, other=0, cache_modifier=".cg")
+            _, nxt = first_max(gval, gidx, idx, num_parts)
+            token = tl.minimum(tl.maximum(nxt, 0), vocab - 1).to(tl.int64)
+            state = tl.zeros((), tl.int32) + MEASURE
+        if FINAL:
+            # Each candidate lies strictly above the one before, so the walk ends; the cap
+            # only guards rows whose values are not numbers.
+            walked = 0
+            while (state != 0) & (walked < vocab):
+                total, after = _walk(z_row, vocab, tl.load(z_row + token), bound, lo, m, seed,
+                                     pos, WALK_BLOCK)  # fmt: skip
+                kept = (state == MEASURE) & ~(total >= target)
+                token = tl.where(kept, token, after)
+                state = tl.where(kept, 0, MEASURE)
+                walked += 1
+            state = state * 0
+        if state == 0:
+            tl.store(pending_ptr + row, 0)
+            record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab)
+        else:
+            tl.store(pending_ptr + row, state)
+            tl.store(tokens_ptr + row, token)
+
+
+def draw_open_rows(
+    z: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor, bound, tau, m, target, slots,
+    state, part_max: torch.Tensor, tile: int,
+) -> None:  # fmt: skip
+    """tokens: [rows] int64, each open row's first candidate (the Gumbel-max over z >= tau);
+    pending: [rows] int32, 1 for an open row; bound (top-k's threshold), tau (the draw's
+    lower threshold without top-p), m (the row max), target (top_p times the top-k
+    survivors' mass): [rows] float32; part_max: [rows, tiles], each tile's max of z. Decides
+    and records the open rows' tokens."""
+    rows, vocab = z.shape
+    tiles = part_max.shape[1]
+    # Programs whose row is decided still cost their launch: at large batches each takes
+    # several tiles.
+    group = max(1, min(MAX_GROUP, rows * tiles // TARGET_PROGRAMS))
+    parts = triton.cdiv(tiles, group)
+    mass = torch.empty(rows, parts, dtype=torch.float32, device=z.device)
+    gval = torch.empty(rows, parts, dtype=torch.float32, device=z.device)
+    gidx = torch.empty(rows, parts, dtype=torch.int32, device=z.device)
+    count = torch.zeros(rows, dtype=torch.int32, device=z.device)
+    for r in range(ROUNDS):
+        _round_kernel[(rows, parts)](
+            z, vocab, tiles, part_max, pending, tokens, bound, tau, m, target, slots,
+            state.iparams, state.out_pos, state.counts, mass, gval, gidx, count, parts,
+            FINAL=r == ROUNDS - 1, BLOCK=tile, GROUP=group, PARTS=triton.next_power_of_2(parts),
+            num_warps=4,
+        )  # fmt: skip
