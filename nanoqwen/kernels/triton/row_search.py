@@ -3,14 +3,14 @@
 sampling_thresholds._finish_kernel finds most thresholds among the vocabulary tiles'
 candidates. A top-p boundary below every candidate (a flat row, whose nucleus holds tens of
 thousands of tokens: what random weights give, and a trained model at a high temperature)
-needs the row's probability mass at trial thresholds. One program a row took ~500 µs at
-batch 1 on the H200 (11 passes over 151,936 values on one SM), a third of the step. Here a
-row is split over many programs: in each round (one launch) every program measures PROBES
-trial thresholds over its slice, and the row's last program to finish adds the slices'
-measures and narrows the row's key range PROBES-fold. The rounds bring any range of
-float32 keys (2^32) down to one key, so a CUDA graph captures a fixed count of launches;
-the programs of a row whose range is one key return at once, as do those of rows that need
-no search (most steps, which then pay for the launches alone).
+needs the row's probability mass at trial thresholds. A step's draw does without it
+(nucleus_draw.py); the exact threshold serves Sampler.filtered_logits, the kept sets the
+tests compare with the reference. A row is split over many programs: in each round (one
+launch) every program measures PROBES trial thresholds over its slice, and the row's last
+program to finish adds the slices' measures and narrows the row's key range PROBES-fold.
+The rounds bring any range of float32 keys (2^32) down to one key, so the count of
+launches is fixed; the programs of a row whose range is one key return at once, as do
+those of rows that need no search.
 
 The answer is _search's (sampling_thresholds.py): the largest v in [lo, hi) whose mass
 sum(exp(x - m) for x >= max(v, bound)) reaches the target, lo when none does.
