@@ -35,11 +35,16 @@ def first_max(values, payload, idx, n):
 
 
 @triton.jit
-def record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab):
-    """Stores the row's token and counts it as its slot's next output (penalties, positions).
-    A NaN logit makes an argmax's index unspecified: the token indexes the counts and the
+def in_vocab(token, vocab):
+    """A NaN logit makes an argmax's index unspecified: a token indexes the counts and the
     next step's embedding, so it is kept inside the vocabulary."""
-    token = tl.minimum(tl.maximum(token, 0), vocab - 1)
+    return tl.minimum(tl.maximum(token, 0), vocab - 1)
+
+
+@triton.jit
+def record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab):
+    """Stores the row's token and counts it as its slot's next output (penalties, positions)."""
+    token = in_vocab(token, vocab)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.atomic_add(counts_ptr + slot * vocab + token, 1)
     tl.atomic_add(out_pos_ptr + slot, 1)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
-from nanoqwen.kernels.triton.draw import first_max, gumbel, record_token
+from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token
 
 I_SEED = tl.constexpr(layout.I_SEED)
 NUM_I = tl.constexpr(layout.NUM_I)
@@ -41,6 +41,18 @@ WALK_BLOCK = tl.constexpr(1024)  # values the walk loads at a time (2,048 spill)
 
 MEASURE = tl.constexpr(1)  # the row's candidate waits for its mass above
 ADVANCE = tl.constexpr(2)  # the row's candidate was passed: the next one waits to be found
+
+
+@triton.jit
+def _mass_above(x, v, bound, m):
+    """Per value: its mass if it is a top-k survivor above v, else 0."""
+    return tl.where((x > v) & (x >= bound), tl.exp(x - m), 0.0)
+
+
+@triton.jit
+def _scores_above(x, offs, v, lo, seed, pos):
+    """Per value: its Gumbel score if it may be the next candidate above v, else -inf."""
+    return tl.where((x > v) & (x >= lo), x + gumbel(seed, pos, offs), float("-inf"))
 
 
 @triton.jit
@@ -57,8 +69,8 @@ def _walk(z_row, vocab, v, bound, lo, m, seed, pos, BLOCK: tl.constexpr):
         x = ahead
         # The next block's load goes out before this one's arithmetic.
         ahead = tl.load(z_row + offs + BLOCK, mask=offs + BLOCK < vocab, other=float("-inf"))
-        mass += tl.where((x > v) & (x >= bound), tl.exp(x - m), 0.0)
-        score = tl.where((x > v) & (x >= lo), x + gumbel(seed, pos, offs), float("-inf"))
+        mass += _mass_above(x, v, bound, m)
+        score = _scores_above(x, offs, v, lo, seed, pos)
         better = score > best  # strictly: each lane keeps its first index of a tie
         best = tl.where(better, score, best)
         best_idx = tl.where(better, offs.to(tl.int64), best_idx)
@@ -103,9 +115,9 @@ def _round_kernel(
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(z_row + offs, mask=offs < vocab, other=float("-inf"))
             if state == MEASURE:
-                mass += tl.sum(tl.where((x > v) & (x >= bound), tl.exp(x - m), 0.0), axis=0)
+                mass += tl.sum(_mass_above(x, v, bound, m), axis=0)
             else:
-                score = tl.where((x > v) & (x >= lo), x + gumbel(seed, pos, offs), float("-inf"))
+                score = _scores_above(x, offs, v, lo, seed, pos)
                 tile_best = tl.max(score, axis=0)
                 if tile_best > best:  # strictly: the first tile of a tie keeps it
                     best_idx = tile * BLOCK + tl.argmax(score, axis=0)
@@ -129,7 +141,7 @@ def _round_kernel(
             gval = tl.load(gval_ptr + at, mask=inside, other=float("-inf"), cache_modifier=".cg")
             gidx = tl.load(gidx_ptr + at, mask=inside, other=0, cache_modifier=".cg")
             _, nxt = first_max(gval, gidx, idx, num_parts)
-            token = tl.minimum(tl.maximum(nxt, 0), vocab - 1).to(tl.int64)
+            token = in_vocab(nxt, vocab).to(tl.int64)
             state = tl.zeros((), tl.int32) + MEASURE
         if FINAL:
             # Each candidate lies strictly above the one before, so the walk ends; the cap

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
-from nanoqwen.kernels.triton.draw import first_max, gumbel, record_token
+from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token
 
 TILE = 2048  # vocabulary entries per program
 
@@ -170,7 +170,7 @@ def _reduce_kernel(
         else:
             open_row = False
         if open_row:
-            tl.store(tokens_ptr + row, tl.minimum(tl.maximum(token, 0), vocab - 1).to(tl.int64))
+            tl.store(tokens_ptr + row, in_vocab(token, vocab).to(tl.int64))
         else:
             record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab)
 
