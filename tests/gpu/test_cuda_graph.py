@@ -89,6 +89,11 @@ def test_graph_replay_matches_eager(gpu_model, batch, backend):
     key = graphs.key_for(batch, max(lengths) + 1, llm.runner.sampler.filtering)
     bs = key[0]
     assert bs >= batch
+    # The batch's newest tokens are still on the device, in the prefill step's output, which
+    # may live in the graphs' memory pool: the replay below reuses that memory, so the eager
+    # re-run of the same step at the end takes them from a copy (an engine never runs a step
+    # twice; it fills a step's tokens before the step's own replay).
+    last_tokens = llm.runner._last_tokens.clone()
     graph_logits = llm.runner.compute_logits(b).clone()
     assert graph_logits.shape == (batch, 1000)
     # The same step run eagerly on the graph's own input buffers (the K/V write repeats
@@ -99,6 +104,7 @@ def test_graph_replay_matches_eager(gpu_model, batch, backend):
     assert torch.equal(graph_logits, eager)
     # And the runner's own eager path (a narrower block table) picks the same tokens.
     llm.runner.graphs = None
+    llm.runner._last_tokens = last_tokens
     assert torch.equal(llm.runner.compute_logits(b).argmax(-1), graph_logits.argmax(-1))
 
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.rope import to_cache
 
 # Tile (keys per inner step) and warps by (sequence, KV head) pairs, chosen with
@@ -132,7 +134,10 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -161,6 +166,8 @@ def _decode_kernel(
     partner = (dv + half) % HEAD_DIM
     row = qkv_ptr + seq * qkv_stride
     q_offs = heads[:, None] * HEAD_DIM
+    if PDL:
+        gdc_wait()  # qkv is the kernel in front's output
     q = tl.load(row + q_offs + dv[None, :], mask=g_mask[:, None], other=0.0)
     q_swap = tl.load(row + q_offs + partner[None, :], mask=g_mask[:, None], other=0.0)
     q = _rotate_rows(q, q_swap, cos[None, :], sin[None, :], first[None, :], dtype)
@@ -223,7 +230,7 @@ def merge_splits_kernel(
     part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr, TILE_N: tl.constexpr,
-    ROWS_PER_SEQ: tl.constexpr = 1, CACHED_OFFSET: tl.constexpr = 1,
+    ROWS_PER_SEQ: tl.constexpr = 1, CACHED_OFFSET: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (row, head): the used splits' partial outputs weighted by their mass
     (splits past the context wrote nothing). Row r belongs to sequence r // ROWS_PER_SEQ,
@@ -231,6 +238,9 @@ def merge_splits_kernel(
     token is not among them (1); a verify step's new rows are (0,
     kernels/triton/verify_attention.py). The split holding a row's own key always saw some
     key, so the maximum is finite; a split past it may have seen none (lse -inf, weight 0)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -283,6 +293,7 @@ def decode_attention(
     group = num_heads // kv_heads
     splits = num_splits or num_splits_for(seqs, kv_heads)
     tile, warps = tile_config(seqs, kv_heads, head_dim, k_cache.dtype.itemsize == 1, page)
+    pdl = use_pdl(qkv)
     out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     part_out = part_lse = out  # unused with one split
     if splits > 1:
@@ -297,12 +308,12 @@ def decode_attention(
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
         HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         PAGE=page, TILE_N=tile, NUM_SPLITS=splits, ORDERED=order is not None,
-        num_warps=warps, num_stages=NUM_STAGES,
+        PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(seqs, num_heads)](
             part_out, part_lse, context_lens, out, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), TILE_N=tile,
-            num_warps=1,
+            PDL=pdl, launch_pdl=pdl, num_warps=1,
         )  # fmt: skip
     return out

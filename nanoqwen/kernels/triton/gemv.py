@@ -14,10 +14,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.silu_mul import _silu_mul
 
 GEMV_MAX_BYTES = 20 << 20
+PREFETCH_ELEMENTS = 16384
 
 
 def gemv_pays(weight: torch.Tensor) -> bool:
@@ -51,19 +54,47 @@ def _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
+def _input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM: tl.constexpr,
+           HAS_RES: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """The product's input at cols, [1, len(cols)] in float32: x, or with NORM the
+    normalized x + residual times the norm weight, rounded as rms_norm.py rounds."""
+    if NORM:
+        v = _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
+        normed = (v.to(tl.float32) * rstd).to(dtype)
+        nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
+        return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]
+    return tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, N, K, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BK0: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With NORM, x is first RMSNorm(x + residual) * norm weight
     as rms_norm.py rounds it (every program normalizes the row for itself; the first also
-    stores x + residual to sum_ptr, the residual stream's next value)."""
+    stores x + residual to sum_ptr, the residual stream's next value). The first BK0
+    columns of weights load in one block, under PDL before the wait for x's kernel."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
-    first = tl.program_id(0) == 0
+    if PDL:
+        gdc_launch_dependents()
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    r_mask = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
+    up_rows = w_rows + N * K
+    cols0 = tl.arange(0, BK0)
+    mask0 = r_mask[:, None] & (cols0 < K)[None, :]
+    w_first = tl.load(w_rows + cols0[None, :], mask=mask0, other=0.0)
+    up_first = w_first
+    if SILU_MUL:
+        up_first = tl.load(up_rows + cols0[None, :], mask=mask0, other=0.0)
+    if PDL:
+        gdc_wait()
     rstd = 0.0
     if NORM:
+        first = tl.program_id(0) == 0
         squares = tl.zeros([BK], tl.float32)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
@@ -73,39 +104,42 @@ def _gemv_kernel(
                 tl.store(sum_ptr + cols, v, mask=c_mask & first)
             squares += v.to(tl.float32) * v.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    r_mask = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
-    up_rows = w_rows + N * K
+    x0 = _input(x_ptr, res_ptr, nw_ptr, cols0, cols0 < K, rstd, NORM, HAS_RES, dtype)
+    y = tl.sum(w_first.to(tl.float32) * x0, 1)
+    y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
     acc = tl.zeros([BN, BK], tl.float32)
     acc_up = tl.zeros([BN, BK], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(BK0, K, BK):
         cols = k0 + tl.arange(0, BK)
         c_mask = cols < K
         mask = r_mask[:, None] & c_mask[None, :]
-        if NORM:
-            v = _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
-            normed = (v.to(tl.float32) * rstd).to(dtype)
-            nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
-            x = (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]
-        else:
-            x = tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        x = _input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM, HAS_RES, dtype)
         acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
         if SILU_MUL:
             acc_up += tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
-    y = tl.sum(acc, 1)
+    y += tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     if SILU_MUL:
         # Both projections round to the model dtype first, as the unfused path's GEMM does.
-        y = _silu_mul(y.to(dtype), tl.sum(acc_up, 1).to(dtype), dtype)
+        y = _silu_mul(y.to(dtype), (y_up + tl.sum(acc_up, 1)).to(dtype), dtype)
     tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
+
+
+def _first_block(k: int, rows: int, cols: int, pdl: bool) -> int:
+    """Columns of the first block, which under PDL loads while the kernel in front runs: as
+    much of the row as PREFETCH_ELEMENTS allow (a program's share of the weight in flight)."""
+    if not pdl:
+        return cols
+    return max(cols, min(triton.next_power_of_2(k), PREFETCH_ELEMENTS // rows))
 
 
 def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None):
     """norm: (residual or None, norm weight, eps), for the RMSNorm prologue; returns
     (y, x + residual) then, else y."""
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x)
+    first = _first_block(weight.shape[1], rows * (2 if silu_mul else 1), cols, pdl)
     x = x.contiguous()
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
     total = torch.empty_like(x) if res is not None else x
@@ -113,7 +147,8 @@ def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None):
         x, weight, weight if bias is None else bias, y,
         x if res is None else res.contiguous(), nw, total, n, weight.shape[1], eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=res is not None, BN=rows, BK=cols, num_warps=4, num_stages=3,
+        HAS_RES=res is not None, BN=rows, BK=cols, BK0=first, PDL=pdl, launch_pdl=pdl,
+        num_warps=4, num_stages=3,
     )  # fmt: skip
     return y if norm is None else (y, total)
 

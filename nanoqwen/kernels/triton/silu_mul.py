@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nanoqwen.kernels.triton.pdl import use_pdl
 
 
 @triton.jit
@@ -17,7 +20,12 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -33,7 +41,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = two_n // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
+    pdl = use_pdl(gate_up)
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
-    )
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, PDL=pdl,
+        launch_pdl=pdl, num_warps=4,
+    )  # fmt: skip
     return out

@@ -53,10 +53,14 @@ def gemv_cases():
     ):  # fmt: skip
         rows, cols = gemv._blocks(n, k)
         rows = max(1, rows // 2) if silu else rows
-        for fused, res in {(False, False), (norm, False), (norm, norm)}:
-            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=fused, HAS_RES=res, BN=rows, BK=cols)
+        for (fused, res), pdl in itertools.product(
+            {(False, False), (norm, False), (norm, norm)}, (False, True)
+        ):
+            first = gemv._first_block(k, rows * (2 if silu else 1), cols, pdl)
+            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=fused, HAS_RES=res, BN=rows, BK=cols,
+                         BK0=first, PDL=pdl)  # fmt: skip
             label = f"gemv {name}" + (" +norm" if fused else "") + (" +residual" if res else "")
-            yield label, gemv._gemv_kernel, types, flags, 4, 3
+            yield label + (" +pdl" if pdl else ""), gemv._gemv_kernel, types, flags, 4, 3
 
 
 def sampler_cases():
@@ -144,7 +148,7 @@ def attention_cases():
             tile, warps = da.tile_config(batch, kv_heads, dim, cache == "fp8", 256)
             pad = max(16, triton.next_power_of_2(group))
             flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
-                         ORDERED=ordered, **heads_flags)  # fmt: skip
+                         ORDERED=ordered, PDL=True, **heads_flags)  # fmt: skip
             label = f"decode attention {shape} {cache} tile {tile} warps {warps} splits {splits}"
             desc = f"tensordesc<{cache_type[1:]}[{tile}, {dim}]>"
             decode.update(k_desc=desc, v_desc=desc)
@@ -178,17 +182,19 @@ def attention_cases():
     merge = dict(part_out_ptr=F32, part_lse_ptr=F32, ctx_ptr=I32, out_ptr=BF16)
     for rows_per_seq, offset in ((1, 1), (5, 0)):
         flags = dict(NUM_HEADS=14, HEAD_DIM=64, NUM_SPLITS=8, SPLITS_PAD=8, TILE_N=128,
-                     ROWS_PER_SEQ=rows_per_seq, CACHED_OFFSET=offset)  # fmt: skip
+                     ROWS_PER_SEQ=rows_per_seq, CACHED_OFFSET=offset, PDL=True)  # fmt: skip
         yield f"merge splits x{rows_per_seq}", da.merge_splits_kernel, merge, flags, 1, 3
     norm = dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, out_ptr=BF16, n_cols="i32",
                 x_stride="i32", res_stride="i32", out_stride="i32", eps="fp32")  # fmt: skip
-    for cols, residual in itertools.product((896, 3584), (False, True)):
-        flags = dict(HAS_RESIDUAL=residual, BLOCK=triton.next_power_of_2(cols))
+    for cols, residual, pdl in itertools.product((896, 3584), (False, True), (False, True)):
+        flags = dict(HAS_RESIDUAL=residual, BLOCK=triton.next_power_of_2(cols), PDL=pdl)
         warps = 4 if cols <= 2048 else 8
-        label = f"rms_norm {cols}" + (" +residual" if residual else "")
+        label = f"rms_norm {cols}" + (" +residual" if residual else "") + (" +pdl" if pdl else "")
         yield label, rms_norm._rms_norm_kernel, norm, flags, warps, 3
     mlp = dict(gu_ptr=BF16, out_ptr=BF16, n_cols="i32", gu_stride="i32", out_stride="i32")
-    yield "silu_mul", silu_mul._silu_mul_kernel, mlp, dict(BLOCK=1024), 4, 3
+    for pdl in (False, True):
+        label = "silu_mul" + (" +pdl" if pdl else "")
+        yield label, silu_mul._silu_mul_kernel, mlp, dict(BLOCK=1024, PDL=pdl), 4, 3
 
 
 def quant_cases():
