@@ -6,7 +6,11 @@ kernels: a bias copy, a split-K reduce, the MLP's SiLU·up. A plain Triton kerne
 each program a few weight rows does the product and the bias or SiLU·up epilogue in one
 launch. Inside the H200 decode graph: 0.5B's projections took 0.59 ms this way against
 0.64 ms for cuBLAS with its extra kernels; 7B's (26-272 MB) took 4.34 ms against 3.98 ms,
-so large matrices stay with cuBLAS (GEMV_MAX_BYTES).
+so large matrices stay with cuBLAS (GEMV_MAX_BYTES). On sm_90+ the kernel launches as a
+programmatic dependent (kernels/triton/pdl.py) with a wide first block of weights that loads
+while the kernel in front still runs (PREFETCH_ELEMENTS; 0.5B's step on the H200: 8K
+elements a program 0.710 ms against 16K's 0.646 in one run, 32K 0.647 against 0.645 in
+another).
 """
 
 from __future__ import annotations
