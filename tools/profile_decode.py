@@ -16,6 +16,7 @@ import torch
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.bench.workloads import PRESETS
+from nanoqwen.kernels.triton import pdl
 
 
 def median_ms(fn, n: int = 100) -> float:
@@ -84,6 +85,9 @@ def main() -> None:
                     graph.replay()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
+            if bs == 1 and pdl.ENABLED:
+                print("(batch 1: kernels launched as programmatic dependents count from their "
+                      "early start; NANOQWEN_PDL=0 gives each kernel's own time)")  # fmt: skip
         llm.abort(seqs)
 
 
