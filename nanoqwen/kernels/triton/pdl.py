@@ -14,8 +14,8 @@ finished too; kernels launched without it (cuBLAS, torch) wait for everything in
 them as usual, and CUDA graphs capture the dependency as it is.
 
 Only single-row launches use it: the int4 tensor-core GEMV got slower launched this way
-(7B int4 2.425 -> 3.687 ms a step, its programs placed while the kernel in front still held
-the SMs), and batches above one are not measured. NANOQWEN_PDL=0 turns it off (A/B runs,
+(7B int4 2.425 -> 3.687 ms a step; why was not measured), and batches above one are not
+measured. NANOQWEN_PDL=0 turns it off (A/B runs,
 bisecting a suspected race).
 """
 
@@ -30,8 +30,8 @@ ENABLED = os.environ.get("NANOQWEN_PDL", "1") != "0"
 
 
 @functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def use_pdl(t: torch.Tensor) -> bool:
@@ -39,4 +39,4 @@ def use_pdl(t: torch.Tensor) -> bool:
     programmatic dependent."""
     if not ENABLED or t.device.type != "cuda" or t.shape[0] != 1:
         return False
-    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _capable(t.device)
