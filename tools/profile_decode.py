@@ -40,6 +40,34 @@ def replay_ms(graph, n: int = 200) -> float:
     return start.elapsed_time(end) / n
 
 
+def critical_path(prof, replays: int, rows: int = 16) -> str:
+    """Each kernel's share of the replays' end-to-end time: how far its end lies past the
+    latest end before it. Kernels that overlap the one in front (programmatic dependents)
+    count only their exposed tail, which is what a step pays for them."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.profiler.function_events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    exposed: dict[str, list[float]] = {}
+    latest = kernels[0][0] if kernels else 0.0
+    sequence = []
+    for start, end, name in kernels:
+        exposed.setdefault(name[:70], []).append(max(0.0, end - latest))
+        sequence.append(f"{start - latest:+8.1f} {end - start:7.1f} {max(0.0, end - latest):7.1f}"
+                        f"  {name[:60]}")  # fmt: skip
+        latest = max(latest, end)
+    total = sum(sum(v) for v in exposed.values()) / replays
+    lines = [f"critical path of one replay {total:.1f} us (gaps count to the kernel after them)"]
+    for name, v in sorted(exposed.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        lines.append(f"{sum(v) / replays:9.1f} us {len(v) // replays:5d}x  {name}")
+    per_replay = len(kernels) // replays
+    lines.append("a run of one replay's kernels: start past the latest end, own time, exposed")
+    lines += sequence[per_replay * 2 + 20 : per_replay * 2 + 40]
+    lines += sequence[per_replay * 3 - 10 : per_replay * 3]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="0.5B")
@@ -85,6 +113,7 @@ def main() -> None:
                     graph.replay()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
+            print(critical_path(prof, 5))
             if bs == 1 and pdl.ENABLED:
                 print("(batch 1: kernels launched as programmatic dependents count from their "
                       "early start; NANOQWEN_PDL=0 gives each kernel's own time)")  # fmt: skip

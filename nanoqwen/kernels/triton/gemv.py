@@ -36,14 +36,25 @@ def _blocks(n: int, k: int) -> tuple[int, int]:
     if k >= 4 * n:
         rows = 2  # long rows (down_proj): many programs
     elif n >= 8192 and k <= 1024:
-        rows = 16  # many short rows (0.5B gate_up, lm_head)
+        rows = 8  # many short rows (0.5B gate_up)
     elif n >= 4096:
         rows = 8
     elif n * k >= 8 << 20:
         rows = 4
     else:
         rows = 2
-    return rows, min(1024 if k <= 1024 else 512, 4096 // rows)
+    return rows, columns(k, rows)
+
+
+def columns(k: int, rows: int) -> int:
+    """Columns of weight per program step for programs of this many rows."""
+    return min(1024 if k <= 1024 else 512, 4096 // rows)
+
+
+def _warps(n: int, k: int) -> int:
+    # 0.5B's gate_up in the batch-1 chain (tools/gemv_chain_bench.py --sweep, H200): 4 rows
+    # of gate and 4 of up on 2 warps 12.71 µs a layer against 13.41 for 8 and 8 on 4.
+    return 2 if n >= 8192 and k <= 1024 else 4
 
 
 @triton.jit
@@ -74,7 +85,8 @@ def _input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM: tl.constexpr,
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, N, K, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BK0: tl.constexpr, PDL: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BK0: tl.constexpr, REST: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With NORM, x is first RMSNorm(x + residual) * norm weight
@@ -111,22 +123,28 @@ def _gemv_kernel(
     x0 = _input(x_ptr, res_ptr, nw_ptr, cols0, cols0 < K, rstd, NORM, HAS_RES, dtype)
     y = tl.sum(w_first.to(tl.float32) * x0, 1)
     y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
-    acc = tl.zeros([BN, BK], tl.float32)
-    acc_up = tl.zeros([BN, BK], tl.float32)
-    for k0 in range(BK0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        c_mask = cols < K
-        mask = r_mask[:, None] & c_mask[None, :]
-        x = _input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM, HAS_RES, dtype)
-        acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        if SILU_MUL:
-            acc_up += tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
-    y += tl.sum(acc, 1)
+    if REST:
+        # Without it (a first block that covers the rows: every 0.5B projection under PDL)
+        # no accumulators stay live, even through a loop of zero trips: 0.5B's gate_up went
+        # from 8.5-10.2 to 5.3 µs a layer of a batch-1 step's critical path (H200).
+        acc = tl.zeros([BN, BK], tl.float32)
+        acc_up = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(BK0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            c_mask = cols < K
+            mask = r_mask[:, None] & c_mask[None, :]
+            x = _input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM, HAS_RES, dtype)
+            acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
+            if SILU_MUL:
+                up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
+                acc_up += up.to(tl.float32) * x
+        y += tl.sum(acc, 1)
+        y_up += tl.sum(acc_up, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     if SILU_MUL:
         # Both projections round to the model dtype first, as the unfused path's GEMM does.
-        y = _silu_mul(y.to(dtype), (y_up + tl.sum(acc_up, 1)).to(dtype), dtype)
+        y = _silu_mul(y.to(dtype), y_up.to(dtype), dtype)
     tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
 
 
@@ -151,8 +169,8 @@ def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None):
         x, weight, weight if bias is None else bias, y,
         x if res is None else res.contiguous(), nw, total, n, weight.shape[1], eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=res is not None, BN=rows, BK=cols, BK0=first, PDL=pdl, launch_pdl=pdl,
-        num_warps=4, num_stages=3,
+        HAS_RES=res is not None, BN=rows, BK=cols, BK0=first, REST=first < weight.shape[1],
+        PDL=pdl, launch_pdl=pdl, num_warps=_warps(*weight.shape), num_stages=3,
     )  # fmt: skip
     return y if norm is None else (y, total)
 

@@ -7,8 +7,7 @@ for a verify step of 5 rows that is 14 programs at 0.5B for the whole GPU, each 
 bound. Here a program owns one KV head of one sequence and one slice of its keys, with all
 of the group's heads for all of the new rows as the rows of its dots (rows x group padded to
 the next power of two), so the context is read once per KV head and split like decode
-(decode_attention.num_splits_for); decode's merge_splits_kernel merges the slices' partial
-softmaxes.
+(decode_attention.num_splits_for); a second launch merges the slices' partial softmaxes.
 
 rope_and_store (kernels/triton/rope.py) rotates q and writes the new K/V before, so every key,
 the new rows' included, is read from the cache: new row j of a sequence of context length
@@ -21,11 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.kernels.triton.decode_attention import (
-    merge_splits_kernel,
-    num_splits_for,
-    split_range,
-)
+from nanoqwen.kernels.triton.decode_attention import num_splits_for, split_range
 from nanoqwen.kernels.triton.prefill_attention import LOG2_E, _key_offsets
 
 TILE = 64  # keys per inner step
@@ -97,6 +92,36 @@ def _verify_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=r_mask[:, None])
 
 
+@triton.jit
+def merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, TILE_N: tl.constexpr, ROWS_PER_SEQ: tl.constexpr,
+):  # fmt: skip
+    """One program per (row, head): the used splits' partial outputs weighted by their mass
+    (splits past the context wrote nothing). Row r belongs to sequence r // ROWS_PER_SEQ,
+    whose context_lens keys, the new rows' included, the splits divided (split_range). The
+    split holding a row's own key always saw some key, so the maximum is finite; a split past
+    it may have seen none (lse -inf, weight 0)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    dv = tl.arange(0, HEAD_DIM)
+    cached = tl.load(ctx_ptr + row // ROWS_PER_SEQ)
+    _, _, used = split_range(cached, 0, NUM_SPLITS, TILE_N, TILE_N)
+    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    o = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + dv[None, :],
+        mask=(s < used)[:, None],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * o, 0)
+    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + dv, out.to(out_ptr.dtype.element_ty))
+
+
 def verify_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,6 +159,6 @@ def verify_attention(
         merge_splits_kernel[(tokens, heads)](
             part_out, part_lse, context_lens, out, NUM_HEADS=heads, HEAD_DIM=head_dim,
             NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), TILE_N=TILE,
-            ROWS_PER_SEQ=rows_per_seq, CACHED_OFFSET=0, num_warps=1,
+            ROWS_PER_SEQ=rows_per_seq, num_warps=1,
         )  # fmt: skip
     return out

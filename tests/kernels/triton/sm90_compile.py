@@ -58,9 +58,10 @@ def gemv_cases():
         ):
             first = gemv._first_block(k, rows * (2 if silu else 1), cols, pdl)
             flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=fused, HAS_RES=res, BN=rows, BK=cols,
-                         BK0=first, PDL=pdl)  # fmt: skip
+                         BK0=first, REST=first < k, PDL=pdl)  # fmt: skip
             label = f"gemv {name}" + (" +norm" if fused else "") + (" +residual" if res else "")
-            yield label + (" +pdl" if pdl else ""), gemv._gemv_kernel, types, flags, 4, 3
+            label += " +pdl" if pdl else ""
+            yield label, gemv._gemv_kernel, types, flags, gemv._warps(n, k), 3
 
 
 def sampler_cases():
@@ -139,7 +140,7 @@ def attention_cases():
         heads_flags = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE=256)
         decode = dict(qkv_ptr=BF16, pos_ptr=I64, slot_ptr=I64, ctx_ptr=I32, order_ptr=I32,
                       cos_ptr=F32, sin_ptr=F32, out_ptr=BF16, part_out_ptr=F32,
-                      part_lse_ptr=F32, qkv_stride="i32", table_stride="i32",
+                      part_lse_ptr=F32, counts_ptr=I32, qkv_stride="i32", table_stride="i32",
                       scale_log2="fp32", **kv)  # fmt: skip
         # Batch 1 (8 splits), 128 pairs (the large tile, 4 splits) and 512 (one split, in
         # launch order), with each batch's tile and warps.
@@ -148,7 +149,9 @@ def attention_cases():
             tile, warps = da.tile_config(batch, kv_heads, dim, cache == "fp8", 256)
             pad = max(16, triton.next_power_of_2(group))
             flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
-                         ORDERED=ordered, PDL=True, **heads_flags)  # fmt: skip
+                         SPLITS_PAD=splits, ORDERED=ordered, PDL=batch == 1,
+                         UNROLL_MERGE=batch * kv_heads < da.LARGE_BATCH,
+                         **heads_flags)  # fmt: skip
             label = f"decode attention {shape} {cache} tile {tile} warps {warps} splits {splits}"
             desc = f"tensordesc<{cache_type[1:]}[{tile}, {dim}]>"
             decode.update(k_desc=desc, v_desc=desc)
@@ -180,10 +183,9 @@ def attention_cases():
         flags = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
         yield f"rope and store {shape} {cache}", rope._rope_store_kernel, store, flags, 1, 3
     merge = dict(part_out_ptr=F32, part_lse_ptr=F32, ctx_ptr=I32, out_ptr=BF16)
-    for rows_per_seq, offset in ((1, 1), (5, 0)):
-        flags = dict(NUM_HEADS=14, HEAD_DIM=64, NUM_SPLITS=8, SPLITS_PAD=8, TILE_N=128,
-                     ROWS_PER_SEQ=rows_per_seq, CACHED_OFFSET=offset, PDL=True)  # fmt: skip
-        yield f"merge splits x{rows_per_seq}", da.merge_splits_kernel, merge, flags, 1, 3
+    flags = dict(NUM_HEADS=14, HEAD_DIM=64, NUM_SPLITS=8, SPLITS_PAD=8, TILE_N=128,
+                 ROWS_PER_SEQ=5)  # fmt: skip
+    yield "verify merge splits x5", va.merge_splits_kernel, merge, flags, 1, 3
     norm = dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, out_ptr=BF16, n_cols="i32",
                 x_stride="i32", res_stride="i32", out_stride="i32", eps="fp32")  # fmt: skip
     for cols, residual, pdl in itertools.product((896, 3584), (False, True), (False, True)):

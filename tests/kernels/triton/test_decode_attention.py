@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
 )
+import nanoqwen.kernels.triton.decode_attention as decode_module  # noqa: E402
 from nanoqwen.kernels.triton.decode_attention import decode_attention  # noqa: E402
 
 
@@ -81,10 +82,10 @@ def test_large_batch_tiles_match_torch_backend(
 
 
 @real_head_shapes
-@pytest.mark.parametrize("splits", [1, 4], ids=["1-split", "4-splits"])
+@pytest.mark.parametrize("splits", [1, 4, 6], ids=["1-split", "4-splits", "6-splits"])
 def test_longest_first_launch_order_matches_torch_backend(heads, kv_heads, head_dim, page, splits):
     """Sequences launched longest context first (the order the decode graphs pass); with 4
-    splits the short contexts use fewer (one for a context of 1)."""
+    or 6 splits the short contexts use fewer (one for a context of 1)."""
     _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=True)
 
 
@@ -105,6 +106,8 @@ def _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=False)
     )  # fmt: skip
     assert out.shape == (len(lengths), heads, head_dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # The last split to finish merged, and left the split counters zero for the next launch.
+    assert not decode_module._COUNTS.get(out.device, torch.zeros(1)).any()
     # The new keys (rotated) and values landed in their slots; nothing else changed.
     torch.testing.assert_close(k_cache, k_ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(v_cache, v_ref)
