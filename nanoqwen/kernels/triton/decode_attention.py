@@ -276,8 +276,8 @@ def _merge_group(
     first = part_out_ptr + ((seq * NUM_HEADS + heads) * NUM_SPLITS)[:, None] * HEAD_DIM
     if UNROLL:
         # Every split's loads in flight at once, where the loop issues them one after
-        # another (0.5B at batch 1 on the H200, in two calls: the kernel ended 6.4 µs after
-        # the one in front unrolled, 7.5-8.7 looped). Small batches only: a large batch's
+        # another (0.5B at batch 1 on the H200, in two calls: the kernel ended 6.1-6.4 µs
+        # after the one in front unrolled, 7.5-9.4 looped). Small batches only: a large batch's
         # one-warp programs would spill.
         for i in tl.static_range(NUM_SPLITS):
             if i < used:
