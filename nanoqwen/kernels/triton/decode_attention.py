@@ -343,14 +343,15 @@ def decode_attention(
     return out
 
 
-_COUNTS: dict[torch.device, torch.Tensor] = {}
+_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _split_counts(device: torch.device, n: int) -> torch.Tensor:
     """The device's split counters (decode_attention's launches on one device run one after
-    another, and each leaves them zero). Made once, before any graph capture (the warm-up
-    runs the largest batch first); a graph holds the address."""
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < n:
-        counts = _COUNTS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return counts
+    another, and each leaves them zero), made at the first launch, in a graph's warm-up at
+    the latest. Captured graphs hold their address, so a larger set never frees the one
+    before."""
+    made = _COUNTS.setdefault(device, [])
+    if not made or made[-1].numel() < n:
+        made.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return made[-1]
