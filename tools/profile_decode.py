@@ -2,7 +2,10 @@
 
 Usage: python tools/profile_decode.py --shape 0.5B [--max-model-len N] [--batch-sizes 1,64]
 Prints, per batch size: the whole engine step (median), the graph replay alone (CUDA
-events), the CPU phases of a step, and the heaviest kernels of one replay.
+events), the CPU phases of a step, and with --kernels the heaviest kernels of one replay
+and each kernel's share of the replay's critical path (the part a step pays for it when
+kernels overlap, as programmatic dependents do at batch 1), with a run of one replay's
+kernels in order.
 """
 
 from __future__ import annotations
