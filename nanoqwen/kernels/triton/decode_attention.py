@@ -137,8 +137,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, ORDERED: tl.constexpr, UNROLL_MERGE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """counts_ptr: one int32 per (sequence, KV head), zero between launches: how many of its
     splits have stored their partial result."""
@@ -241,23 +240,15 @@ def _decode_kernel(
                 tl.store(counter, 0)  # ready for the next launch
                 _merge_group(
                     part_out_ptr, part_lse_ptr, out_rows, seq, heads, g_mask, used,
-                    NUM_HEADS, HEAD_DIM, NUM_SPLITS, SPLITS_PAD, GROUP_PAD, UNROLL_MERGE,
+                    NUM_HEADS, HEAD_DIM, NUM_SPLITS, SPLITS_PAD, GROUP_PAD,
                 )  # fmt: skip
-
-
-@triton.jit
-def _add_split(out, w, s, i, first, dv, g_mask, HEAD_DIM: tl.constexpr):
-    """out plus split i's partial outputs (rows from first, L1 skipped) times their weights."""
-    w_i = tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)
-    rows = first + i * HEAD_DIM + dv[None, :]
-    return out + w_i[:, None] * tl.load(rows, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
 def _merge_group(
     part_out_ptr, part_lse_ptr, out_rows, seq, heads, g_mask, used,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, UNROLL: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
 ):  # fmt: skip
     """The used splits' partial outputs of one KV head's query heads, weighted by their mass
     (splits past the context stored nothing; the one holding the new token always saw a key,
@@ -273,18 +264,16 @@ def _merge_group(
     w = w / tl.where(g_mask, tl.sum(w, 1), 1.0)[:, None]
     dv = tl.arange(0, HEAD_DIM)
     out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    first = part_out_ptr + ((seq * NUM_HEADS + heads) * NUM_SPLITS)[:, None] * HEAD_DIM
-    if UNROLL:
-        # Every split's loads in flight at once, where the loop issues them one after
-        # another (0.5B at batch 1 on the H200, in two calls: the kernel ended 6.1-6.4 µs
-        # after the one in front unrolled, 7.5-9.4 looped). Small batches only: a large batch's
-        # one-warp programs would spill.
-        for i in tl.static_range(NUM_SPLITS):
-            if i < used:
-                out = _add_split(out, w, s, i, first, dv, g_mask, HEAD_DIM)
-    else:
-        for i in range(used):
-            out = _add_split(out, w, s, i, first, dv, g_mask, HEAD_DIM)
+    rows = part_out_ptr + ((seq * NUM_HEADS + heads) * NUM_SPLITS)[:, None] * HEAD_DIM
+    # Unrolled, every split's loads are in flight at once; a loop issues them one after
+    # another (0.5B at batch 1 on the H200, in two calls: the kernel ended 6.1-6.4 µs after
+    # the one in front unrolled, 7.5-9.4 looped).
+    for i in tl.static_range(NUM_SPLITS):
+        if i < used:
+            w_i = tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)
+            o = tl.load(rows + i * HEAD_DIM + dv[None, :], mask=g_mask[:, None], other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+            out += w_i[:, None] * o
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=g_mask[:, None])
 
 
@@ -337,8 +326,7 @@ def decode_attention(
         scale * 1.4426950408889634, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
         HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         PAGE=page, TILE_N=tile, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        ORDERED=order is not None, UNROLL_MERGE=seqs * kv_heads < LARGE_BATCH, PDL=pdl,
-        launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
+        ORDERED=order is not None, PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
 
