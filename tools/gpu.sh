@@ -33,11 +33,11 @@
 #       tools/profile_step.py's kernel profiles: a 7B mixed step, a 0.5B verify step, 0.5B
 #       decode at 64 x 8K with the bf16 and the fp8 KV cache; then tools/kernel_bench.py
 #       --fp8 (the decode kernel's tiles and splits over both caches).
-#   batch1 [BASE_DIR]
-#       batch-1 decode: the latency bench at 0.5B, batch 1 and 64, greedy (first for
-#       BASE_DIR's nanoqwen/ when given, e.g. `git archive REV nanoqwen | tar -x -C .prev`,
-#       carried: an A/B in one call); tools/profile_decode.py's critical path at batch 1;
-#       tools/gemv_chain_bench.py --sweep.
+#   batch1 [DIR ...]
+#       batch-1 decode: the latency bench at 0.5B, batch 1 and 64, greedy, first for each
+#       DIR's nanoqwen/ (e.g. `git archive REV nanoqwen | tar -x -C .exp/REV`, carried: an
+#       A/B in one call), then for the checkout; tools/profile_decode.py's critical path at
+#       batch 1; tools/gemv_chain_bench.py --sweep.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 
@@ -102,10 +102,11 @@ batch1() {
   gpu_env optional
   local bench=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
                --sampling greedy --max-num-seqs 64)
-  if [[ -n ${1:-} ]]; then
-    (cd "$1" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" 2>&1 | grep -v $'\r' \
-      | tee "$OUT/batch1_base.log")
-  fi
+  local dir
+  for dir in "$@"; do
+    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" 2>&1 | grep -v $'\r' \
+      | tee "$OUT/batch1_$(basename "$dir").log")
+  done
   "${bench[@]}" 2>&1 | grep -v $'\r' | tee "$OUT/batch1.log"
   python3 tools/profile_decode.py --shape 0.5B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/batch1_profile.log"
