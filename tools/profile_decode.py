@@ -56,9 +56,9 @@ def critical_path(prof, replays: int, rows: int = 16) -> str:
     latest = kernels[0][0] if kernels else 0.0
     sequence = []
     for start, end, name in kernels:
-        exposed.setdefault(name[:70], []).append(max(0.0, end - latest))
-        sequence.append(f"{start - latest:+8.1f} {end - start:7.1f} {max(0.0, end - latest):7.1f}"
-                        f"  {name[:60]}")  # fmt: skip
+        tail = max(0.0, end - latest)
+        exposed.setdefault(name[:70], []).append(tail)
+        sequence.append(f"{start - latest:+8.1f} {end - start:7.1f} {tail:7.1f}  {name[:60]}")
         latest = max(latest, end)
     total = sum(sum(v) for v in exposed.values()) / replays
     lines = [f"critical path of one replay {total:.1f} us (gaps count to the kernel after them)"]

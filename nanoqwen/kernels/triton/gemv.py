@@ -35,10 +35,8 @@ def _blocks(n: int, k: int) -> tuple[int, int]:
     """(rows, columns) of weight per program step, from a sweep over the Qwen2.5 shapes."""
     if k >= 4 * n:
         rows = 2  # long rows (down_proj): many programs
-    elif n >= 8192 and k <= 1024:
-        rows = 8  # many short rows (0.5B gate_up)
     elif n >= 4096:
-        rows = 8
+        rows = 8  # many rows (0.5B's gate_up on two warps, _warps)
     elif n * k >= 8 << 20:
         rows = 4
     else:

@@ -15,8 +15,7 @@ them as usual, and CUDA graphs capture the dependency as it is.
 
 Only single-row launches use it: the int4 tensor-core GEMV got slower launched this way
 (7B int4 2.425 -> 3.687 ms a step; why was not measured), and batches above one are not
-measured. NANOQWEN_PDL=0 turns it off (A/B runs,
-bisecting a suspected race).
+measured. NANOQWEN_PDL=0 turns it off (A/B runs, bisecting a suspected race).
 """
 
 from __future__ import annotations
