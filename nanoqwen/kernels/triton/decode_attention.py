@@ -104,19 +104,31 @@ def _rotate_rows(x, x_swap, cos, sin, first, dtype: tl.constexpr):
 
 
 @triton.jit
+def _tile_at(table, kvh, n0, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """Where keys [n0, n0 + tile) of one KV head lie in the cache seen as rows of tokens. A
+    tile divides a page, so its rows are one bulk copy (TMA) from one block; rows past the
+    context's end are read but never trusted (a slot never written, or written by an earlier
+    request, may hold anything, NaN included)."""
+    block = tl.load(table + n0 // PAGE)
+    return [block * PAGE + n0 % PAGE, kvh * HEAD_DIM]
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, k_desc, v_desc, table, kvh, n0, end, scale_log2,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """The online softmax over keys [n0, n0 + TILE_N) of one KV head, MASKED when the tile
-    runs past the context's end. A tile divides a page, so its rows are one bulk copy (TMA)
-    from one block; rows past the end are read but never trusted (a slot never written, or
-    written by an earlier request, may hold anything, NaN included)."""
-    block = tl.load(table + n0 // PAGE)
-    at = [block * PAGE + n0 % PAGE, kvh * HEAD_DIM]
-    k = k_desc.load(at).to(q.dtype)
-    s = tl.dot(q, tl.trans(k)) * scale_log2
-    v = v_desc.load(at).to(q.dtype)
+    at = _tile_at(table, kvh, n0, HEAD_DIM, PAGE)
+    s = tl.dot(q, tl.trans(k_desc.load(at).to(q.dtype))) * scale_log2
+    # The values' copy after the scores' dot keeps fewer registers live.
+    return _accumulate(q, m_i, l_i, acc, s, v_desc.load(at), n0, end, TILE_N, MASKED)
+
+
+@triton.jit
+def _accumulate(q, m_i, l_i, acc, s, v, n0, end, TILE_N: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax's step over one tile's scores s and values v, MASKED when the tile
+    runs past the context's end."""
+    v = v.to(q.dtype)
     if MASKED:
         n = n0 + tl.arange(0, TILE_N)
         s = tl.where((n < end)[None, :], s, float("-inf"))
@@ -137,7 +149,8 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr, ORDERED: tl.constexpr, PRELOAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """counts_ptr: one int32 per (sequence, KV head), zero between launches: how many of its
     splits have stored their partial result."""
@@ -171,6 +184,13 @@ def _decode_kernel(
     partner = (dv + half) % HEAD_DIM
     row = qkv_ptr + seq * qkv_stride
     q_offs = heads[:, None] * HEAD_DIM
+    table = tables_ptr + seq * table_stride
+    if PRELOAD:
+        # The cache is this layer's own (the kernel in front never writes it), so the first
+        # tile's copy can be in flight while that kernel finishes. Its block exists even
+        # with no cached keys: the new token's slot is in it.
+        at = _tile_at(table, kvh, start, HEAD_DIM, PAGE)
+        k_first, v_first = k_desc.load(at), v_desc.load(at)
     if PDL:
         gdc_wait()  # qkv is the kernel in front's output
     q = tl.load(row + q_offs + dv[None, :], mask=g_mask[:, None], other=0.0)
@@ -181,16 +201,22 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    table = tables_ptr + seq * table_stride
     # Tiles start tile-aligned, so only a context's last tile runs past it: the others skip
     # the masks.
     full_end = start + (end - start) // TILE_N * TILE_N
-    for n0 in range(start, full_end, TILE_N):
+    loop_start = start
+    if PRELOAD:
+        if start < end:
+            s = tl.dot(q, tl.trans(k_first.to(q.dtype))) * scale_log2
+            m_i, l_i, acc = _accumulate(q, m_i, l_i, acc, s, v_first, start, end, TILE_N, True)
+        loop_start += TILE_N
+    for n0 in range(loop_start, full_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_desc, v_desc, table, kvh, n0, end, scale_log2,
             HEAD_DIM, PAGE, TILE_N, False,
         )  # fmt: skip
-    if full_end < end:
+    # (Unless the preloaded first tile was that last one.)
+    if full_end < end and (not PRELOAD or full_end > start):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_desc, v_desc, table, kvh, full_end, end, scale_log2,
             HEAD_DIM, PAGE, TILE_N, True,
@@ -311,6 +337,10 @@ def decode_attention(
     splits = num_splits or num_splits_for(seqs, kv_heads)
     tile, warps = tile_config(seqs, kv_heads, head_dim, k_cache.dtype.itemsize == 1, page)
     pdl = use_pdl(qkv)
+    # The first tile's copy before the wait pays at small batch (0.5B batch 1 on the H200,
+    # two A/B pairs in one call: 0.593 -> 0.566 and 0.570 -> 0.544 ms a step); a large
+    # batch's programs would hold it in registers they lack.
+    preload = seqs * kv_heads < LARGE_BATCH and splits > 1
     out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     part_out = part_lse = counts = out  # unused with one split
     if splits > 1:
@@ -326,7 +356,8 @@ def decode_attention(
         scale * 1.4426950408889634, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
         HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         PAGE=page, TILE_N=tile, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        ORDERED=order is not None, PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=NUM_STAGES,
+        ORDERED=order is not None, PRELOAD=preload, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
 

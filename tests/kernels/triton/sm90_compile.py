@@ -161,6 +161,7 @@ def attention_cases():
             pad = max(16, triton.next_power_of_2(group))
             flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
                          SPLITS_PAD=splits, ORDERED=ordered, PDL=batch == 1,
+                         PRELOAD=batch * kv_heads < da.LARGE_BATCH and splits > 1,
                          **heads_flags)  # fmt: skip
             label = f"decode attention {shape} {cache} tile {tile} warps {warps} splits {splits}"
             desc = f"tensordesc<{cache_type[1:]}[{tile}, {dim}]>"
