@@ -153,23 +153,26 @@ def test_a_flat_rows_nucleus_is_searched_over_the_row_by_many_programs(monkeypat
     assert int(torch.isfinite(ours[0]).sum()) > 4000  # a nucleus of most of the row
 
 
-@pytest.mark.parametrize("rounds", [1, 2, 5])
-def test_a_flat_rows_draw_without_its_threshold_is_the_reference_token(monkeypatch, rounds):
+@pytest.mark.parametrize("rounds, programs", [(1, 5), (2, 5), (5, 5), (5, 512)])
+def test_a_flat_rows_draw_without_its_threshold_is_the_reference_token(
+    monkeypatch, rounds, programs
+):
     """A step draws a top-p row without its threshold (nucleus_draw.py): candidates from
     the Gumbel-max down, each kept or passed by the mass above it. Over 6 steps of flat
     rows, top_p 0.3 passes many first candidates (its tokens differ from the unfiltered
     draws of the same noise), and every token is the one the torch passes draw from the
     exact threshold. With one round (a measure), the last round's single program walks every
     passed row to its token; two end on finding the next candidate; five decide most rows
-    before the walk."""
+    before the walk. Five programs a round share the open rows' tiles out in runs that cross
+    from one row to the next; 512 take one tile each."""
     pytest.importorskip("triton")
-    from nanoqwen.kernels.triton import nucleus_draw
+    from nanoqwen.kernels.triton import counters, nucleus_draw
     from nanoqwen.kernels.triton import sample as kernels
 
     monkeypatch.setattr(sampler_module, "CANDIDATES", 8)
     monkeypatch.setattr(kernels, "TILE", 256)
     monkeypatch.setattr(nucleus_draw, "ROUNDS", rounds)
-    monkeypatch.setattr(nucleus_draw, "TARGET_PROGRAMS", 8)  # 8 tiles a program: 2 a row
+    monkeypatch.setattr(nucleus_draw, "PROGRAMS", programs)
     vocab = 3000
     params = [dict(top_p=0.3), dict(top_p=0.9), dict(top_k=1000, top_p=0.3),
               dict(top_p=0.5, min_p=0.2), dict(top_k=5), dict(temperature=0)]  # fmt: skip
@@ -185,6 +188,8 @@ def test_a_flat_rows_draw_without_its_threshold_is_the_reference_token(monkeypat
 
     ours = steps("triton")
     assert torch.equal(ours, steps("torch"))
+    # Every row's count was left zero for the next step's rounds.
+    assert not any(c.any() for c in counters._MADE[torch.device("cpu"), "nucleus draw rows"])
     unfiltered = steps("torch", top_p=1.0)
     assert int((ours[:, [0, 2]] != unfiltered[:, [0, 2]]).sum()) >= 4
     assert torch.equal(ours[:, 4:], unfiltered[:, 4:])

@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.rope import to_cache
 
@@ -347,7 +348,7 @@ def decode_attention(
         f32 = dict(dtype=torch.float32, device=qkv.device)
         part_out = torch.empty(seqs, num_heads, splits, head_dim, **f32)
         part_lse = torch.empty(seqs, num_heads, splits, **f32)
-        counts = _split_counts(qkv.device, seqs * kv_heads)
+        counts = zeroed_counters(qkv.device, seqs * kv_heads, "decode attention splits")
     _decode_kernel[(splits, kv_heads, seqs)](
         qkv, positions, slot_mapping, context_lens, block_tables,
         context_lens if order is None else order, cos_half, sin_half, k_cache, v_cache,
@@ -360,17 +361,3 @@ def decode_attention(
         num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
-
-
-_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counts(device: torch.device, n: int) -> torch.Tensor:
-    """The device's split counters (decode_attention's launches on one device run one after
-    another, and each leaves them zero), made at the first launch, in a graph's warm-up at
-    the latest. Captured graphs hold their address, so a larger set never frees the one
-    before."""
-    made = _COUNTS.setdefault(device, [])
-    if not made or made[-1].numel() < n:
-        made.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return made[-1]

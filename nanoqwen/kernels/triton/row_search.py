@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.select import from_ordered_key
 
 # (trial keys a round, rounds, values a program loads at a time) by batch: at small batches
@@ -96,7 +97,7 @@ def search_rows(z: torch.Tensor, keys: torch.Tensor, bound, m, target, tau) -> N
     slice_ = triton.cdiv(triton.cdiv(vocab, max(1, TARGET_PROGRAMS // rows)), 256) * 256
     parts = triton.cdiv(vocab, slice_)
     partial = torch.empty(rows, parts, probes, dtype=torch.float32, device=z.device)
-    count = torch.zeros(rows, dtype=torch.int32, device=z.device)
+    count = zeroed_counters(z.device, rows, "row search rows")
     for _ in range(rounds):
         _round_kernel[(rows, parts)](
             z, vocab, keys, bound, m, target, partial, count, tau, parts, SLICE=slice_,

@@ -1,9 +1,9 @@
 """The largest values of a block without sorting it, for the sampler's candidates.
 
-store_largest: exactly the k largest, by bisection on the float order: the merge of the tiles'
-candidates (~4,800 values, one program) in 21 µs where tl.topk's bitonic network took 25.
-store_above: the values above a floor that leaves at most k, for each vocabulary tile, where
-the 32 block-wide reductions of a bisection cost more than tl.topk itself (H200, 2026-12-01).
+store_above: the values above a floor that leaves at most k, for each vocabulary tile and
+for the merge of the tiles' candidates. Exactly the k largest took a bisection on the float
+order, 32 block-wide reductions: more than tl.topk itself on a tile (H200, 2026-12-01), and
+20.5 µs a step on the merge's ~4,800 values in one program (2026-12-04).
 """
 
 from __future__ import annotations
@@ -31,26 +31,6 @@ def _store_compacted(x, keep, fill, out_ptr, K: tl.constexpr):
     tl.store(out_ptr + tl.cumsum(keep.to(tl.int32), axis=0) - 1, x, mask=keep)
     idx = tl.arange(0, K)
     tl.store(out_ptr + idx, fill, mask=idx >= tl.sum(keep.to(tl.int32), axis=0))
-
-
-@triton.jit
-def store_largest(x, out_ptr, K: tl.constexpr):
-    """Stores the K largest values of the 1-D block x (K at most its size) at out_ptr[:K], the
-    K-th largest last and the others in no order, and returns the K-th largest. The bisection
-    finds the largest key with K values at or above it; every value above it is stored where
-    a running count puts it, and it fills the places left (values tied with it are equal, so
-    which of them is immaterial)."""
-    keys = ordered_key(x)
-    lo = tl.min(keys, axis=0)
-    hi = tl.max(keys, axis=0) + 1
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        enough = tl.sum((keys >= mid).to(tl.int32), axis=0) >= K
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    kth = from_ordered_key(lo)
-    _store_compacted(x, keys > lo, kth, out_ptr, K)
-    return kth
 
 
 @triton.jit

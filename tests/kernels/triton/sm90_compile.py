@@ -118,14 +118,15 @@ def sampler_cases():
     for label, (probes, _, block) in (("small", rs.SMALL), ("large", rs.LARGE)):
         flags = dict(SLICE=256, PROBES=probes, BLOCK=block, PARTS_BLOCK=64 if probes <= 64 else 8)
         yield f"sampler row search round {label}", rs._round_kernel, search, flags, 4, 3
-    draw = dict(z_ptr=F32, vocab="i32", num_tiles="i32", part_max_ptr=F32, pending_ptr=I32,
-                tokens_ptr=I64, bound_ptr=F32, tau_ptr=F32, m_ptr=F32, target_ptr=F32,
-                counts_ptr=I32, mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32,
-                num_parts="i32", **state)  # fmt: skip
-    for final, group in ((False, 1), (True, 1), (False, nd.MAX_GROUP), (True, nd.MAX_GROUP)):
-        parts = triton.next_power_of_2(triton.cdiv(vocab, sample.TILE * group))
-        flags = dict(FINAL=final, BLOCK=sample.TILE, GROUP=group, PARTS=parts)
-        label = f"sampler nucleus draw round final={final} group={group}"
+    draw = dict(z_ptr=F32, vocab="i32", num_tiles="i32", rows="i32", part_max_ptr=F32,
+                pending_in_ptr=I32, pending_out_ptr=I32, tokens_ptr=I64, bound_ptr=F32,
+                tau_ptr=F32, m_ptr=F32, target_ptr=F32, counts_ptr=I32, mass_ptr=F32,
+                gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, **state)  # fmt: skip
+    for final, rows in itertools.product((False, True), (1, 64)):
+        programs = min(nd.PROGRAMS, rows * triton.cdiv(vocab, sample.TILE))
+        flags = dict(FINAL=final, BLOCK=sample.TILE, ROWS=rows, TILES=pow2,
+                     NUM_PROGRAMS=programs)  # fmt: skip
+        label = f"sampler nucleus draw round final={final} rows={rows}"
         yield label, nd._round_kernel, draw, flags, 4, 3
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
 )
-import nanoqwen.kernels.triton.decode_attention as decode_module  # noqa: E402
+import nanoqwen.kernels.triton.counters as counters  # noqa: E402
 from nanoqwen.kernels.triton.decode_attention import decode_attention  # noqa: E402
 
 
@@ -107,7 +107,7 @@ def _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=False)
     assert out.shape == (len(lengths), heads, head_dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # The last split to finish merged, and left the split counters zero for the next launch.
-    assert not any(c.any() for c in decode_module._COUNTS.get(out.device, []))
+    assert not any(c.any() for c in counters._MADE.get((out.device, "decode attention splits"), []))
     # The new keys (rotated) and values landed in their slots; nothing else changed.
     torch.testing.assert_close(k_cache, k_ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(v_cache, v_ref)
