@@ -38,11 +38,16 @@
 #       DIR's nanoqwen/ (e.g. `git archive REV nanoqwen | tar -x -C .exp/REV`, carried: an
 #       A/B in one call), then for the checkout; tools/profile_decode.py's critical path at
 #       batch 1; tools/gemv_chain_bench.py --sweep.
+#   sampling [DIR ...]
+#       the sampler against greedy decoding: the latency bench at 0.5B, batch 1 and 64,
+#       greedy / the CLI's sampling / top-p alone, first for each DIR's nanoqwen/ (as batch1
+#       takes them), then for the checkout; tools/profile_sampler.py's kernels at batch 1
+#       and 64 for each tree the same way.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1 [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|sampling [ARGS...]" >&2
   exit 2
 }
 
@@ -111,6 +116,25 @@ batch1() {
   python3 tools/profile_decode.py --shape 0.5B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/batch1_profile.log"
   python3 tools/gemv_chain_bench.py --sweep 2>&1 | tee "$OUT/gemv_chain.log"
+}
+
+sampling() {
+  gpu_env optional
+  local bench=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
+               --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
+  local profile=(python3 "$PWD/tools/profile_sampler.py" --batch-sizes 1,64
+                 --presets greedy,cli,t1-p0.9 --kernels)
+  local dir name
+  for dir in "$@" .; do
+    name=$(basename "$(cd "$dir" && pwd)")
+    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" 2>&1 | grep -v $'\r' \
+      | tee "$OUT/sampling_$name.log")
+  done
+  for dir in "$@" .; do
+    name=$(basename "$(cd "$dir" && pwd)")
+    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${profile[@]}" 2>&1 | grep -v $'\r' \
+      | tee "$OUT/sampler_kernels_$name.log")
+  done
 }
 
 kv_cache() {
@@ -352,5 +376,6 @@ case $mode in
   long-context) long_context "$@" ;;
   profile-steps) profile_steps "$@" ;;
   batch1) batch1 "$@" ;;
+  sampling) sampling "$@" ;;
   *) usage ;;
 esac
