@@ -18,8 +18,9 @@ Sections, printed as they finish:
   stack    the batch-1 sum of one decoder layer's linears x layers + lm_head, bf16 as the
            model runs it (GEMV below GEMV_MAX_BYTES, fused SiLU·up) against each format
            (fused SiLU·up GEMV): the best estimate of the decode-speed ratio
-  mma      the tensor-core int4 GEMV (q4g128, q4g128o) over rows x panels x stages, against
-           the CUDA-core GEMV on the same weight; every config checked against the reference
+  mma      the tensor-core int4 GEMV (q4g128, q4g128o) over K splits x stages, then rows x
+           panels x stages, against the CUDA-core GEMV on the same weight; every config
+           checked against the reference
   gemv     the q4g32o and q8g32 GEMV over rows x panels x warps (and the default's with 2
            and 4 stages), per shape: every time, the best, and the default's rank
   gemm     the q4g32o tensor-core GEMM at M 4, 16 and 64 over block_n x split_k x stages
@@ -266,7 +267,10 @@ def mma_sweep(model: str, shape: Shape, fmt: str) -> None:
     old = timed(over(quant_linear, x, ws, config=cuda_core))
     default = mma_gemv_config(shape.n, shape.k)
     times, wrong = {}, []
-    grid = [default] + [
+    # The panels split over programs first (short, wide weights), then rows x panels.
+    splits = itertools.product((2, 3, 4, 6, 8), (3, 4))
+    grid = [default] + [dataclasses.replace(default, splits=k, num_stages=st) for k, st in splits]
+    grid += [
         MmaGemvConfig(r, p, p, st)  # a warp a panel
         for r, p, st in itertools.product((16, 32, 64, 128), (4, 8), (3, 4))
     ]
@@ -324,7 +328,8 @@ def report_sweep(kind, model, shape, fmt, m, times, default, nbytes) -> None:
 
 def _short(cfg) -> str:
     if isinstance(cfg, MmaGemvConfig):
-        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
+        split = f"k{cfg.splits}" if cfg.splits > 1 else ""
+        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}{split}"
     if isinstance(cfg, GemvConfig):
         return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
     return f"m{cfg.block_m}n{cfg.block_n}s{cfg.split_k}w{cfg.num_warps}st{cfg.num_stages}"

@@ -25,6 +25,13 @@ Compiled for sm_90, a weight costs ~3.2 instructions at 16 rows x 4 panels a ste
 32 and ~2.1 at 64 (+0.2-0.4 with offsets; tools/quant_gemv_sass.py). A program handles
 `rows` output rows and `panels` panels a step (a batch dimension, one per warp), summed over
 the batch at the end.
+
+Short, wide weights (7B's qkv, o_proj and down_proj: 224-288 programs of 16 rows) leave too
+few bytes in flight per SM to stream at the copy rate, so `splits` > 1 also divides the
+panels among that many programs per block of rows. Each stores its float32 sums and counts
+itself in with an atomic add; the last of a block to arrive adds the splits' sums in split
+order (the same result whatever the arrival order), then the bias and SiLU·up, so no kernel
+of its own reduces them.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
 from nanoqwen.kernels.triton.silu_mul import _silu_mul
 
@@ -76,6 +84,7 @@ class MmaGemvConfig:
     panels: int  # panels per loop step, the batch dimension of the dot
     num_warps: int = 4
     num_stages: int = 3
+    splits: int = 1  # programs a block of rows' panels are divided among
 
 
 @triton.jit
@@ -121,11 +130,12 @@ def _dot(w, x, acc):
 
 @triton.jit
 def _row_dot(
-    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G,
+    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """float32 dot products of x with the dequantized weight rows `rows` (in bounds): [BN]."""
+    """float32 dot products of x with the dequantized weight rows `rows` (in bounds) over
+    panels [p_begin, p_end): [BN]."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     P: tl.constexpr = 16  # PANEL
     rows64 = rows.to(tl.int64)
@@ -133,11 +143,11 @@ def _row_dot(
     lane = tl.arange(0, P)
     panels = KW // P
     acc = tl.zeros([BP, BN, 16], tl.float32)
-    for p0 in tl.range(0, panels, BP, num_stages=STAGES):
+    for p0 in tl.range(p_begin, p_end, BP, num_stages=STAGES):
         panel = p0 + pb
-        p_ok = panel < panels
+        p_ok = panel < p_end
         # The last step's panels past the end read the last panel again, with x zeroed, so
-        # no load needs a mask.
+        # no load needs a mask (a split's range is whole steps but for the last split's).
         pc = tl.minimum(panel, panels - 1)
         words = tl.load(
             qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
@@ -168,27 +178,76 @@ def _row_dot(
 
 @triton.jit
 def _mma_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, KW, G,
+    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, N, K, KW, G, chunk,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
-    ASM: tl.constexpr,
+    SPLITS: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
-    y = silu(W_gate x) * (W_up x)."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    y = silu(W_gate x) * (W_up x). With SPLITS > 1, program (pid, s) takes panels [s *
+    chunk, (s + 1) * chunk); part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N
+    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows."""
+    block = tl.program_id(0)
+    rows = block * BN + tl.arange(0, BN)
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
+    panels = KW // 16
+    if SPLITS == 1:
+        p_begin = 0
+        p_end = panels
+    else:
+        p_begin = tl.program_id(1) * chunk
+        p_end = tl.minimum(p_begin + chunk, panels)
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, GROUP, HAS_OFFSET, BN, BP, STAGES, ASM
-    )
+        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, GROUP, HAS_OFFSET, BN,
+        BP, STAGES, ASM,
+    )  # fmt: skip
+    up = y
+    if SILU_MUL:
+        up = _row_dot(
+            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, GROUP,
+            HAS_OFFSET, BN, BP, STAGES, ASM,
+        )  # fmt: skip
+    if SPLITS > 1:
+        width = N
+        if SILU_MUL:
+            width = 2 * N
+        split_row = tl.program_id(1).to(tl.int64) * width
+        tl.store(part_ptr + split_row + rows, y, mask=r_mask)
+        if SILU_MUL:
+            tl.store(part_ptr + split_row + N + rows, up, mask=r_mask)
+        # Every warp's stores come before one thread's release of the count (the barrier),
+        # and that thread's acquire before the summing warps' loads.
+        tl.debug_barrier()
+        counter = counts_ptr + block
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            tl.store(counter, 0)  # ready for the next launch
+            y, up = _sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
+            _finish(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+    else:
+        _finish(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+
+
+@triton.jit
+def _sum_splits(part_ptr, rows, r_mask, N, width, SPLITS: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The splits' sums of the rows (and their up rows), added in split order. Loads skip
+    L1, which may hold an earlier launch's sums."""
+    y = tl.zeros(rows.shape, tl.float32)
+    up = y
+    for s in tl.static_range(SPLITS):
+        at = part_ptr + s * width + rows
+        y += tl.load(at, mask=r_mask, other=0.0, cache_modifier=".cg")
+        if SILU_MUL:
+            up += tl.load(at + N, mask=r_mask, other=0.0, cache_modifier=".cg")
+    return y, up
+
+
+@triton.jit
+def _finish(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     if SILU_MUL:
-        up = _row_dot(
-            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, GROUP, HAS_OFFSET, BN, BP,
-            STAGES, ASM,
-        )  # fmt: skip
         # Both projections round to the model dtype first, as the unfused path's matmul does.
         y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
     tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
@@ -217,11 +276,21 @@ def launch_mma_gemv(
     n = w.out_features // 2 if silu_mul else w.out_features
     cfg = config or mma_gemv_config(w.out_features, w.in_features)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _mma_gemv_kernel[(triton.cdiv(n, cfg.rows),)](
+    blocks = triton.cdiv(n, cfg.rows)
+    # Each split whole steps of panels, and none left empty.
+    panels = w.qweight.shape[1] // PANEL
+    chunk = triton.cdiv(triton.cdiv(panels, cfg.splits), cfg.panels) * cfg.panels
+    splits = triton.cdiv(panels, chunk)
+    part = counts = y  # unused with one split
+    if splits > 1:
+        part = torch.empty(splits, w.out_features, dtype=torch.float32, device=x.device)
+        counts = zeroed_counters(x.device, blocks, "int4 gemv splits")
+    _mma_gemv_kernel[(blocks, splits)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
-        w.scales if bias is None else bias, y, n, w.in_features, w.qweight.shape[1],
-        w.scales.shape[1], GROUP=kernel_group(w), HAS_OFFSET=w.offsets is not None,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BN=cfg.rows, BP=cfg.panels,
-        STAGES=cfg.num_stages, ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
+        w.scales if bias is None else bias, y, part, counts, n, w.in_features,
+        w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
+        HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
+        ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
     )  # fmt: skip
     return y

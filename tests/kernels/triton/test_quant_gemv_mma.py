@@ -69,8 +69,10 @@ SHAPES = [(384, 128), (512, 256), (320, 320), (640, 128)]
         MmaGemvConfig(32, 2),
         MmaGemvConfig(16, 4, num_stages=2),
         MmaGemvConfig(64, 4, num_warps=8),
+        MmaGemvConfig(16, 1, splits=3),
+        MmaGemvConfig(32, 2, splits=2),
     ],
-    ids=["default", "16x1", "32x2", "16x4", "64x4-8warps"],
+    ids=["default", "16x1", "32x2", "16x4", "64x4-8warps", "16x1-3splits", "32x2-2splits"],
 )
 def test_one_row_equals_the_dequantized_product(k, group, offset, config, launches):
     packed, w = make_weight(N, k, group, offset, seed=k + group)
@@ -89,6 +91,27 @@ def test_fused_gate_up_equals_silu_of_gate_times_up(launches):
     y = quant_linear_silu_mul(x, packed)
     assert launches == [True]
     torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_panels_sum_in_one_launch_and_leave_the_counters_zero(splits, launches):
+    """K split over programs: the last of a block of rows to finish adds the splits' sums
+    (split order, so a repeat is bit-equal), with the bias, or SiLU·up for gate_up."""
+    from nanoqwen.kernels.triton.counters import zeroed_counters
+
+    packed, w = make_weight(2 * N, 640, 128, True, seed=splits)
+    gen = torch.Generator().manual_seed(splits)
+    x = torch.randn(1, 640, generator=gen)
+    bias = torch.randn(2 * N, generator=gen)
+    config = MmaGemvConfig(16, 1, splits=splits)
+    y = quant_linear(x, packed, bias, config=config)
+    torch.testing.assert_close(y.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
+    assert torch.equal(quant_linear(x, packed, bias, config=config), y)
+    fused = quant_linear_silu_mul(x, packed, config=config)
+    gate, up = reference(x, w).float().chunk(2, dim=-1)
+    torch.testing.assert_close(fused, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert launches == [False, False, True]
+    assert not zeroed_counters(x.device, 1, "int4 gemv splits").any()
 
 
 def test_float16_activations_round_once_to_float16(launches):
