@@ -38,6 +38,11 @@
 #       DIR's nanoqwen/ (e.g. `git archive REV nanoqwen | tar -x -C .exp/REV`, carried: an
 #       A/B in one call), then for the checkout; tools/profile_decode.py's critical path at
 #       batch 1; tools/gemv_chain_bench.py --sweep.
+#   int4 [DIR ...]
+#       int4 weights at batch 1: tools/quant_kernel_bench.py's stack and tensor-core GEMV
+#       sweep at 7B (groups of 128 with offsets), then the 7B latency bench at batch 1 with
+#       int4 weights for each DIR's nanoqwen/ (as batch1 takes them) and the checkout, and
+#       with bf16 weights for the checkout: the int4 / bf16 ratio of one call.
 #   sampling [DIR ...]
 #       the sampler against greedy decoding: the latency bench at 0.5B, batch 1 and 64,
 #       greedy / the CLI's sampling / top-p alone, first for each DIR's nanoqwen/ (as batch1
@@ -47,7 +52,7 @@
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|sampling [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|sampling|int4 [ARGS...]" >&2
   exit 2
 }
 
@@ -366,6 +371,20 @@ profile_steps() {
   python3 tools/kernel_bench.py --shapes 0.5B,7B --fp8 2>&1 | tee "$OUT/kernel_fp8.log"
 }
 
+int4() {
+  gpu_env optional
+  python3 tools/quant_kernel_bench.py --shapes 7B --sections stack,mma --formats q4g128o \
+    --sweep-budget-s "${SWEEP_S:-120}" 2>&1 | tee "$OUT/int4_kernels.log"
+  local bench=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1
+               --sampling greedy --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
+  local dir
+  for dir in "$@" .; do
+    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" --quantization int4 2>&1 \
+      | grep -v $'\r' | tee "$OUT/int4_$(basename "$(pwd)").log")
+  done
+  "${bench[@]}" --quantization none 2>&1 | grep -v $'\r' | tee "$OUT/int4_bf16.log"
+}
+
 mode=${1:-}; shift || true
 case $mode in
   check) check "$@" ;;
@@ -377,5 +396,6 @@ case $mode in
   profile-steps) profile_steps "$@" ;;
   batch1) batch1 "$@" ;;
   sampling) sampling "$@" ;;
+  int4) int4 "$@" ;;
   *) usage ;;
 esac
