@@ -43,6 +43,11 @@
 #       sweep at 7B (groups of 128 with offsets), then the 7B latency bench at batch 1 with
 #       int4 weights for each DIR's nanoqwen/ (as batch1 takes them) and the checkout, and
 #       with bf16 weights for the checkout: the int4 / bf16 ratio of one call.
+#   stream [DIR ...]
+#       7B bf16 at batch 1 on the streamed GEMV (kernels/triton/stream_gemv.py):
+#       tools/stream_gemv_bench.py (cuBLAS against the kernel's launch parameters), then the
+#       7B latency bench at batch 1 for each DIR's nanoqwen/ and the checkout, then
+#       tools/profile_decode.py's critical path of a 7B batch-1 step.
 #   sampling [DIR ...]
 #       the sampler against greedy decoding: the latency bench at 0.5B, batch 1 and 64,
 #       greedy / the CLI's sampling / top-p alone, first for each DIR's nanoqwen/ (as batch1
@@ -52,7 +57,7 @@
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|sampling|int4 [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|sampling|int4|stream [ARGS...]" >&2
   exit 2
 }
 
@@ -371,6 +376,20 @@ profile_steps() {
   python3 tools/kernel_bench.py --shapes 0.5B,7B --fp8 2>&1 | tee "$OUT/kernel_fp8.log"
 }
 
+stream() {
+  gpu_env optional
+  python3 tools/stream_gemv_bench.py --budget-s "${SWEEP_S:-150}" 2>&1 | tee "$OUT/stream_gemv.log"
+  local bench=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1
+               --sampling greedy --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
+  local dir
+  for dir in "$@" .; do
+    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" 2>&1 | grep -v $'\r' \
+      | tee "$OUT/stream_7b_$(basename "$(pwd)").log")
+  done
+  python3 tools/profile_decode.py --shape 7B --batch-sizes 1 --kernels 2>&1 \
+    | tee "$OUT/stream_profile_7b.log"
+}
+
 int4() {
   gpu_env optional
   python3 tools/quant_kernel_bench.py --shapes 7B --sections stack,mma --formats q4g128o \
@@ -397,5 +416,6 @@ case $mode in
   batch1) batch1 "$@" ;;
   sampling) sampling "$@" ;;
   int4) int4 "$@" ;;
+  stream) stream "$@" ;;
   *) usage ;;
 esac

@@ -212,8 +212,8 @@ def stack(model: str, built: dict[str, Shape]) -> None:
     for name, shape in built.items():
         x = shape.x(1)
         per = {}
-        # gate_up runs with SiLU·up fused, as the engine runs it
-        pays = gemv_pays(shape.bf16[0])
+        # gate_up runs with SiLU·up fused, and the lm_head on cuBLAS, as the engine runs them
+        pays = gemv_pays(shape.bf16[0]) and name != "lm_head"
         if name == "gate_up":
             dense, quant = (gemv_silu_mul if pays else silu_linear), quant_linear_silu_mul
         else:

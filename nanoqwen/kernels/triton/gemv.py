@@ -5,8 +5,8 @@ M=1 kernels are latency bound (a 2-17 MB matrix read at 0.4-3.5 TB/s) and come w
 kernels: a bias copy, a split-K reduce, the MLP's SiLU·up. A plain Triton kernel that gives
 each program a few weight rows does the product and the bias or SiLU·up epilogue in one
 launch. Inside the H200 decode graph: 0.5B's projections took 0.59 ms this way against
-0.64 ms for cuBLAS with its extra kernels; 7B's (26-272 MB) took 4.34 ms against 3.98 ms,
-so large matrices stay with cuBLAS (GEMV_MAX_BYTES). On sm_90+ the kernel launches as a
+0.64 ms for cuBLAS with its extra kernels. Weights above GEMV_MAX_BYTES (7B's, 26-272 MB)
+go to stream_gemv.py, which copies them in by TMA tiles. On sm_90+ the kernel launches as a
 programmatic dependent (kernels/triton/pdl.py) with a wide first block of weights that loads
 while the kernel in front still runs (PREFETCH_ELEMENTS; 0.5B's step on the H200: 8K
 elements a program 0.710 ms against 16K's 0.646 in one run, 32K 0.647 against 0.645 in
@@ -20,15 +20,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.silu_mul import _silu_mul
+from nanoqwen.kernels.triton.stream_gemv import stream_gemv
 
 GEMV_MAX_BYTES = 20 << 20
 PREFETCH_ELEMENTS = 16384
 
 
 def gemv_pays(weight: torch.Tensor) -> bool:
-    return weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
+    """Whether a weight takes these kernels at one row: any contiguous one whose rows TMA can
+    copy (16-byte aligned), the large ones by stream_gemv."""
+    return weight.is_contiguous() and weight.shape[1] * weight.element_size() % 16 == 0
 
 
 def _blocks(n: int, k: int) -> tuple[int, int]:
@@ -53,30 +57,6 @@ def _warps(n: int, k: int) -> int:
     # 0.5B's gate_up in the batch-1 chain (tools/gemv_chain_bench.py --sweep, H200): 4 rows
     # of gate and 4 of up on 2 warps 12.71 µs a layer against 13.41 for 8 and 8 on 4.
     return 2 if n >= 8192 and k <= 1024 else 4
-
-
-@triton.jit
-def _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES: tl.constexpr):
-    """The input row's values at cols: x, or x + residual rounded to x's dtype (HF's
-    residual add)."""
-    x = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(res_ptr + cols, mask=c_mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM: tl.constexpr,
-           HAS_RES: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-    """The product's input at cols, [1, len(cols)] in float32: x, or with NORM the
-    normalized x + residual times the norm weight, rounded as rms_norm.py rounds."""
-    if NORM:
-        v = _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
-        normed = (v.to(tl.float32) * rstd).to(dtype)
-        nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
-        return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]
-    return tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -108,17 +88,8 @@ def _gemv_kernel(
         gdc_wait()
     rstd = 0.0
     if NORM:
-        first = tl.program_id(0) == 0
-        squares = tl.zeros([BK], tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            c_mask = cols < K
-            v = _row_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
-            if HAS_RES:
-                tl.store(sum_ptr + cols, v, mask=c_mask & first)
-            squares += v.to(tl.float32) * v.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    x0 = _input(x_ptr, res_ptr, nw_ptr, cols0, cols0 < K, rstd, NORM, HAS_RES, dtype)
+        rstd = row_rstd(x_ptr, res_ptr, sum_ptr, K, eps, tl.program_id(0) == 0, HAS_RES, BK)
+    x0 = gemv_input(x_ptr, res_ptr, nw_ptr, cols0, cols0 < K, rstd, NORM, HAS_RES, dtype)
     y = tl.sum(w_first.to(tl.float32) * x0, 1)
     y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
     if REST:
@@ -131,7 +102,7 @@ def _gemv_kernel(
             cols = k0 + tl.arange(0, BK)
             c_mask = cols < K
             mask = r_mask[:, None] & c_mask[None, :]
-            x = _input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM, HAS_RES, dtype)
+            x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM, HAS_RES, dtype)
             acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
             if SILU_MUL:
                 up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
@@ -157,6 +128,8 @@ def _first_block(k: int, rows: int, cols: int, pdl: bool) -> int:
 def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None):
     """norm: (residual or None, norm weight, eps), for the RMSNorm prologue; returns
     (y, x + residual) then, else y."""
+    if weight.numel() * weight.element_size() > GEMV_MAX_BYTES:
+        return stream_gemv(x, weight, bias, silu_mul, norm)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x)
     first = _first_block(weight.shape[1], rows * (2 if silu_mul else 1), cols, pdl)

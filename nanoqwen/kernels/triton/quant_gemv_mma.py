@@ -44,7 +44,7 @@ import triton.language as tl
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
-from nanoqwen.kernels.triton.silu_mul import _silu_mul
+from nanoqwen.kernels.triton.split_sums import count_in, finish_rows, split_columns, sum_splits
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
 
@@ -212,45 +212,13 @@ def _mma_gemv_kernel(
         width = N
         if SILU_MUL:
             width = 2 * N
-        split_row = tl.program_id(1).to(tl.int64) * width
-        tl.store(part_ptr + split_row + rows, y, mask=r_mask)
-        if SILU_MUL:
-            tl.store(part_ptr + split_row + N + rows, up, mask=r_mask)
-        # Every warp's stores come before one thread's release of the count (the barrier),
-        # and that thread's acquire before the summing warps' loads.
-        tl.debug_barrier()
-        counter = counts_ptr + block
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            tl.store(counter, 0)  # ready for the next launch
-            y, up = _sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
-            _finish(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+        split = tl.program_id(1)
+        if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
+                    SILU_MUL):  # fmt: skip
+            y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
+            finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
     else:
-        _finish(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
-
-
-@triton.jit
-def _sum_splits(part_ptr, rows, r_mask, N, width, SPLITS: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The splits' sums of the rows (and their up rows), added in split order. Loads skip
-    L1, which may hold an earlier launch's sums."""
-    y = tl.zeros(rows.shape, tl.float32)
-    up = y
-    for s in tl.static_range(SPLITS):
-        at = part_ptr + s * width + rows
-        y += tl.load(at, mask=r_mask, other=0.0, cache_modifier=".cg")
-        if SILU_MUL:
-            up += tl.load(at + N, mask=r_mask, other=0.0, cache_modifier=".cg")
-    return y, up
-
-
-@triton.jit
-def _finish(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
-    if SILU_MUL:
-        # Both projections round to the model dtype first, as the unfused path's matmul does.
-        y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
-    tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
+        finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
 
 
 def mma_gemv_fits(x: torch.Tensor, w) -> bool:
@@ -277,10 +245,7 @@ def launch_mma_gemv(
     cfg = config or mma_gemv_config(w.out_features, w.in_features)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(n, cfg.rows)
-    # Each split whole steps of panels, and none left empty.
-    panels = w.qweight.shape[1] // PANEL
-    chunk = triton.cdiv(triton.cdiv(panels, cfg.splits), cfg.panels) * cfg.panels
-    splits = triton.cdiv(panels, chunk)
+    chunk, splits = split_columns(w.qweight.shape[1] // PANEL, cfg.panels, cfg.splits)
     part = counts = y  # unused with one split
     if splits > 1:
         part = torch.empty(splits, w.out_features, dtype=torch.float32, device=x.device)

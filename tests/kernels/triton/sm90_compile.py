@@ -75,6 +75,29 @@ def gemv_cases():
             yield label, gemv._gemv_kernel, types, flags, gemv._warps(n, k), 3
 
 
+def stream_gemv_cases():
+    """kernels/triton/stream_gemv.py at the 7B shape's projections with their launcher's
+    configuration, as the decode step runs them (qkv and gate_up with the add+RMSNorm in
+    front, as programmatic dependents)."""
+    from nanoqwen.kernels.triton import stream_gemv as sg
+
+    for name, n, k, bias, silu, norm in (
+        ("qkv", 4608, 3584, True, False, True), ("o", 3584, 3584, False, False, False),
+        ("gate_up", 18944, 3584, False, True, True), ("down", 3584, 18944, False, False, False),
+    ):  # fmt: skip
+        cfg = sg.stream_gemv_config(n, k)
+        types = dict(x_ptr=BF16, w_desc=f"tensordesc<bf16[{cfg.rows}, {cfg.cols}]>",
+                     b_ptr=BF16, y_ptr=BF16, res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16,
+                     part_ptr=F32, counts_ptr=I32, N="i32:16", K="i32:16", chunk="i32:16",
+                     eps="fp32")  # fmt: skip
+        for pdl in (False, True):
+            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BN=cfg.rows,
+                         BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages, AHEAD=pdl,
+                         PDL=pdl)  # fmt: skip
+            label = f"stream gemv 7B {name}" + (" +pdl" if pdl else "")
+            yield label, sg._stream_gemv_kernel, types, flags, cfg.num_warps, cfg.num_stages
+
+
 def sampler_cases():
     """The sampler's passes (kernels/triton/sample.py, sampling_thresholds.py) at Qwen2.5's
     vocabulary with the default tiles and candidates."""
@@ -232,7 +255,7 @@ def quant_cases():
             yield label, q._mma_gemv_kernel, types, flags, cfg.num_warps, 3
 
 
-CASES = (gemv_cases, sampler_cases, attention_cases, quant_cases)
+CASES = (gemv_cases, stream_gemv_cases, sampler_cases, attention_cases, quant_cases)
 
 
 def main() -> None:

@@ -1,0 +1,70 @@
+"""Batch-1 products whose columns are split over programs, summed without a kernel of their
+own: each program stores its float32 sums of a block of rows and counts itself in with an
+atomic add; the last of the block to arrive adds every split's sums in split order (the
+same result whatever the order of arrival), then the bias or SiLU·up, and stores the rows.
+
+part_ptr: [SPLITS, width] float32, width the product's rows (N, or 2N with SiLU·up: the
+gate sums, then the up sums); counts_ptr: one int32 per block of rows, zero between
+launches (counters.zeroed_counters), which the last program leaves zero again.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nanoqwen.kernels.triton.silu_mul import _silu_mul
+
+
+@triton.jit
+def count_in(
+    part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width,
+    SPLITS: tl.constexpr, SILU_MUL: tl.constexpr,
+):  # fmt: skip
+    """Stores this split's sums of the rows (and of their up rows); True in the block's last
+    program to arrive."""
+    at = part_ptr + split.to(tl.int64) * width + rows
+    tl.store(at, y, mask=r_mask)
+    if SILU_MUL:
+        tl.store(at + N, up, mask=r_mask)
+    # Every warp's stores come before one thread's release of the count (the barrier), and
+    # that thread's acquire before the summing warps' loads.
+    tl.debug_barrier()
+    counter = counts_ptr + block
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    tl.store(counter, 0, mask=last)  # ready for the next launch
+    return last
+
+
+@triton.jit
+def sum_splits(part_ptr, rows, r_mask, N, width, SPLITS: tl.constexpr, SILU_MUL: tl.constexpr):
+    """Every split's sums of the rows (and their up rows), added in split order. Loads skip
+    L1, which may hold an earlier launch's sums."""
+    y = tl.zeros(rows.shape, tl.float32)
+    up = y
+    for s in tl.static_range(SPLITS):
+        at = part_ptr + s * width + rows
+        y += tl.load(at, mask=r_mask, other=0.0, cache_modifier=".cg")
+        if SILU_MUL:
+            up += tl.load(at + N, mask=r_mask, other=0.0, cache_modifier=".cg")
+    return y, up
+
+
+@triton.jit
+def finish_rows(
+    b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr
+):  # fmt: skip
+    """The float32 sums of the rows to y_ptr's dtype, with the bias, or silu(y) * up."""
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        # Both projections round to the model dtype first, as the unfused path's matmul does.
+        y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
+    tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
+
+
+def split_columns(k: int, tile: int, splits: int) -> tuple[int, int]:
+    """(columns a split, splits): whole tiles a split, and no split left empty."""
+    chunk = triton.cdiv(triton.cdiv(k, tile), splits) * tile
+    return chunk, triton.cdiv(k, chunk)

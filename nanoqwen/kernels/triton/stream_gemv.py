@@ -1,0 +1,164 @@
+"""Batch-1 products with large weights (7B's projections, 26-272 MB), the weight streamed by
+bulk copies.
+
+At one token a projection reads its weight once, so its time is the weight's bytes over the
+rate the kernel keeps them coming. gemv.py's loads go through the registers, and for weights
+above GEMV_MAX_BYTES cuBLAS did better (7B: 3.69 TB/s over a step's projections, against the
+H200's ~4.3 TB/s copy rate). Here each program's tiles of weight rows arrive as TMA copies
+(one instruction a [rows, columns] tile), which Triton pipelines STAGES deep into shared
+memory, so a program keeps several tiles in flight without holding them in registers. Short,
+wide weights (qkv, o_proj and down_proj at 7B: 224-288 blocks of 16 rows) also split their
+columns over programs (split_sums.py: the last program of a block adds the splits' sums), so
+every SM has a few programs' copies in flight.
+
+As in gemv.py: the bias or SiLU·up in the epilogue, the add+RMSNorm in front in the prologue
+(NORM: every program normalizes the row for itself), and launched as a programmatic dependent
+at one row on sm_90, with the first tile copied before the wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from nanoqwen.kernels.triton.counters import zeroed_counters
+from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
+from nanoqwen.kernels.triton.pdl import use_pdl
+from nanoqwen.kernels.triton.split_sums import count_in, finish_rows, split_columns, sum_splits
+
+TARGET_PROGRAMS = 512  # about four an SM of an H100/H200
+
+
+@dataclass(frozen=True)
+class StreamGemvConfig:
+    rows: int = 16  # weight rows a program (with SiLU·up: gate rows, and as many up rows)
+    cols: int = 256  # columns a tile (a TMA box holds at most 256)
+    splits: int = 1  # programs a block of rows' columns are divided among
+    num_stages: int = 4
+    num_warps: int = 4
+
+
+def stream_gemv_config(n: int, k: int) -> StreamGemvConfig:
+    """From the shape alone (CUDA graphs capture the launch): blocks of 16 rows, their
+    columns split until about TARGET_PROGRAMS programs, each split whole tiles."""
+    blocks = triton.cdiv(n, 16)
+    splits = max(1, min(8, triton.cdiv(TARGET_PROGRAMS, blocks), triton.cdiv(k, 2 * 256)))
+    return StreamGemvConfig(splits=splits)
+
+
+@triton.jit
+def _stream_gemv_kernel(
+    x_ptr, w_desc, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, part_ptr, counts_ptr,
+    N, K, chunk, eps,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
+    AHEAD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
+    y = silu(W_gate x) * (W_up x). Program (pid, s) takes columns [s * chunk, (s + 1) *
+    chunk), chunk a multiple of BK; with SPLITS > 1, part_ptr holds [SPLITS, rows] float32
+    sums (rows: N, or 2N with SILU_MUL) and counts_ptr one zeroed int32 per block of rows.
+    Columns past K arrive as zeros (TMA's bounds), and so do rows past the weight's; gate
+    rows past N read up rows, never stored."""
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if PDL:
+        gdc_launch_dependents()
+    block = tl.program_id(0)
+    r0 = block * BN
+    rows = r0 + tl.arange(0, BN)
+    r_mask = rows < N
+    if SPLITS == 1:
+        k_begin = 0
+        k_end = K
+    else:
+        k_begin = tl.program_id(1) * chunk
+        k_end = tl.minimum(k_begin + chunk, K)
+    if AHEAD:
+        # Weights never change: the first tile is copied while the kernel in front finishes.
+        w_first = w_desc.load([r0, k_begin])
+        up_first = w_first
+        if SILU_MUL:
+            up_first = w_desc.load([N + r0, k_begin])
+    if PDL:
+        gdc_wait()
+    rstd = 0.0
+    if NORM:
+        first = (block == 0) & (tl.program_id(1) == 0)
+        rstd = row_rstd(x_ptr, res_ptr, sum_ptr, K, eps, first, HAS_RES, BK)
+    acc = tl.zeros([BN, BK], tl.float32)
+    acc_up = tl.zeros([BN, BK], tl.float32)
+    start = k_begin
+    if AHEAD:
+        cols = k_begin + tl.arange(0, BK)
+        x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, rstd, NORM, HAS_RES, dtype)
+        acc += w_first.to(tl.float32) * x
+        if SILU_MUL:
+            acc_up += up_first.to(tl.float32) * x
+        start += BK
+    for k0 in tl.range(start, k_end, BK, num_stages=STAGES):
+        cols = k0 + tl.arange(0, BK)
+        x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, rstd, NORM, HAS_RES, dtype)
+        acc += w_desc.load([r0, k0]).to(tl.float32) * x
+        if SILU_MUL:
+            acc_up += w_desc.load([N + r0, k0]).to(tl.float32) * x
+    y = tl.sum(acc, 1)
+    up = tl.sum(acc_up, 1)
+    if SPLITS > 1:
+        width = N
+        if SILU_MUL:
+            width = 2 * N
+        split = tl.program_id(1)
+        if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
+                    SILU_MUL):  # fmt: skip
+            y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
+            finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+    else:
+        finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+
+
+def first_tile_ahead(pdl: bool) -> bool:
+    """Whether a launch copies its first tile before the loop: where it can start before the
+    wait for x (tests set it without the wait)."""
+    return pdl
+
+
+def stream_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    norm: tuple | None = None,
+    config: StreamGemvConfig | None = None,
+):
+    """x [1, K] times weight [N, K] (+ bias): [1, N]; with silu_mul, weight = [W_gate; W_up]
+    and the result silu(gate) * up, [1, N // 2]. norm: (residual or None, norm weight, eps)
+    for the add+RMSNorm in front, and then (y, x + residual) is returned."""
+    rows_w, k = weight.shape
+    n = rows_w // 2 if silu_mul else rows_w
+    cfg = config or stream_gemv_config(n, k)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x)
+    blocks = triton.cdiv(n, cfg.rows)
+    chunk, splits = split_columns(k, cfg.cols, cfg.splits)
+    part = counts = y  # unused with one split
+    if splits > 1:
+        part = torch.empty(splits, rows_w, dtype=torch.float32, device=x.device)
+        counts = zeroed_counters(x.device, blocks, "stream gemv splits")
+    x = x.contiguous()
+    res, nw, eps = norm if norm is not None else (None, x, 0.0)
+    total = torch.empty_like(x) if res is not None else x
+    desc = TensorDescriptor.from_tensor(weight, [cfg.rows, cfg.cols])
+    _stream_gemv_kernel[(blocks, splits)](
+        x, desc, x if bias is None else bias, y, x if res is None else res.contiguous(), nw,
+        total, part, counts, n, k, chunk, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        NORM=norm is not None, HAS_RES=res is not None, BN=cfg.rows, BK=cfg.cols,
+        SPLITS=splits, STAGES=cfg.num_stages, AHEAD=first_tile_ahead(pdl), PDL=pdl,
+        launch_pdl=pdl,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return y if norm is None else (y, total)

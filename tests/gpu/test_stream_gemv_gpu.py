@@ -1,0 +1,115 @@
+"""The streamed batch-1 GEMV (kernels/triton/stream_gemv.py) compiled for the GPU at 7B's
+projection shapes in bfloat16: against the float32 product, with the bias, SiLU·up and the
+add+RMSNorm in front, split or not over programs; chained as programmatic dependents in a
+CUDA graph, bit for bit the eager result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# name: (weight rows, columns, bias, SiLU·up), as the 7B model holds them.
+SHAPES = {
+    "qkv": (4608, 3584, True, False),
+    "o": (3584, 3584, False, False),
+    "gate_up": (37888, 3584, False, True),
+    "down": (3584, 18944, False, False),
+}
+
+
+def weights(rows: int, k: int, bias: bool, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(rows, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(rows, generator=gen, device="cuda", dtype=torch.bfloat16) if bias else None
+    return w, b
+
+
+def reference(x, w, b, silu_mul: bool) -> torch.Tensor:
+    y = F.linear(x.float(), w.float(), None if b is None else b.float())
+    if silu_mul:
+        gate, up = y.to(x.dtype).float().chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return y
+
+
+def close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().mean().item())
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("splits", [None, 1, 4], ids=["default", "one-split", "4-splits"])
+def test_streamed_projection_equals_float32_product(name, splits):
+    from nanoqwen.kernels.triton.stream_gemv import (
+        StreamGemvConfig,
+        stream_gemv,
+        stream_gemv_config,
+    )
+
+    rows, k, bias, silu = SHAPES[name]
+    w, b = weights(rows, k, bias)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    cfg = None
+    if splits is not None:
+        base = stream_gemv_config(rows // 2 if silu else rows, k)
+        cfg = StreamGemvConfig(base.rows, base.cols, splits, base.num_stages, base.num_warps)
+    close(stream_gemv(x, w, b, silu_mul=silu, config=cfg), reference(x, w, b, silu))
+
+
+@pytest.mark.parametrize("name", ["qkv", "gate_up"])
+def test_streamed_norm_gemv_equals_rms_norm_then_the_product(name):
+    from nanoqwen.kernels.triton.stream_gemv import stream_gemv
+
+    rows, k, bias, silu = SHAPES[name]
+    w, b = weights(rows, k, bias)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    total = (x.float() + res.float()).to(torch.bfloat16)
+    var = total.float().pow(2).mean(-1, keepdim=True)
+    normed = (total.float() * torch.rsqrt(var + 1e-6)).to(torch.bfloat16).float() * nw.float()
+    y, new_residual = stream_gemv(x, w, b, silu_mul=silu, norm=(res, nw, 1e-6))
+    assert torch.equal(new_residual, total)
+    close(y, reference(normed.to(torch.bfloat16), w, b, silu))
+
+
+def test_a_chain_of_streamed_projections_replays_its_eager_result():
+    """qkv (norm in front) -> o -> gate_up (norm in front) -> down, each a programmatic
+    dependent of the one before: replayed from a CUDA graph with new inputs, bit for bit."""
+    from nanoqwen.kernels.triton.stream_gemv import stream_gemv
+
+    qkv, qkv_b = weights(*SHAPES["qkv"][:3], seed=1)
+    o, _ = weights(*SHAPES["o"][:3], seed=2)
+    gate_up, _ = weights(*SHAPES["gate_up"][:3], seed=3)
+    down, _ = weights(*SHAPES["down"][:3], seed=4)
+    nw = torch.ones(3584, device="cuda", dtype=torch.bfloat16)
+
+    def layer(x, res):
+        h, res = stream_gemv(x, qkv, qkv_b, norm=(res, nw, 1e-6))
+        a = stream_gemv(h[:, :3584].contiguous(), o)
+        m, res = stream_gemv(a, gate_up, silu_mul=True, norm=(res, nw, 1e-6))
+        return stream_gemv(m, down), res
+
+    x = torch.zeros(1, 3584, device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x, res)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer(x, res)
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        res.copy_(torch.randn(res.shape, generator=gen, device="cuda"))
+        graph.replay()
+        for got, want in zip(outs, layer(x, res)):
+            assert torch.equal(got, want)

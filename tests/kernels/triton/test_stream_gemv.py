@@ -1,0 +1,105 @@
+"""The streamed batch-1 GEMV for large weights (kernels/triton/stream_gemv.py) in Triton's
+CPU interpreter, float32, against the layers it replaces: tiles past the weight's columns and
+rows, columns split over programs, the bias, SiLU·up and the add+RMSNorm in front."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter"
+)
+from nanoqwen.kernels.triton import stream_gemv as sg  # noqa: E402
+from nanoqwen.kernels.triton.counters import zeroed_counters  # noqa: E402
+from nanoqwen.kernels.triton.stream_gemv import StreamGemvConfig, stream_gemv  # noqa: E402
+
+# (rows, columns): partial blocks of rows and tiles of columns, and columns that split unevenly.
+SHAPES = [(37, 300), (16, 1024), (50, 708)]
+CONFIGS = {
+    "one-split": StreamGemvConfig(rows=16, cols=64, splits=1, num_stages=2),
+    "3-splits": StreamGemvConfig(rows=16, cols=64, splits=3, num_stages=3),
+    "8-rows-2-splits": StreamGemvConfig(rows=8, cols=128, splits=2),
+}
+
+
+@pytest.fixture(params=[False, True], ids=["in-loop", "first-tile-ahead"])
+def ahead(request, monkeypatch):
+    """On a GPU that launches it as a programmatic dependent, the first tile is copied
+    before the loop (and the wait): the same here, without the wait."""
+    monkeypatch.setattr(sg, "first_tile_ahead", lambda pdl: request.param)
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_stream_gemv_equals_linear(n, k, config, ahead):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    y = stream_gemv(x, w, b, config=CONFIGS[config])
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert torch.equal(stream_gemv(x, w, b, config=CONFIGS[config]), y)  # split order
+    assert not zeroed_counters(x.device, 1, "stream gemv splits").any()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_stream_gemv_silu_mul_equals_mlp_activation(n, k, config, ahead):
+    gen = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=gen)
+    gate_up = torch.randn(2 * n, k, generator=gen) * 0.1
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    act = stream_gemv(x, gate_up, silu_mul=True, config=CONFIGS[config])
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["first-layer", "residual"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_stream_norm_gemv_equals_add_rms_norm_then_the_projection(residual, config, ahead):
+    """The projection of the normalized row, and x + residual as the residual stream's next
+    value, stored once however many programs normalize the row."""
+    n, k = 37, 708
+    gen = torch.Generator().manual_seed(k + residual)
+    x = torch.randn(1, k, generator=gen)
+    res = torch.randn(1, k, generator=gen) if residual else None
+    nw = torch.rand(k, generator=gen) + 0.5
+    w = torch.randn(2 * n, k, generator=gen)
+    b = torch.randn(2 * n, generator=gen)
+    total = x + res if residual else x
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    y, new_residual = stream_gemv(x, w, b, norm=(res, nw, 1e-6), config=CONFIGS[config])
+    torch.testing.assert_close(y, F.linear(normed, w, b), rtol=1e-4, atol=1e-3)
+    assert torch.equal(new_residual, total)
+    act, new_residual = stream_gemv(x, w, silu_mul=True, norm=(res, nw, 1e-6),
+                                    config=CONFIGS[config])  # fmt: skip
+    gate, up = F.linear(normed, w).chunk(2, dim=-1)
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-3, atol=1e-2)
+    assert torch.equal(new_residual, total)
+
+
+def test_large_weights_take_the_streamed_kernel(monkeypatch):
+    """gemv.py hands weights above GEMV_MAX_BYTES to the streamed kernel, with its flags."""
+    from nanoqwen.kernels.triton import gemv
+
+    calls = []
+    monkeypatch.setattr(gemv, "stream_gemv", lambda *a: calls.append(a[3:]) or a[0])
+    monkeypatch.setattr(gemv, "GEMV_MAX_BYTES", 64 * 4 * 4 - 1)
+    x = torch.randn(1, 64)
+    gemv.gemv(x, torch.randn(4, 64))  # 1 KiB: streamed
+    gemv.gemv(x, torch.randn(3, 64))  # under: the plain GEMV
+    gemv.gemv_silu_mul(x, torch.randn(8, 64))
+    assert calls == [(False, None), (True, None)]
+
+
+def test_stream_gemv_config_fills_the_gpu_with_whole_tiles():
+    """7B's shapes: short, wide weights split their columns, tall ones do not."""
+    cfg = sg.stream_gemv_config
+    assert cfg(4608, 3584).splits == 2  # qkv: 288 blocks of 16 rows
+    assert cfg(3584, 3584).splits == 3  # o_proj
+    assert cfg(3584, 18944).splits == 3  # down_proj
+    assert cfg(18944, 3584).splits == 1  # gate_up (gate rows)
