@@ -29,9 +29,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
+from nanoqwen.kernels.triton.quant_gemv import sm_count
 from nanoqwen.kernels.triton.split_sums import count_in, finish_rows, split_columns, sum_splits
 
 TARGET_PROGRAMS = 512  # about four an SM of an H100/H200
+SMEM_PER_SM = 227 << 10  # sm_90's shared memory a block may use
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def _stream_gemv_kernel(
     N, K, chunk, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
-    AHEAD: tl.constexpr, PDL: tl.constexpr,
+    AHEAD: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). Program (pid, s) takes columns [s * chunk, (s + 1) *
@@ -66,8 +68,9 @@ def _stream_gemv_kernel(
     Columns past K arrive as zeros (TMA's bounds), and so do rows past the weight's; gate
     rows past N read up rows, never stored."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
-    if PDL:
-        gdc_launch_dependents()
+    if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
+        if EARLY:
+            gdc_launch_dependents()
     block = tl.program_id(0)
     r0 = block * BN
     rows = r0 + tl.arange(0, BN)
@@ -106,6 +109,9 @@ def _stream_gemv_kernel(
         acc += w_desc.load([r0, k0]).to(tl.float32) * x
         if SILU_MUL:
             acc_up += w_desc.load([N + r0, k0]).to(tl.float32) * x
+    if PDL:  # noqa: SIM102 (compile-time guards)
+        if not EARLY:
+            gdc_launch_dependents()
     y = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
     if SPLITS > 1:
@@ -119,6 +125,13 @@ def _stream_gemv_kernel(
             finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
     else:
         finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+
+
+def one_wave(cfg: StreamGemvConfig, silu_mul: bool, itemsize: int, device) -> int:
+    """Programs the GPU holds at once, as its shared memory limits them (the tiles in flight;
+    registers allow more): a larger grid runs in waves (7B's gate_up, 1,184 programs)."""
+    smem = cfg.num_stages * cfg.rows * cfg.cols * itemsize * (2 if silu_mul else 1)
+    return min(8, SMEM_PER_SM // smem) * sm_count(device)
 
 
 def first_tile_ahead(pdl: bool) -> bool:
@@ -158,6 +171,7 @@ def stream_gemv(
         total, part, counts, n, k, chunk, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=res is not None, BN=cfg.rows, BK=cfg.cols,
         SPLITS=splits, STAGES=cfg.num_stages, AHEAD=first_tile_ahead(pdl), PDL=pdl,
+        EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),
         launch_pdl=pdl,
         num_warps=cfg.num_warps,
     )  # fmt: skip
