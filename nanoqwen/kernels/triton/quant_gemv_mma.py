@@ -47,6 +47,7 @@ from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
 from nanoqwen.kernels.triton.split_sums import count_in, finish_rows, split_columns, sum_splits
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
+TARGET_PROGRAMS = 512
 
 # Outputs $0..$7 are value slots 0..7 of the word in $8. (a & b) | c is LOP3 immediate 0xea.
 _UNPACK_PTX = """{{
@@ -234,7 +235,10 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     # 16 rows keep >= 1.7 programs an SM below 16K rows, where more rows a step pay; long
     # rows (K >= N) like a fourth stage in flight.
     rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
-    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3)
+    # Short, wide weights split their panels until about four programs an SM of an H200
+    # hold bytes in flight (7B's qkv, o_proj and down_proj: 224-288 blocks of rows).
+    splits = min(8, triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, rows)))
+    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3, splits=splits)
 
 
 def launch_mma_gemv(
