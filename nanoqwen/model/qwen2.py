@@ -63,23 +63,36 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's output, not yet added to the residual stream."""
-        attn, one_row = self.self_attn, x.shape[0] == 1
-        norm = self.input_layernorm
-        if one_row and self.norm_gemv is not None and getattr(attn.qkv_proj, "gemv", False):
-            proj = attn.qkv_proj
-            qkv, residual = self.norm_gemv(x, residual, norm.weight, norm.eps, proj.weight,
-                                           proj.bias)  # fmt: skip
-            h = attn.attend(qkv, meta)
-        else:
-            h, residual = norm(x, residual)
+        attn, mlp = self.self_attn, self.mlp
+        dense = getattr(attn.qkv_proj, "gemv", False)
+        fused = self._norm_into(x, residual, self.input_layernorm, attn.qkv_proj, dense, False)
+        if fused is None:
+            h, residual = self.input_layernorm(x, residual)
             h = attn(h, meta)
+        else:
+            qkv, residual = fused
+            h = attn.attend(qkv, meta)
         norm = self.post_attention_layernorm
-        if one_row and self.norm_gemv_silu_mul is not None and self.mlp.gemv:
-            act, residual = self.norm_gemv_silu_mul(h, residual, norm.weight, norm.eps,
-                                                    self.mlp.gate_up_proj.weight)  # fmt: skip
-            return self.mlp.down_proj(act), residual
-        h, residual = norm(h, residual)
-        return self.mlp(h), residual
+        fused = self._norm_into(h, residual, norm, mlp.gate_up_proj, mlp.gemv, True)
+        if fused is None:
+            h, residual = norm(h, residual)
+            return mlp(h), residual
+        act, residual = fused
+        return mlp.down_proj(act), residual
+
+    def _norm_into(self, x, residual, norm, proj, dense: bool, silu_mul: bool):
+        """(proj(norm(x + residual)), with silu_mul SiLU·up of it, and x + residual) in one
+        launch at one row: set_ops' dense GEMVs (dense: proj takes them), or a quantized
+        layer's own (fuses_norm); None where neither runs."""
+        if x.shape[0] != 1 or self.norm_gemv is None:
+            return None
+        if dense:
+            if silu_mul:
+                return self.norm_gemv_silu_mul(x, residual, norm.weight, norm.eps, proj.weight)
+            return self.norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        if getattr(proj, "fuses_norm", False):
+            return proj.norm_row(x, residual, norm.weight, norm.eps, silu_mul)
+        return None
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -194,3 +194,65 @@ def test_tensor_core_gemv_split_over_programs_equals_one_program(shape, splits):
     for _ in range(3):
         graph.replay()
         assert torch.equal(out, got)
+
+
+@pytest.mark.parametrize("shape", ["7B-qkv", "7B-gate_up"])
+def test_int4_gemv_with_the_norm_in_front_equals_norm_then_gemv(shape):
+    """The add+RMSNorm in the tensor-core GEMV's prologue gives what rms_norm's kernel and
+    then the GEMV give, to a rounding step of bf16; x + residual bit for bit."""
+    from nanoqwen.kernels.triton.quant_matmul import (
+        quant_linear,
+        quant_linear_silu_mul,
+        quant_norm_linear,
+    )
+    from nanoqwen.kernels.triton.rms_norm import rms_norm
+
+    n, k = SHAPES[shape]
+    packed, _ = quantized(n, k, 4, 128, True)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    silu = shape.endswith("gate_up")
+    y, total = quant_norm_linear(x, res, nw, 1e-6, packed, silu_mul=silu)
+    summed = res.clone()
+    normed = rms_norm(x, nw, 1e-6, summed)  # sums into its residual argument
+    want = quant_linear_silu_mul(normed, packed) if silu else quant_linear(normed, packed)
+    assert torch.equal(total, summed)
+    scale = want.float().abs().mean().item()
+    torch.testing.assert_close(y.float(), want.float(), rtol=2**-7, atol=2**-7 * scale)
+
+
+def test_int4_layer_chain_as_dependents_replays_its_eager_result():
+    """qkv (norm in front) -> o -> gate_up (norm in front) -> down on the int4 GEMV, each a
+    programmatic dependent of the one before: from a CUDA graph, bit for bit eager."""
+    from nanoqwen.kernels.triton.quant_matmul import quant_linear, quant_norm_linear
+
+    qkv, _ = quantized(*SHAPES["7B-qkv"], 4, 128, True, seed=1)
+    o, _ = quantized(*SHAPES["7B-o"], 4, 128, True, seed=2)
+    gate_up, _ = quantized(*SHAPES["7B-gate_up"], 4, 128, True, seed=3)
+    down, _ = quantized(*SHAPES["7B-down"], 4, 128, True, seed=4)
+    nw = torch.ones(3584, device="cuda", dtype=torch.bfloat16)
+
+    def layer(x, res):
+        h, res = quant_norm_linear(x, res, nw, 1e-6, qkv)
+        a = quant_linear(h[:, :3584].contiguous(), o)
+        m, res = quant_norm_linear(a, res, nw, 1e-6, gate_up, silu_mul=True)
+        return quant_linear(m, down), res
+
+    x = torch.zeros(1, 3584, device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x, res)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer(x, res)
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        res.copy_(torch.randn(res.shape, generator=gen, device="cuda"))
+        graph.replay()
+        for got, want in zip(outs, layer(x, res)):
+            assert torch.equal(got, want)
