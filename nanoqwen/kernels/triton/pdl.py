@@ -13,12 +13,12 @@ stores anything has waited, so a finished kernel implies that everything in fron
 finished too; kernels launched without it (cuBLAS, torch) wait for everything in front of
 them as usual, and CUDA graphs capture the dependency as it is.
 
-Only single-row launches use it (batches above one are not measured). A kernel lets the one
-behind it launch (gdc_launch_dependents) at its start where its grid is one wave; a grid of
-several waves (7B's int4 GEMVs, the streamed gate_up) lets it launch only once its programs
-are past their loops: the int4 GEMV that let it launch at its start made 7B int4's step
-2.425 -> 3.687 ms, most likely through the waiting programs holding SMs its later programs
-needed. NANOQWEN_PDL=0 turns it off (A/B runs, bisecting a suspected race).
+Only single-row launches use it (batches above one are not measured). Most kernels let the
+one behind them launch (gdc_launch_dependents) at their start; the int4 GEMV, and a streamed
+GEMV whose grid is more than one wave (7B's gate_up), only once their programs are past
+their loops: the int4 GEMV that let it launch at its start made 7B int4's step 2.425 ->
+3.687 ms, most likely through the waiting programs holding SMs its later programs needed.
+NANOQWEN_PDL=0 turns it off (A/B runs, bisecting a suspected race).
 """
 
 from __future__ import annotations
