@@ -47,7 +47,7 @@ from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.gemv_inputs import normed_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
-from nanoqwen.kernels.triton.split_sums import count_in, finish_rows, split_columns, sum_splits
+from nanoqwen.kernels.triton.split_sums import finish_split, split_columns
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
 TARGET_PROGRAMS = 512
@@ -230,17 +230,8 @@ def _mma_gemv_kernel(
         )  # fmt: skip
     if PDL:
         gdc_launch_dependents()
-    if SPLITS > 1:
-        width = N
-        if SILU_MUL:
-            width = 2 * N
-        split = tl.program_id(1)
-        if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
-                    SILU_MUL):  # fmt: skip
-            y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
-            finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
-    else:
-        finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+    finish_split(part_ptr, counts_ptr, b_ptr, y_ptr, block, tl.program_id(1), rows, r_mask, y,
+                 up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
 
 
 def mma_gemv_fits(x: torch.Tensor, w) -> bool:

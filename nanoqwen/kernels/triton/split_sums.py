@@ -17,6 +17,25 @@ from nanoqwen.kernels.triton.silu_mul import _silu_mul
 
 
 @triton.jit
+def finish_split(
+    part_ptr, counts_ptr, b_ptr, y_ptr, block, split, rows, r_mask, y, up, N,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+):  # fmt: skip
+    """A program's float32 sums of its block of rows (and of their up rows) to y_ptr: at
+    once with one split, else by the block's last split to arrive."""
+    if SPLITS > 1:
+        width = N
+        if SILU_MUL:
+            width = 2 * N
+        if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
+                    SILU_MUL):  # fmt: skip
+            y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
+            finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+    else:
+        finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+
+
+@triton.jit
 def count_in(
     part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width,
     SPLITS: tl.constexpr, SILU_MUL: tl.constexpr,

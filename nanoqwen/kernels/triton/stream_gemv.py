@@ -30,7 +30,7 @@ from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import sm_count
-from nanoqwen.kernels.triton.split_sums import count_in, finish_rows, split_columns, sum_splits
+from nanoqwen.kernels.triton.split_sums import finish_split, split_columns
 
 TARGET_PROGRAMS = 512  # about four an SM of an H100/H200
 SMEM_PER_SM = 227 << 10  # sm_90's shared memory a block may use
@@ -114,17 +114,8 @@ def _stream_gemv_kernel(
             gdc_launch_dependents()
     y = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
-    if SPLITS > 1:
-        width = N
-        if SILU_MUL:
-            width = 2 * N
-        split = tl.program_id(1)
-        if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
-                    SILU_MUL):  # fmt: skip
-            y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
-            finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
-    else:
-        finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+    finish_split(part_ptr, counts_ptr, b_ptr, y_ptr, block, tl.program_id(1), rows, r_mask, y,
+                 up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
 
 
 def one_wave(cfg: StreamGemvConfig, silu_mul: bool, itemsize: int, device) -> int:

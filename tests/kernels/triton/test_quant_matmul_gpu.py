@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_replay import assert_replays_eager
 
 pytestmark = [
     pytest.mark.gpu,
@@ -146,21 +147,7 @@ def test_cuda_graph_replay_equals_eager(m):
 
     x = torch.zeros(m, 3584, device="cuda", dtype=torch.bfloat16)
     h = torch.zeros(m, 896, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(x, h)  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(x, h)
-    for seed in range(3):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
-        h.copy_(torch.randn(h.shape, generator=gen, device="cuda"))
-        graph.replay()
-        for got, want in zip(outs, step(x, h)):
-            assert torch.equal(got, want)
+    assert_replays_eager(step, x, h)
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
@@ -240,19 +227,4 @@ def test_int4_layer_chain_as_dependents_replays_its_eager_result():
         return quant_linear(m, down), res
 
     x = torch.zeros(1, 3584, device="cuda", dtype=torch.bfloat16)
-    res = torch.zeros_like(x)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x, res)  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = layer(x, res)
-    for seed in range(3):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
-        res.copy_(torch.randn(res.shape, generator=gen, device="cuda"))
-        graph.replay()
-        for got, want in zip(outs, layer(x, res)):
-            assert torch.equal(got, want)
+    assert_replays_eager(layer, x, torch.zeros_like(x))
