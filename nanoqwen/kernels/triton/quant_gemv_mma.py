@@ -47,7 +47,7 @@ from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.gemv_inputs import normed_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
-from nanoqwen.kernels.triton.split_sums import finish_split, split_columns
+from nanoqwen.kernels.triton.split_sums import finish_split, split_columns, split_span
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
 TARGET_PROGRAMS = 512
@@ -205,13 +205,7 @@ def _mma_gemv_kernel(
     rows = block * BN + tl.arange(0, BN)
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
-    panels = KW // 16
-    if SPLITS == 1:
-        p_begin = 0
-        p_end = panels
-    else:
-        p_begin = tl.program_id(1) * chunk
-        p_end = tl.minimum(p_begin + chunk, panels)
+    p_begin, p_end = split_span(KW // 16, chunk, SPLITS)
     if PDL:
         gdc_wait()  # x (and the residual) are the kernels in front's output
     rstd = 0.0

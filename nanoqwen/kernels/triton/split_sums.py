@@ -17,6 +17,15 @@ from nanoqwen.kernels.triton.silu_mul import _silu_mul
 
 
 @triton.jit
+def split_span(total, chunk, SPLITS: tl.constexpr):
+    """[begin, end) of this program's split (program_id 1) of `total` columns (or panels)."""
+    if SPLITS == 1:
+        return 0, total
+    begin = tl.program_id(1) * chunk
+    return begin, tl.minimum(begin + chunk, total)
+
+
+@triton.jit
 def finish_split(
     part_ptr, counts_ptr, b_ptr, y_ptr, block, split, rows, r_mask, y, up, N,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,

@@ -30,7 +30,7 @@ from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import sm_count
-from nanoqwen.kernels.triton.split_sums import finish_split, split_columns
+from nanoqwen.kernels.triton.split_sums import finish_split, split_columns, split_span
 
 TARGET_PROGRAMS = 512  # about four an SM of an H100/H200
 SMEM_PER_SM = 227 << 10  # sm_90's shared memory a block may use
@@ -75,12 +75,7 @@ def _stream_gemv_kernel(
     r0 = block * BN
     rows = r0 + tl.arange(0, BN)
     r_mask = rows < N
-    if SPLITS == 1:
-        k_begin = 0
-        k_end = K
-    else:
-        k_begin = tl.program_id(1) * chunk
-        k_end = tl.minimum(k_begin + chunk, K)
+    k_begin, k_end = split_span(K, chunk, SPLITS)
     if AHEAD:
         # Weights never change: the first tile is copied while the kernel in front finishes.
         w_first = w_desc.load([r0, k_begin])
