@@ -1,7 +1,8 @@
 """The streamed batch-1 GEMV (kernels/triton/stream_gemv.py) against cuBLAS at 7B's projection
 shapes, over its launch parameters: µs a call and TB/s of weight, each call in a CUDA graph
 that rotates over enough weight copies that none is still in L2 (tools/quant_kernel_bench.py's
-timing), as in decode. gate_up runs with SiLU·up, cuBLAS's with the SiLU·up kernel after it.
+timing), as in decode. gate_up runs with SiLU·up, cuBLAS's with the SiLU·up kernel after it;
+the lm_head gives float32 logits, cuBLAS's as the model asks it (torch.mm, out_dtype).
 
 Usage (device): python3 tools/stream_gemv_bench.py [--shapes 7B] [--budget-s 150]
 """
@@ -12,24 +13,32 @@ import argparse
 import itertools
 import time
 
+import torch
 import torch.nn.functional as F
 from quant_kernel_bench import Shape, over, shapes, silu_linear, timed
 
 from nanoqwen.kernels.triton.stream_gemv import StreamGemvConfig, stream_gemv, stream_gemv_config
 
 
-def stream(x, w, silu_mul: bool, config: StreamGemvConfig | None):
-    return stream_gemv(x, w, silu_mul=silu_mul, config=config)
+def stream(x, w, silu_mul: bool, config: StreamGemvConfig | None, out_dtype=None):
+    return stream_gemv(x, w, silu_mul=silu_mul, config=config, out_dtype=out_dtype)
+
+
+def logits(x, w):
+    return torch.mm(x, w.t(), out_dtype=torch.float32)
 
 
 def sweep(model: str, shape: Shape, deadline: float) -> None:
     silu = shape.name == "gate_up"
+    out = torch.float32 if shape.name == "lm_head" else None
     x = shape.x(1)
     nbytes = shape.n * shape.k * 2
-    cublas = timed(over(silu_linear if silu else F.linear, x, shape.bf16))
+    library = silu_linear if silu else logits if out else F.linear
+    cublas = timed(over(library, x, shape.bf16))
     default = stream_gemv_config(shape.n // 2 if silu else shape.n, shape.k)
-    times = {default: timed(over(stream, x, shape.bf16, silu_mul=silu, config=None))}
-    grid = itertools.product((8, 16, 32), (128, 256), (1, 2, 3, 4, 6), (3, 4, 6))
+    kw = dict(silu_mul=silu, out_dtype=out)
+    times = {default: timed(over(stream, x, shape.bf16, config=None, **kw))}
+    grid = itertools.product((16, 8, 32), (256, 128), (1, 2, 3, 4, 6), (4, 3, 6))
     for rows, cols, splits, stages in grid:
         if time.monotonic() > deadline:
             break
@@ -37,7 +46,7 @@ def sweep(model: str, shape: Shape, deadline: float) -> None:
         if cfg in times:
             continue
         try:
-            times[cfg] = timed(over(stream, x, shape.bf16, silu_mul=silu, config=cfg))
+            times[cfg] = timed(over(stream, x, shape.bf16, config=cfg, **kw))
         except Exception as e:  # noqa: BLE001 (out of shared memory: report, go on)
             print(f"  {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
     ranked = sorted(times.items(), key=lambda kv: kv[1])
@@ -59,7 +68,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=150.0, help="seconds for all the sweeps")
     args = p.parse_args()
     models = args.shapes.split(",")
-    names = ("qkv", "o", "gate_up", "down")
+    names = ("qkv", "o", "gate_up", "down", "lm_head")
     per_shape = args.budget_s / (len(models) * len(names))
     for model in models:
         for name, (n, k) in shapes(model).items():

@@ -67,7 +67,7 @@ def _stream_gemv_kernel(
     sums (rows: N, or 2N with SILU_MUL) and counts_ptr one zeroed int32 per block of rows.
     Columns past K arrive as zeros (TMA's bounds), and so do rows past the weight's; gate
     rows past N read up rows, never stored."""
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    dtype: tl.constexpr = x_ptr.dtype.element_ty  # the input's rounding (y may be float32)
     if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
         if EARLY:
             gdc_launch_dependents()
@@ -133,14 +133,16 @@ def stream_gemv(
     silu_mul: bool = False,
     norm: tuple | None = None,
     config: StreamGemvConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
-    """x [1, K] times weight [N, K] (+ bias): [1, N]; with silu_mul, weight = [W_gate; W_up]
-    and the result silu(gate) * up, [1, N // 2]. norm: (residual or None, norm weight, eps)
-    for the add+RMSNorm in front, and then (y, x + residual) is returned."""
+    """x [1, K] times weight [N, K] (+ bias): [1, N] in out_dtype (x's by default; float32
+    logits straight from the float32 sums); with silu_mul, weight = [W_gate; W_up] and the
+    result silu(gate) * up, [1, N // 2]. norm: (residual or None, norm weight, eps) for the
+    add+RMSNorm in front, and then (y, x + residual) is returned."""
     rows_w, k = weight.shape
     n = rows_w // 2 if silu_mul else rows_w
     cfg = config or stream_gemv_config(n, k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     pdl = use_pdl(x)
     blocks = triton.cdiv(n, cfg.rows)
     chunk, splits = split_columns(k, cfg.cols, cfg.splits)

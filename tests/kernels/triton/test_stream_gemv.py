@@ -82,6 +82,23 @@ def test_stream_norm_gemv_equals_add_rms_norm_then_the_projection(residual, conf
     assert torch.equal(new_residual, total)
 
 
+def test_float32_output_of_a_half_precision_row_with_the_norm_in_front():
+    """float32 logits from a float16 row (the lm_head's case): the normalized row rounds to
+    float16 as the separate norm's output would, the sums are not rounded."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 256, generator=gen).half()
+    res = torch.randn(1, 256, generator=gen).half()
+    nw = (torch.rand(256, generator=gen) + 0.5).half()
+    w = (torch.randn(40, 256, generator=gen) * 0.1).half()
+    total = (x.float() + res.float()).half()
+    var = total.float().pow(2).mean(-1, keepdim=True)
+    normed = ((total.float() * torch.rsqrt(var + 1e-6)).half().float() * nw.float()).half()
+    y, _ = stream_gemv(x, w, norm=(res, nw, 1e-6), config=CONFIGS["3-splits"],
+                       out_dtype=torch.float32)  # fmt: skip
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, normed.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_large_weights_take_the_streamed_kernel(monkeypatch):
     """gemv.py hands weights above GEMV_MAX_BYTES to the streamed kernel, with its flags."""
     from nanoqwen.kernels.triton import gemv
