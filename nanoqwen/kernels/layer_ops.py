@@ -27,6 +27,9 @@ class LayerOps:
     # (x, residual or None, norm weight, eps, weight[, bias]) -> (output, x + residual)
     norm_gemv: Callable | None = None
     norm_gemv_silu_mul: Callable | None = None
+    # one row's final add+RMSNorm and the lm_head after it, float32 logits:
+    # (x, residual or None, norm weight, eps, lm_head weight) -> logits [1, vocab]
+    norm_logits: Callable | None = None
 
 
 TORCH_OPS = LayerOps("torch")
@@ -43,15 +46,20 @@ def triton_ops() -> LayerOps:
     )
     from nanoqwen.kernels.triton.rms_norm import rms_norm
     from nanoqwen.kernels.triton.silu_mul import silu_mul
+    from nanoqwen.kernels.triton.stream_gemv import stream_gemv
 
     def add_rms_norm(x, weight, eps, residual):
         if residual is None:
             return rms_norm(x, weight, eps), x
         return rms_norm(x, weight, eps, residual), residual  # residual summed in place
 
+    def norm_logits(x, residual, norm_weight, eps, weight):
+        norm = (residual, norm_weight, eps)
+        return stream_gemv(x, weight, norm=norm, out_dtype=torch.float32)[0]
+
     return LayerOps(
         "triton", add_rms_norm, silu_mul, gemv, gemv_silu_mul, gemv_pays,
-        norm_gemv, norm_gemv_silu_mul,
+        norm_gemv, norm_gemv_silu_mul, norm_logits,
     )  # fmt: skip
 
 

@@ -96,6 +96,9 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
+    # set_ops': one row's final add+RMSNorm and lm_head in one launch (float32 logits), or None
+    norm_logits = None
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -144,6 +147,8 @@ class Qwen2ForCausalLM(nn.Module):
             if isinstance(module, DecoderLayer) and type(module.input_layernorm) is RMSNorm:
                 module.norm_gemv = ops.norm_gemv
                 module.norm_gemv_silu_mul = ops.norm_gemv_silu_mul
+        fuses = type(self.norm) is RMSNorm and ops.gemv_pays(self.lm_head)
+        self.norm_logits = ops.norm_logits if fuses else None
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         self.attention_backend = backend
@@ -171,9 +176,13 @@ class Qwen2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """hidden: forward()'s pair, already cut to the rows that need logits."""
         x, residual = hidden
-        normed, _ = self.norm(x, residual)
         if isinstance(self.lm_head, nn.Module):  # a QuantizedLinear (nanoqwen.quant)
+            normed, _ = self.norm(x, residual)
             return self.lm_head(normed).float()
+        if x.shape[0] == 1 and self.norm_logits is not None:
+            # the final add+RMSNorm in the lm_head GEMV's prologue, float32 logits
+            return self.norm_logits(x, residual, self.norm.weight, self.norm.eps, self.lm_head)
+        normed, _ = self.norm(x, residual)
         if self.tp is None and normed.is_cuda and normed.dtype != torch.float32:
             # float32 logits straight from the GEMM's float32 sums: no bf16 rounding of the
             # logits (HF's, which moves a logit near 8 by up to 0.03) and no separate cast

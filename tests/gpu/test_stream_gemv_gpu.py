@@ -80,6 +80,23 @@ def test_streamed_norm_gemv_equals_rms_norm_then_the_product(name):
     close(y, reference(normed.to(torch.bfloat16), w, b, silu))
 
 
+@pytest.mark.parametrize(("vocab", "hidden"), [(151936, 896), (152064, 3584)])
+def test_logits_with_the_final_norm_in_front_equal_norm_then_lm_head(vocab, hidden):
+    """LayerOps.norm_logits: the final add+RMSNorm, then float32 logits from the float32
+    sums, as the model's rms_norm and torch.mm(..., out_dtype=float32) give them."""
+    from nanoqwen.kernels.layer_ops import triton_ops
+    from nanoqwen.kernels.triton.rms_norm import rms_norm
+
+    w, _ = weights(vocab, hidden, False)
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(hidden, device="cuda") + 0.5).to(torch.bfloat16)
+    logits = triton_ops().norm_logits(x, res.clone(), nw, 1e-6, w)
+    want = torch.mm(rms_norm(x, nw, 1e-6, res), w.t(), out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and logits.shape == (1, vocab)
+    torch.testing.assert_close(logits, want, rtol=1e-3, atol=1e-3 * want.abs().mean().item())
+
+
 def test_a_chain_of_streamed_projections_replays_its_eager_result():
     """qkv (norm in front) -> o -> gate_up (norm in front) -> down, each a programmatic
     dependent of the one before: replayed from a CUDA graph with new inputs, bit for bit."""

@@ -76,26 +76,31 @@ def gemv_cases():
 
 
 def stream_gemv_cases():
-    """kernels/triton/stream_gemv.py at the 7B shape's projections with their launcher's
-    configuration, as the decode step runs them (qkv and gate_up with the add+RMSNorm in
-    front, as programmatic dependents)."""
+    """kernels/triton/stream_gemv.py at the 7B shape's projections and both shapes' lm_head
+    with their launcher's configuration, as the decode step runs them (qkv, gate_up and the
+    lm_head with the add+RMSNorm in front; float32 logits)."""
     from nanoqwen.kernels.triton import stream_gemv as sg
 
     for name, n, k, bias, silu, norm in (
         ("qkv", 4608, 3584, True, False, True), ("o", 3584, 3584, False, False, False),
         ("gate_up", 18944, 3584, False, True, True), ("down", 3584, 18944, False, False, False),
+        ("lm_head", 152064, 3584, False, False, True), ("0.5B lm_head", 151936, 896, False,
+                                                        False, True),
     ):  # fmt: skip
         cfg = sg.stream_gemv_config(n, k)
+        y = F32 if name.endswith("lm_head") else BF16  # float32 logits
         types = dict(x_ptr=BF16, w_desc=f"tensordesc<bf16[{cfg.rows}, {cfg.cols}]>",
-                     b_ptr=BF16, y_ptr=BF16, res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16,
+                     b_ptr=BF16, y_ptr=y, res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16,
                      part_ptr=F32, counts_ptr=I32, N="i32:16", K="i32:16", chunk="i32:16",
                      eps="fp32")  # fmt: skip
         for pdl in (False, True):
-            # gate_up's 1,184 programs run in waves: it lets the kernel behind launch late
+            # gate_up's 1,184 programs and the lm_head's 9,500 run in waves: they let the
+            # kernel behind launch late
             flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BN=cfg.rows,
                          BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages, AHEAD=pdl,
-                         PDL=pdl, EARLY=not silu)  # fmt: skip
-            label = f"stream gemv 7B {name}" + (" +pdl" if pdl else "")
+                         PDL=pdl, EARLY=not silu and "lm_head" not in name)  # fmt: skip
+            label = "stream gemv " + ("" if name.startswith("0.5B") else "7B ") + name
+            label += " +pdl" if pdl else ""
             yield label, sg._stream_gemv_kernel, types, flags, cfg.num_warps, cfg.num_stages
 
 

@@ -80,26 +80,31 @@ def test_norm_gemv_equals_add_rms_norm_then_the_projection(n, k, residual, first
 
 def test_fused_model_generates_what_the_reference_layers_generate(tiny_model):
     """Batch-1 decode through every fused kernel (add+RMSNorm inside the qkv and gate_up
-    GEMVs, GEMV with bias, GEMV with SiLU·up, lm_head GEMV) picks the same greedy tokens
-    with the same logits."""
+    GEMVs, GEMV with bias, GEMV with SiLU·up, the final norm inside the lm_head's streamed
+    GEMV) picks the same greedy tokens with the same logits."""
     from nanoqwen import LLM, SamplingParams
 
     path, _ = tiny_model
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     prompt = [5, 17, 99, 3]
     tokens, logits, decode_logprobs = {}, {}, {}
-    calls = []
+    calls, logits_calls = [], []
     for fused in (False, True):
         llm = LLM(str(path), dtype="float32", progress=False)
-        llm.runner.model.set_ops(triton_ops() if fused else TORCH_OPS)
-        for layer in llm.runner.model.layers if fused else []:
+        model = llm.runner.model
+        model.set_ops(triton_ops() if fused else TORCH_OPS)
+        for layer in model.layers if fused else []:
             inner = layer.norm_gemv
             layer.norm_gemv = lambda *a, inner=inner: calls.append(1) or inner(*a)
+        if fused:
+            inner = model.norm_logits
+            model.norm_logits = lambda *a, inner=inner: logits_calls.append(1) or inner(*a)
         out = llm.generate([prompt], params)[0]
         tokens[fused] = out.token_ids
         decode_logprobs[fused] = [e.logprob for e in out.logprobs]
         logits[fused] = llm.runner.prompt_logits(prompt + tokens[fused], last=1)
     assert calls, "decode did not take the add+RMSNorm inside the GEMV"
+    assert logits_calls, "decode did not take the final norm inside the lm_head's GEMV"
     assert tokens[True] == tokens[False]
     assert decode_logprobs[True] == pytest.approx(decode_logprobs[False], abs=1e-5)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
