@@ -45,7 +45,8 @@
 #       with bf16 weights for the checkout: the int4 / bf16 ratio of one call.
 #   stream [DIR ...]
 #       7B bf16 at batch 1 on the streamed GEMV (kernels/triton/stream_gemv.py):
-#       tools/stream_gemv_bench.py (cuBLAS against the kernel's launch parameters), then the
+#       tools/stream_gemv_bench.py (cuBLAS against the kernel's launch parameters; 7B's
+#       projections and both shapes' lm_head), then the
 #       7B latency bench at batch 1 for each DIR's nanoqwen/ and the checkout, then
 #       tools/profile_decode.py's critical path of a 7B batch-1 step.
 #   sampling [DIR ...]
@@ -379,6 +380,8 @@ profile_steps() {
 stream() {
   gpu_env optional
   python3 tools/stream_gemv_bench.py --budget-s "${SWEEP_S:-150}" 2>&1 | tee "$OUT/stream_gemv.log"
+  python3 tools/stream_gemv_bench.py --shapes 0.5B --only lm_head --budget-s 30 2>&1 \
+    | tee -a "$OUT/stream_gemv.log"
   local bench=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1
                --sampling greedy --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
   local dir

@@ -4,7 +4,8 @@ that rotates over enough weight copies that none is still in L2 (tools/quant_ker
 timing), as in decode. gate_up runs with SiLU·up, cuBLAS's with the SiLU·up kernel after it;
 the lm_head gives float32 logits, cuBLAS's as the model asks it (torch.mm, out_dtype).
 
-Usage (device): python3 tools/stream_gemv_bench.py [--shapes 7B] [--budget-s 150]
+Usage (device): python3 tools/stream_gemv_bench.py [--shapes 7B] [--only qkv,lm_head]
+                [--budget-s 150]
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ def sweep(model: str, shape: Shape, deadline: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="7B")
+    p.add_argument("--only", default="qkv,o,gate_up,down,lm_head", help="projections")
     p.add_argument("--budget-s", type=float, default=150.0, help="seconds for all the sweeps")
     args = p.parse_args()
     models = args.shapes.split(",")
-    names = ("qkv", "o", "gate_up", "down", "lm_head")
+    names = args.only.split(",")
     per_shape = args.budget_s / (len(models) * len(names))
     for model in models:
         for name, (n, k) in shapes(model).items():
