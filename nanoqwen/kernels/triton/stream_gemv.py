@@ -1,5 +1,5 @@
-"""Batch-1 products with large weights (7B's projections, 26-272 MB), the weight streamed by
-bulk copies.
+"""Batch-1 products with large weights (7B's projections, 26-272 MB, and the lm_head), the
+weight streamed by bulk copies.
 
 At one token a projection reads its weight once, so its time is the weight's bytes over the
 rate the kernel keeps them coming. gemv.py's loads go through the registers, and for weights
