@@ -37,7 +37,8 @@
 #       batch-1 decode: the latency bench at 0.5B, batch 1 and 64, greedy, first for each
 #       DIR's nanoqwen/ (e.g. `git archive REV nanoqwen | tar -x -C .exp/REV`, carried: an
 #       A/B in one call), then for the checkout; tools/profile_decode.py's critical path at
-#       batch 1; tools/gemv_chain_bench.py --sweep.
+#       batch 1; tools/gemv_chain_bench.py --sweep; tools/pdl_chain_bench.py (a kernel
+#       boundary's cost).
 #   int4 [DIR ...]
 #       int4 weights at batch 1: tools/quant_kernel_bench.py's stack and tensor-core GEMV
 #       sweep at 7B (groups of 128 with offsets), then the 7B latency bench at batch 1 with
@@ -127,6 +128,7 @@ batch1() {
   python3 tools/profile_decode.py --shape 0.5B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/batch1_profile.log"
   python3 tools/gemv_chain_bench.py --sweep 2>&1 | tee "$OUT/gemv_chain.log"
+  python3 tools/pdl_chain_bench.py 2>&1 | tee "$OUT/pdl_chain.log"
 }
 
 sampling() {
