@@ -28,7 +28,8 @@
 #       nanoqwen bench --mode long at 7B with YaRN (carry .peer for the tokenizer): a
 #       131,072-token prompt; 64 streams while a 32K prompt arrives (BUDGET tokens a step,
 #       default 2048), with the bf16 and the fp8 KV cache (KV_DTYPES); decode at 64 sequences x 8K
-#       context (FP8_SHAPE, default 7B), bf16 and fp8 KV cache. Default: all three.
+#       context (FP8_SHAPE, default 7B), bf16 and fp8 KV cache, for each tree in TREES (as
+#       batch1 takes them) and then the checkout. Default: all three.
 #   profile-steps
 #       tools/profile_step.py's kernel profiles: a 7B mixed step, a 0.5B verify step, 0.5B
 #       decode at 64 x 8K with the bf16 and the fp8 KV cache; then tools/kernel_bench.py
@@ -355,10 +356,14 @@ PY
     done
   fi
   if [[ " ${parts[*]} " == *" decode "* ]]; then
-    for kv in auto fp8; do
-      python3 -m nanoqwen.bench --shape "${FP8_SHAPE:-7B}" --mode latency --batch-sizes 64 \
-        --prompt-len 8192 --new-tokens 64 --max-num-seqs 64 --kv-cache-dtype "$kv" 2>&1 \
-        | grep -v $'\r' | tee -a "$OUT/decode_64x8k.log"
+    local tree
+    for tree in ${TREES:-} .; do  # TREES: other nanoqwen/ trees first, as batch1 takes them
+      for kv in auto fp8; do
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m nanoqwen.bench \
+          --shape "${FP8_SHAPE:-7B}" --mode latency --batch-sizes 64 --prompt-len 8192 \
+          --new-tokens 64 --max-num-seqs 64 --kv-cache-dtype "$kv" 2>&1 | grep -v $'\r' \
+          | tee -a "$OUT/decode_64x8k_$(basename "$(pwd)").log")
+      done
     done
   fi
 }
