@@ -78,6 +78,15 @@ gpu_env() {
   export PYTHONPATH=/tmp/site:$PWD
 }
 
+# in_tree DIR LOG CMD...: CMD run in DIR with DIR's nanoqwen/ first on the path (an A/B
+# tree, or . for the checkout), progress lines dropped, shown and kept in
+# $OUT/LOG_<DIR's name>.log.
+in_tree() {
+  local dir=$1 log=$2; shift 2
+  (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "$@" 2>&1 | grep -v $'\r' \
+    | tee "$OUT/${log}_$(basename "$PWD").log")
+}
+
 check() {
   gpu_env
   local what=${1:-all}; shift || true
@@ -121,11 +130,9 @@ batch1() {
   local bench=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
                --sampling greedy --max-num-seqs 64)
   local dir
-  for dir in "$@"; do
-    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" 2>&1 | grep -v $'\r' \
-      | tee "$OUT/batch1_$(basename "$dir").log")
+  for dir in "$@" .; do
+    in_tree "$dir" batch1 "${bench[@]}"
   done
-  "${bench[@]}" 2>&1 | grep -v $'\r' | tee "$OUT/batch1.log"
   python3 tools/profile_decode.py --shape 0.5B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/batch1_profile.log"
   python3 tools/gemv_chain_bench.py --sweep 2>&1 | tee "$OUT/gemv_chain.log"
@@ -138,16 +145,12 @@ sampling() {
                --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
   local profile=(python3 "$PWD/tools/profile_sampler.py" --batch-sizes 1,64
                  --presets greedy,cli,t1-p0.9 --kernels)
-  local dir name
+  local dir
   for dir in "$@" .; do
-    name=$(basename "$(cd "$dir" && pwd)")
-    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" 2>&1 | grep -v $'\r' \
-      | tee "$OUT/sampling_$name.log")
+    in_tree "$dir" sampling "${bench[@]}"
   done
   for dir in "$@" .; do
-    name=$(basename "$(cd "$dir" && pwd)")
-    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${profile[@]}" 2>&1 | grep -v $'\r' \
-      | tee "$OUT/sampler_kernels_$name.log")
+    in_tree "$dir" sampler_kernels "${profile[@]}"
   done
 }
 

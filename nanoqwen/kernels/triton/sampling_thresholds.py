@@ -291,8 +291,7 @@ def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: i
     tiles = parts.tiles
     _candidates_kernel[(rows, tiles)](
         z, parts.max, parts.bound, parts.cand, parts.floor, slots, state.iparams, vocab, tiles,
-        CAP=candidates, BLOCK=parts.tile, OPEN_P=not exact,
-        num_warps=4,
+        CAP=candidates, BLOCK=parts.tile, OPEN_P=not exact, num_warps=4,
     )  # fmt: skip
     num_cands = tiles * candidates
     f32 = dict(dtype=torch.float32, device=z.device)
@@ -312,8 +311,7 @@ def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: i
     _finish_kernel[(rows,)](
         z, parts.cand, parts.floor, tiles, need, slots, state.fparams, state.iparams, tau_k,
         tau_p, tau_min, parts.m, parts.s, tau, vocab, search_keys, search_target, pending,
-        CAP=candidates, PROBES=PROBES, BLOCK=SEARCH_BLOCK, TILES=pow2,
-        num_warps=SEARCH_WARPS,
+        CAP=candidates, PROBES=PROBES, BLOCK=SEARCH_BLOCK, TILES=pow2, num_warps=SEARCH_WARPS,
     )  # fmt: skip
     if exact:
         search_rows(z, search_keys, tau_k, parts.m, search_target, tau)
