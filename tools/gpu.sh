@@ -78,6 +78,10 @@ gpu_env() {
   export PYTHONPATH=/tmp/site:$PWD
 }
 
+# 7B batch-1 decode, as the stream and int4 modes time it.
+LATENCY_7B=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1 --sampling greedy
+            --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
+
 # in_tree DIR LOG CMD...: CMD run in DIR with DIR's nanoqwen/ first on the path (an A/B
 # tree, or . for the checkout), progress lines dropped, shown and kept in
 # $OUT/LOG_<DIR's name>.log.
@@ -362,10 +366,9 @@ PY
     local tree
     for tree in ${TREES:-} .; do  # TREES: other nanoqwen/ trees first, as batch1 takes them
       for kv in auto fp8; do
-        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m nanoqwen.bench \
-          --shape "${FP8_SHAPE:-7B}" --mode latency --batch-sizes 64 --prompt-len 8192 \
-          --new-tokens 64 --max-num-seqs 64 --kv-cache-dtype "$kv" 2>&1 | grep -v $'\r' \
-          | tee -a "$OUT/decode_64x8k_$(basename "$(pwd)").log")
+        in_tree "$tree" "decode_64x8k_$kv" python3 -m nanoqwen.bench --shape "${FP8_SHAPE:-7B}" \
+          --mode latency --batch-sizes 64 --prompt-len 8192 --new-tokens 64 --max-num-seqs 64 \
+          --kv-cache-dtype "$kv"
       done
     done
   fi
@@ -392,12 +395,9 @@ stream() {
   python3 tools/stream_gemv_bench.py --budget-s "${SWEEP_S:-150}" 2>&1 | tee "$OUT/stream_gemv.log"
   python3 tools/stream_gemv_bench.py --shapes 0.5B --only lm_head --budget-s 30 2>&1 \
     | tee -a "$OUT/stream_gemv.log"
-  local bench=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1
-               --sampling greedy --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
   local dir
   for dir in "$@" .; do
-    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" 2>&1 | grep -v $'\r' \
-      | tee "$OUT/stream_7b_$(basename "$(pwd)").log")
+    in_tree "$dir" stream_7b "${LATENCY_7B[@]}"
   done
   python3 tools/profile_decode.py --shape 7B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/stream_profile_7b.log"
@@ -407,14 +407,11 @@ int4() {
   gpu_env optional
   python3 tools/quant_kernel_bench.py --shapes 7B --sections stack,mma --formats q4g128o \
     --sweep-budget-s "${SWEEP_S:-120}" 2>&1 | tee "$OUT/int4_kernels.log"
-  local bench=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1
-               --sampling greedy --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
   local dir
   for dir in "$@" .; do
-    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "${bench[@]}" --quantization int4 2>&1 \
-      | grep -v $'\r' | tee "$OUT/int4_$(basename "$(pwd)").log")
+    in_tree "$dir" int4 "${LATENCY_7B[@]}" --quantization int4
   done
-  "${bench[@]}" --quantization none 2>&1 | grep -v $'\r' | tee "$OUT/int4_bf16.log"
+  in_tree . int4_bf16 "${LATENCY_7B[@]}" --quantization none
 }
 
 mode=${1:-}; shift || true
