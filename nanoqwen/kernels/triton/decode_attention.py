@@ -143,6 +143,21 @@ def _accumulate(q, m_i, l_i, acc, s, v, n0, end, TILE_N: tl.constexpr, MASKED: t
 
 
 @triton.jit
+def _new_token_rows(
+    row, kvh, dv, partner, owns_new,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The new token's key (and each element's rotate_half partner) and value from its qkv
+    row; loaded only by the program that owns the new token."""
+    k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
+    v_row = row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
+    mask = (dv < HEAD_DIM) & owns_new
+    k_new = tl.load(k_row + dv, mask=mask, other=0.0)
+    k_swap = tl.load(k_row + partner, mask=mask, other=0.0)
+    return k_new, k_swap, tl.load(v_row + dv, mask=mask, other=0.0)
+
+
+@triton.jit
 def _decode_kernel(
     qkv_ptr, pos_ptr, slot_ptr, ctx_ptr, tables_ptr, order_ptr, cos_ptr, sin_ptr,
     k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, part_out_ptr, part_lse_ptr, counts_ptr,
@@ -192,10 +207,20 @@ def _decode_kernel(
         # with no cached keys: the new token's slot is in it.
         at = _tile_at(table, kvh, start, HEAD_DIM, PAGE)
         k_first, v_first = k_desc.load(at), v_desc.load(at)
+    owns_new = split == used - 1
+    # (A float8 tile held from before the wait leaves no registers for them.)
+    EARLY_NEW: tl.constexpr = PRELOAD and not k_cache_ptr.dtype.element_ty.is_fp8()
+    if EARLY_NEW:
+        slot = tl.load(slot_ptr + seq)  # a step input, not the kernel in front's output
     if PDL:
         gdc_wait()  # qkv is the kernel in front's output
     q = tl.load(row + q_offs + dv[None, :], mask=g_mask[:, None], other=0.0)
     q_swap = tl.load(row + q_offs + partner[None, :], mask=g_mask[:, None], other=0.0)
+    if EARLY_NEW:
+        # At small batch a program's path is one chain of waits: the new token's rows go out
+        # with q's rather than after the tiles.
+        k_new, k_swap, v_new = _new_token_rows(row, kvh, dv, partner, owns_new, NUM_HEADS,
+                                               NUM_KV_HEADS, HEAD_DIM)  # fmt: skip
     q = _rotate_rows(q, q_swap, cos[None, :], sin[None, :], first[None, :], dtype)
     q = q.to(dot_dtype)
 
@@ -223,15 +248,16 @@ def _decode_kernel(
             HEAD_DIM, PAGE, TILE_N, True,
         )  # fmt: skip
 
-    if split == used - 1:
+    if owns_new:
         # The step's own token: rotate and store its key, store its value, attend to both.
-        k_row = row + (NUM_HEADS + kvh) * HEAD_DIM
-        v_row = row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
-        kn = _rotate_rows(tl.load(k_row + dv), tl.load(k_row + partner), cos, sin, first, dtype)
+        if not EARLY_NEW:
+            k_new, k_swap, v_new = _new_token_rows(row, kvh, dv, partner, True, NUM_HEADS,
+                                                   NUM_KV_HEADS, HEAD_DIM)  # fmt: skip
+            slot = tl.load(slot_ptr + seq)
+        kn = _rotate_rows(k_new, k_swap, cos, sin, first, dtype)
         # As later steps will read it back from the cache.
         kn = to_cache(kn, k_cache_ptr)
-        vn = to_cache(tl.load(v_row + dv), v_cache_ptr)
-        slot = tl.load(slot_ptr + seq)
+        vn = to_cache(v_new, v_cache_ptr)
         dst = (slot * NUM_KV_HEADS + kvh) * HEAD_DIM
         tl.store(k_cache_ptr + dst + dv, kn)
         tl.store(v_cache_ptr + dst + dv, vn)
