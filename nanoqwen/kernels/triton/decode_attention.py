@@ -36,6 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.rope import to_cache
+from nanoqwen.kernels.triton.split_merge import store_split_and_merge
 
 # Tile (keys per inner step) and warps by (sequence, KV head) pairs, chosen with
 # tools/kernel_bench.py on the H200 at 1 x 2K-32K, 64 x 8K and the throughput workload's
@@ -277,56 +278,11 @@ def _decode_kernel(
             tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
                      mask=g_mask[:, None])  # fmt: skip
         else:
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
-            lse = m_i + tl.log2(l_safe)
-            part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
-            tl.store(part_lse_ptr + part, lse, mask=g_mask)
-            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dv[None, :], acc / l_safe[:, None],
-                     mask=g_mask[:, None])  # fmt: skip
-            # The last split of this (sequence, KV head) to finish merges them all: every
-            # warp's stores come before one thread's release of the count (the barrier), and
-            # that thread's acquire before the merging warps' loads (the count is broadcast
-            # through shared memory behind another barrier).
-            tl.debug_barrier()
-            counter = counts_ptr + seq * NUM_KV_HEADS + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-                tl.store(counter, 0)  # ready for the next launch
-                _merge_group(
-                    part_out_ptr, part_lse_ptr, out_rows, seq, heads, g_mask, used,
-                    NUM_HEADS, HEAD_DIM, NUM_SPLITS, SPLITS_PAD, GROUP_PAD,
-                )  # fmt: skip
-
-
-@triton.jit
-def _merge_group(
-    part_out_ptr, part_lse_ptr, out_rows, seq, heads, g_mask, used,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-):  # fmt: skip
-    """The used splits' partial outputs of one KV head's query heads, weighted by their mass
-    (splits past the context stored nothing; the one holding the new token always saw a key,
-    so a head's maximum is finite). Loads skip L1, which may hold an earlier launch's
-    partials."""
-    s = tl.arange(0, SPLITS_PAD)
-    part = (seq * NUM_HEADS + heads)[:, None] * NUM_SPLITS + s[None, :]
-    live = g_mask[:, None] & (s < used)[None, :]
-    lse = tl.load(part_lse_ptr + part, mask=live, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # padding heads
-    w = tl.exp2(lse - m[:, None])
-    w = w / tl.where(g_mask, tl.sum(w, 1), 1.0)[:, None]
-    dv = tl.arange(0, HEAD_DIM)
-    out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    rows = part_out_ptr + ((seq * NUM_HEADS + heads) * NUM_SPLITS)[:, None] * HEAD_DIM
-    # Unrolled, every split's loads are in flight at once, where a loop issues them one
-    # after another (compiled for sm_90 without spills at every batch's tile and warps).
-    for i in tl.static_range(NUM_SPLITS):
-        if i < used:
-            w_i = tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)
-            o = tl.load(rows + i * HEAD_DIM + dv[None, :], mask=g_mask[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-            out += w_i[:, None] * o
-    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=g_mask[:, None])
+            store_split_and_merge(
+                m_i, l_i, acc, part_out_ptr, part_lse_ptr,
+                counts_ptr + seq * NUM_KV_HEADS + kvh, out_rows, seq * NUM_HEADS + heads,
+                g_mask, split, used, HEAD_DIM, NUM_SPLITS, SPLITS_PAD,
+            )  # fmt: skip
 
 
 def tile_reader(cache: torch.Tensor, tile: int) -> TensorDescriptor:

@@ -7,7 +7,8 @@ for a verify step of 5 rows that is 14 programs at 0.5B for the whole GPU, each 
 bound. Here a program owns one KV head of one sequence and one slice of its keys, with all
 of the group's heads for all of the new rows as the rows of its dots (rows x group padded to
 the next power of two), so the context is read once per KV head and split like decode
-(decode_attention.num_splits_for); a second launch merges the slices' partial softmaxes.
+(decode_attention.num_splits_for); the last slice of a group to finish merges the slices'
+partial softmaxes (split_merge.py).
 
 rope_and_store (kernels/triton/rope.py) rotates q and writes the new K/V before, so every key,
 the new rows' included, is read from the cache: new row j of a sequence of context length
@@ -20,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.decode_attention import num_splits_for, split_range
 from nanoqwen.kernels.triton.prefill_attention import LOG2_E, _key_offsets
+from nanoqwen.kernels.triton.split_merge import store_split_and_merge
 
 TILE = 64  # keys per inner step
 
@@ -29,11 +32,13 @@ TILE = 64  # keys per inner step
 @triton.jit
 def _verify_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, tables_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    q_stride, table_stride, scale_log2,
+    counts_ptr, q_stride, table_stride, scale_log2,
     Q: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, PAGE: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
+    """counts_ptr: one int32 per (sequence, KV head), zero between launches: how many of its
+    splits have stored their partial result (split_merge.py)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -81,45 +86,16 @@ def _verify_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
-        dst = out_ptr + (token[:, None] * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+    out_rows = out_ptr + (token[:, None] * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
+    if NUM_SPLITS == 1 or used == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
     else:
-        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=r_mask)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=r_mask[:, None])
-
-
-@triton.jit
-def merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, TILE_N: tl.constexpr, ROWS_PER_SEQ: tl.constexpr,
-):  # fmt: skip
-    """One program per (row, head): the used splits' partial outputs weighted by their mass
-    (splits past the context wrote nothing). Row r belongs to sequence r // ROWS_PER_SEQ,
-    whose context_lens keys, the new rows' included, the splits divided (split_range). The
-    split holding a row's own key always saw some key, so the maximum is finite; a split past
-    it may have seen none (lse -inf, weight 0)."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    dv = tl.arange(0, HEAD_DIM)
-    cached = tl.load(ctx_ptr + row // ROWS_PER_SEQ)
-    _, _, used = split_range(cached, 0, NUM_SPLITS, TILE_N, TILE_N)
-    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + part, mask=s < used, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    o = tl.load(
-        part_out_ptr + part[:, None] * HEAD_DIM + dv[None, :],
-        mask=(s < used)[:, None],
-        other=0.0,
-    )
-    out = tl.sum(w[:, None] * o, 0)
-    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + dv, out.to(out_ptr.dtype.element_ty))
+        store_split_and_merge(
+            m_i, l_i, acc, part_out_ptr, part_lse_ptr, counts_ptr + seq * NUM_KV_HEADS + kvh,
+            out_rows, token * NUM_HEADS + head, r_mask, split, used, HEAD_DIM, NUM_SPLITS,
+            SPLITS_PAD,
+        )  # fmt: skip
 
 
 def verify_attention(
@@ -143,22 +119,18 @@ def verify_attention(
     splits = num_splits or num_splits_for(seqs, kv_heads)
     rows = max(16, triton.next_power_of_2(rows_per_seq * group))
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
-    part_out = part_lse = out  # unused with one split
+    part_out = part_lse = counts = out  # unused with one split
     if splits > 1:
         f32 = dict(dtype=torch.float32, device=q.device)
         part_out = torch.empty(tokens, heads, splits, head_dim, **f32)
         part_lse = torch.empty(tokens, heads, splits, **f32)
+        counts = zeroed_counters(q.device, seqs * kv_heads, "verify attention splits")
     _verify_kernel[(splits, kv_heads, seqs)](
-        q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_lse,
+        q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_lse, counts,
         q.stride(0), block_tables.stride(0), scale * LOG2_E,
         Q=rows_per_seq, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
         ROWS=rows, PAGE=page, TILE_N=TILE, NUM_SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
         num_warps=4 if rows * head_dim <= 64 * 64 else 8, num_stages=2,
     )  # fmt: skip
-    if splits > 1:
-        merge_splits_kernel[(tokens, heads)](
-            part_out, part_lse, context_lens, out, NUM_HEADS=heads, HEAD_DIM=head_dim,
-            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), TILE_N=TILE,
-            ROWS_PER_SEQ=rows_per_seq, num_warps=1,
-        )  # fmt: skip
     return out

@@ -167,7 +167,7 @@ CACHES = {"bf16": BF16, "fp8": "*fp8e4nv"}
 def attention_cases():
     """The attention kernels and their neighbours at the shapes and settings their
     launchers pick: decode (batch 1 with splits, large batch with long tiles), verify (k = 4),
-    prefill, the splits' merge, RoPE with the K/V write, add+RMSNorm, SiLU·up."""
+    prefill and its splits' merge, RoPE with the K/V write, add+RMSNorm, SiLU·up."""
     from nanoqwen.kernels.triton import decode_attention as da
     from nanoqwen.kernels.triton import prefill_attention as pa
     from nanoqwen.kernels.triton import rms_norm, rope, silu_mul
@@ -199,8 +199,10 @@ def attention_cases():
             yield label, da._decode_kernel, decode, flags, warps, da.NUM_STAGES
         rows = max(16, triton.next_power_of_2(5 * group))
         verify = dict(q_ptr=BF16, ctx_ptr=I32, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,
-                      q_stride="i32:16", table_stride="i32", scale_log2="fp32", **kv)  # fmt: skip
-        flags = dict(Q=5, GROUP=group, ROWS=rows, TILE_N=va.TILE, NUM_SPLITS=8, **heads_flags)
+                      counts_ptr=I32, q_stride="i32:16", table_stride="i32", scale_log2="fp32",
+                      **kv)  # fmt: skip
+        flags = dict(Q=5, GROUP=group, ROWS=rows, TILE_N=va.TILE, NUM_SPLITS=8, SPLITS_PAD=8,
+                     **heads_flags)  # fmt: skip
         warps = 4 if rows * dim <= 64 * 64 else 8
         yield f"verify attention {shape} {cache}", va._verify_kernel, verify, flags, warps, 2
         block_m, block_n, warps, stages = pa.prefill_config(dim, 4096)
@@ -223,10 +225,6 @@ def attention_cases():
                      slot_ptr=I64, k_cache_ptr=cache_type, v_cache_ptr=cache_type)  # fmt: skip
         flags = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
         yield f"rope and store {shape} {cache}", rope._rope_store_kernel, store, flags, 1, 3
-    merge = dict(part_out_ptr=F32, part_lse_ptr=F32, ctx_ptr=I32, out_ptr=BF16)
-    flags = dict(NUM_HEADS=14, HEAD_DIM=64, NUM_SPLITS=8, SPLITS_PAD=8, TILE_N=128,
-                 ROWS_PER_SEQ=5)  # fmt: skip
-    yield "verify merge splits x5", va.merge_splits_kernel, merge, flags, 1, 3
     norm = dict(x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, out_ptr=BF16, n_cols="i32",
                 x_stride="i32", res_stride="i32", out_stride="i32", eps="fp32")  # fmt: skip
     for cols, residual, pdl in itertools.product((896, 3584), (False, True), (False, True)):
