@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
+from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token
 
 TILE = 2048  # vocabulary entries per program
@@ -42,12 +43,14 @@ def _prepare_kernel(
     logits_ptr, logits_stride, z_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
     prompt_mask_ptr, counts_ptr, ban_mask_ptr,
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
-    vocab, num_tiles,
-    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+    vocab, num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, row_count_ptr,
+    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
     per-tile partials: max, sum of exp(z - max), first argmax; with SAMPLE the Gumbel argmax
-    of z + noise (a draw with no filter)."""
+    of z + noise (a draw with no filter). The row's last tile program to finish reduces the
+    row (_reduce_row: FIRST, and with SAMPLE the draw and its record)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -81,6 +84,24 @@ def _prepare_kernel(
     if SAMPLE:
         _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
                     part_gval_ptr, part_gidx_ptr)  # fmt: skip
+    if _last_tile(row_count_ptr + row, num_tiles):
+        _reduce_row(
+            row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
+            num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr,
+            iparams_ptr, counts_ptr, out_pos_ptr, tokens_ptr, vocab, True, SAMPLE, SAMPLE,
+            TILES, CANDIDATES, False,
+        )  # fmt: skip
+
+
+@triton.jit
+def _last_tile(counter, num_tiles):
+    """Counts this tile program of a row in (after every thread's stores: the barrier, then
+    one thread's release); True in the row's last to arrive, which leaves the count zero and
+    then sees every tile's partials."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_tiles - 1
+    tl.store(counter, 0, mask=last)
+    return last
 
 
 @triton.jit
@@ -99,9 +120,12 @@ def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_p
 @triton.jit
 def _sample_kernel(
     z_ptr, tau_ptr, part_max_ptr, slots_ptr, iparams_ptr, out_pos_ptr, part_gval_ptr,
-    part_gidx_ptr, vocab, num_tiles, BLOCK: tl.constexpr,
+    part_gidx_ptr, vocab, num_tiles, greedy_ptr, tokens_ptr, counts_ptr, pending_ptr,
+    row_count_ptr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold)."""
+    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold); the
+    row's last tile program to finish draws and records its token (a row still open for
+    nucleus_draw.py gets its draw as that pass's first candidate)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     part = row * num_tiles + tile
@@ -109,42 +133,52 @@ def _sample_kernel(
     if tl.load(part_max_ptr + part) < tau:  # the filters keep nothing here: most tiles
         tl.store(part_gval_ptr + part, float("-inf"))
         tl.store(part_gidx_ptr + part, tile * BLOCK)
-        return
-    slot = tl.load(slots_ptr + row)
-    ip = iparams_ptr + slot * NUM_I
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < vocab
-    x = tl.load(z_ptr + row * vocab + offs, mask=inside, other=float("-inf"))
-    keep = inside & (x >= tau)
-    _store_draw(x, keep, tl.load(ip + I_FLAGS), ip, out_pos_ptr, slot, offs, part,
-                tile * BLOCK, part_gval_ptr, part_gidx_ptr)  # fmt: skip
+    else:
+        slot = tl.load(slots_ptr + row)
+        ip = iparams_ptr + slot * NUM_I
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        x = tl.load(z_ptr + row * vocab + offs, mask=inside, other=float("-inf"))
+        keep = inside & (x >= tau)
+        _store_draw(x, keep, tl.load(ip + I_FLAGS), ip, out_pos_ptr, slot, offs, part,
+                    tile * BLOCK, part_gval_ptr, part_gidx_ptr)  # fmt: skip
+    if _last_tile(row_count_ptr + row, num_tiles):
+        _reduce_row(
+            row, part_max_ptr, part_max_ptr, part_max_ptr, part_gval_ptr, part_gidx_ptr,
+            num_tiles, part_max_ptr, part_max_ptr, greedy_ptr, part_max_ptr, tokens_ptr,
+            slots_ptr, iparams_ptr, counts_ptr, out_pos_ptr, pending_ptr, vocab, False, True,
+            True, TILES, 0, True,
+        )  # fmt: skip
 
 
 @triton.jit
-def _reduce_kernel(
-    part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
+def _reduce_row(
+    row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
     m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr,
     out_pos_ptr, pending_ptr, vocab,
     FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
     CANDIDATES: tl.constexpr, PENDING: tl.constexpr,
 ):  # fmt: skip
-    """Per row, over the tile partials: FIRST: max, sum of exp and greedy token, and with
-    CANDIDATES the row's bound for them (sampling_thresholds._candidates_kernel); SAMPLED: the
-    draw; RECORD: the row's token (greedy or drawn) stored and counted as the slot's output.
-    With PENDING, a row whose top-p boundary is still open gets its draw stored as the first
-    candidate of nucleus_draw.py, which records the row's token."""
-    row = tl.program_id(0).to(tl.int64)
+    """One row, over its tile partials (stored by other programs of this launch: the loads
+    skip L1): FIRST: max, sum of exp and greedy token, and with CANDIDATES the row's bound
+    for them (sampling_thresholds._candidates_kernel); SAMPLED: the draw; RECORD: the row's
+    token (greedy or drawn) stored and counted as the slot's output. With PENDING, a row
+    whose top-p boundary is still open gets its draw stored as the first candidate of
+    nucleus_draw.py, which records the row's token."""
     idx = tl.arange(0, TILES)
     parts = row * num_tiles + idx
     inside = idx < num_tiles
+    token = tl.zeros((), tl.int32)
     if FIRST:
-        pmax = tl.load(part_max_ptr + parts, mask=inside, other=float("-inf"))
-        m, greedy = first_max(pmax, tl.load(part_arg_ptr + parts, mask=inside, other=0), idx,
-                               num_tiles)  # fmt: skip
-        psum = tl.load(part_sum_ptr + parts, mask=inside, other=0.0)
+        pmax = tl.load(part_max_ptr + parts, mask=inside, other=float("-inf"),
+                       cache_modifier=".cg")  # fmt: skip
+        arg = tl.load(part_arg_ptr + parts, mask=inside, other=0, cache_modifier=".cg")
+        m, greedy = first_max(pmax, arg, idx, num_tiles)
+        psum = tl.load(part_sum_ptr + parts, mask=inside, other=0.0, cache_modifier=".cg")
         tl.store(m_ptr + row, m)
         tl.store(s_ptr + row, tl.sum(psum * tl.exp(pmax - m), axis=0))
         tl.store(greedy_ptr + row, greedy)
+        token = greedy
         if CANDIDATES > 0:
             # With top-k k of at most CANDIDATES, the k-th largest tile max: the row's k
             # largest values are at or above it (k tiles have a value there), and its
@@ -158,10 +192,12 @@ def _reduce_kernel(
             tl.store(bound_ptr + row, tl.where(greedy_row, float("inf"), bound))
     if RECORD:
         slot = tl.load(slots_ptr + row)
-        token = tl.load(greedy_ptr + row)
+        if not FIRST:
+            token = tl.load(greedy_ptr + row)  # the prepare launch's
         if SAMPLED:
-            gval = tl.load(part_gval_ptr + parts, mask=inside, other=float("-inf"))
-            gidx = tl.load(part_gidx_ptr + parts, mask=inside, other=0)
+            gval = tl.load(part_gval_ptr + parts, mask=inside, other=float("-inf"),
+                           cache_modifier=".cg")  # fmt: skip
+            gidx = tl.load(part_gidx_ptr + parts, mask=inside, other=0, cache_modifier=".cg")
             _, drawn = first_max(gval, gidx, idx, num_tiles)
             greedy_row = (tl.load(iparams_ptr + slot * NUM_I + I_FLAGS) & FLAG_GREEDY) != 0
             token = tl.where(greedy_row, token, drawn)
@@ -191,26 +227,21 @@ class _Partials:
         self.greedy = torch.empty(rows, **i32)
 
 
-def _prepare(logits, slots, state, z, parts: _Partials, sample: bool) -> None:
+def _prepare(
+    logits, slots, state, z, parts: _Partials, sample: bool, tokens=None, candidates: int = 0
+) -> None:
+    """The prepare pass, each row then reduced by its last tile program: FIRST (the row's
+    max, sum, greedy token and, with candidates, their bound), and with sample the draw
+    and its record into tokens."""
     rows, vocab = logits.shape
     _prepare_kernel[(rows, parts.tiles)](
         logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
         state.iparams, state.out_pos, state.prompt_mask, state.counts, state.ban_mask,
-        parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles,
-        WRITE_Z=z is not None, SAMPLE=sample, BLOCK=parts.tile, num_warps=4,
-    )  # fmt: skip
-
-
-def _reduce(
-    parts: _Partials, slots, state, tokens, first: bool, sampled: bool, record: bool,
-    candidates: int = 0, pending: torch.Tensor | None = None,
-):  # fmt: skip
-    _reduce_kernel[(slots.shape[0],)](
-        parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, parts.tiles, parts.m, parts.s,
-        parts.greedy, parts.bound, tokens, slots, state.iparams, state.counts, state.out_pos,
-        tokens if pending is None else pending, state.counts.shape[1], FIRST=first,
-        SAMPLED=sampled, RECORD=record, TILES=triton.next_power_of_2(parts.tiles),
-        CANDIDATES=candidates, PENDING=pending is not None, num_warps=1,
+        parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles, parts.m,
+        parts.s, parts.greedy, parts.bound, parts.m if tokens is None else tokens,
+        zeroed_counters(logits.device, rows, "sampler prepare rows"), WRITE_Z=z is not None,
+        SAMPLE=sample, BLOCK=parts.tile, TILES=triton.next_power_of_2(parts.tiles),
+        CANDIDATES=candidates, num_warps=4,
     )  # fmt: skip
 
 
@@ -219,8 +250,7 @@ def plain_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _prepare(logits, slots, state, None, parts, sample=True)
-    _reduce(parts, slots, state, tokens, first=True, sampled=True, record=True)
+    _prepare(logits, slots, state, None, parts, sample=True, tokens=tokens)
     return tokens
 
 
@@ -235,9 +265,7 @@ def filter_thresholds(
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device, candidates)
     z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    _prepare(logits, slots, state, z, parts, sample=False)
-    _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False,
-            candidates=candidates)  # fmt: skip
+    _prepare(logits, slots, state, z, parts, sample=False, candidates=candidates)
     tau, open_rows = thresholds(z, parts, slots, state, candidates, exact)
     return z, tau, parts, open_rows
 
@@ -249,13 +277,13 @@ def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: in
 
     z, tau, parts, open_rows = filter_thresholds(logits, slots, state, candidates, exact=False)
     rows, vocab = z.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
     _sample_kernel[(rows, parts.tiles)](
         z, tau, parts.max, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab,
-        parts.tiles, BLOCK=parts.tile, num_warps=4,
+        parts.tiles, parts.greedy, tokens, state.counts, open_rows.pending,
+        zeroed_counters(z.device, rows, "sampler draw rows"), BLOCK=parts.tile,
+        TILES=triton.next_power_of_2(parts.tiles), num_warps=4,
     )  # fmt: skip
-    tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
-    _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True,
-            pending=open_rows.pending)  # fmt: skip
     draw_open_rows(z, tokens, open_rows.pending, open_rows.bound, tau, parts.m,
                    open_rows.target, slots, state, parts.max, parts.tile)  # fmt: skip
     return tokens

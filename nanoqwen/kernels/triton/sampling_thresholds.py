@@ -48,7 +48,7 @@ def _candidates_kernel(
     num_tiles, CAP: tl.constexpr, BLOCK: tl.constexpr, OPEN_P: tl.constexpr,
 ):  # fmt: skip
     """Each tile's candidates: its values above a floor, at most CAP (select.store_above). A
-    tile whose max is under the row's bound (from sampling._reduce_kernel) holds none of the
+    tile whose max is under the row's bound (from sample._reduce_row) holds none of the
     row's values the filters read: it is skipped, with its max as its floor. With top-k 20
     most tiles are. With OPEN_P, rows without top-k need none (_thresholds_kernel)."""
     row = tl.program_id(0).to(tl.int64)

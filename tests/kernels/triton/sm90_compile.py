@@ -119,13 +119,19 @@ def sampler_cases():
     parts = dict(part_max_ptr=F32, part_sum_ptr=F32, part_arg_ptr=I32, part_gval_ptr=F32,
                  part_gidx_ptr=I32, num_tiles="i32", vocab="i32")  # fmt: skip
     prepare = dict(logits_ptr=F32, logits_stride="i32", z_ptr=F32, prompt_mask_ptr="*i1",
-                   counts_ptr=I32, ban_mask_ptr="*i1", **state, **parts)  # fmt: skip
-    flags = dict(WRITE_Z=True, SAMPLE=False, BLOCK=sample.TILE)
-    yield "sampler prepare", sample._prepare_kernel, prepare, flags, 4, 3
-    reduce = dict(m_ptr=F32, s_ptr=F32, greedy_ptr=I32, bound_ptr=F32, tokens_ptr=I64,
-                  counts_ptr=I32, pending_ptr=I32, **state, **parts)  # fmt: skip
-    flags = dict(FIRST=True, SAMPLED=True, RECORD=True, TILES=pow2, CANDIDATES=CAP, PENDING=True)
-    yield "sampler reduce", sample._reduce_kernel, reduce, flags, 1, 3
+                   counts_ptr=I32, ban_mask_ptr="*i1", m_ptr=F32, s_ptr=F32, greedy_ptr=I32,
+                   bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32, **state,
+                   **parts)  # fmt: skip
+    # A filtering step's (z, the candidates' bound) and a plain step's (the draw, recorded).
+    for write_z, cands in ((True, CAP), (False, 0)):
+        flags = dict(WRITE_Z=write_z, SAMPLE=not write_z, BLOCK=sample.TILE, TILES=pow2,
+                     CANDIDATES=cands)  # fmt: skip
+        label = "sampler prepare" + ("" if write_z else " plain")
+        yield label, sample._prepare_kernel, prepare, flags, 4, 3
+    draw = dict(z_ptr=F32, tau_ptr=F32, greedy_ptr=I32, tokens_ptr=I64, counts_ptr=I32,
+                pending_ptr=I32, row_count_ptr=I32, **state, **parts)  # fmt: skip
+    flags = dict(BLOCK=sample.TILE, TILES=pow2)
+    yield "sampler draw", sample._sample_kernel, draw, flags, 4, 3
     finish = dict(z_ptr=F32, cand_ptr=F32, floor_ptr=F32, num_tiles="i32", need_ptr=I32,
                   tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32, m_ptr=F32, s_ptr=F32,
                   tau_ptr=F32, vocab="i32", search_keys_ptr=I64, search_target_ptr=F32,
