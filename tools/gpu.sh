@@ -51,6 +51,10 @@
 #       projections and both shapes' lm_head), then the
 #       7B latency bench at batch 1 for each DIR's nanoqwen/ and the checkout, then
 #       tools/profile_decode.py's critical path of a 7B batch-1 step.
+#   ab [DIR ...]
+#       the figures #32 asks for, per tree (as batch1 takes them, then the checkout), in one
+#       call: 0.5B batch 1 and 64 greedy / the CLI's sampling / top-p alone, 7B batch 1 bf16
+#       and int4 (group 128).
 #   sampling [DIR ...]
 #       the sampler against greedy decoding: the latency bench at 0.5B, batch 1 and 64,
 #       greedy / the CLI's sampling / top-p alone, first for each DIR's nanoqwen/ (as batch1
@@ -60,7 +64,7 @@
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|sampling|int4|stream [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|ab|sampling|int4|stream [ARGS...]" >&2
   exit 2
 }
 
@@ -143,6 +147,17 @@ batch1() {
   python3 tools/pdl_chain_bench.py 2>&1 | tee "$OUT/pdl_chain.log"
 }
 
+ab() {
+  gpu_env optional
+  local small=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
+               --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
+  local dir
+  for dir in "$@" .; do
+    in_tree "$dir" ab_small "${small[@]}"
+    in_tree "$dir" ab_7b "${LATENCY_7B[@]}"
+    in_tree "$dir" ab_int4 "${LATENCY_7B[@]}" --quantization int4
+  done
+}
 sampling() {
   gpu_env optional
   local bench=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
@@ -424,6 +439,7 @@ case $mode in
   long-context) long_context "$@" ;;
   profile-steps) profile_steps "$@" ;;
   batch1) batch1 "$@" ;;
+  ab) ab "$@" ;;
   sampling) sampling "$@" ;;
   int4) int4 "$@" ;;
   stream) stream "$@" ;;
