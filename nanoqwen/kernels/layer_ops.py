@@ -21,7 +21,7 @@ class LayerOps:
     gemv: Callable | None = None
     # one row through gate_up with SiLU·up in the epilogue: (x, weight) -> silu(gate) * up
     gemv_silu_mul: Callable | None = None
-    # whether a weight is small enough for the GEMV to beat the library's matmul
+    # whether the single-row GEMVs take a weight (where they beat the library's matmul)
     gemv_pays: Callable[[torch.Tensor], bool] = lambda weight: False
     # gemv and gemv_silu_mul with the add+RMSNorm in front of them in the same launch:
     # (x, residual or None, norm weight, eps, weight[, bias]) -> (output, x + residual)

@@ -133,9 +133,9 @@ class Qwen2ForCausalLM(nn.Module):
         self.attention_backend: AttentionBackend | None = None  # set_attention_backend's
 
     def set_ops(self, ops: LayerOps) -> None:
-        """The device's kernels for every norm and MLP, and its single-row GEMV for the
-        weights small enough for it to pay (kernels/layer_ops.py). Before quantization swaps
-        in layers with kernels of their own."""
+        """The device's kernels for every norm and MLP, and its single-row GEMVs for the
+        weights they take (LayerOps.gemv_pays). Before quantization swaps in layers with
+        kernels of their own."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP, Linear)):
                 module.ops = ops
