@@ -88,11 +88,12 @@ LATENCY_7B=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1 
 
 # in_tree DIR LOG CMD...: CMD run in DIR with DIR's nanoqwen/ first on the path (an A/B
 # tree, or . for the checkout), progress lines dropped, shown and kept in
-# $OUT/LOG_<DIR's name>.log.
+# $OUT/LOG_<DIR's name>.log (LOG_checkout.log for the checkout).
 in_tree() {
-  local dir=$1 log=$2; shift 2
+  local dir=$1 log=$2 name; shift 2
+  name=$(basename "$dir"); [[ $dir == . ]] && name=checkout
   (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "$@" 2>&1 | grep -v $'\r' \
-    | tee "$OUT/${log}_$(basename "$PWD").log")
+    | tee "$OUT/${log}_${name}.log")
 }
 
 check() {
