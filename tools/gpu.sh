@@ -52,9 +52,10 @@
 #       7B latency bench at batch 1 for each DIR's nanoqwen/ and the checkout, then
 #       tools/profile_decode.py's critical path of a 7B batch-1 step.
 #   ab [DIR ...]
-#       the figures #32 asks for, per tree (as batch1 takes them, then the checkout), in one
+#       the batch-1 goals' figures, per tree (as batch1 takes them, then the checkout), in one
 #       call: 0.5B batch 1 and 64 greedy / the CLI's sampling / top-p alone, 7B batch 1 bf16
-#       and int4 (group 128).
+#       and int4 (group 128); AB_PARTS picks some of "small 7b int4 mid" (default the first
+#       three; mid: 0.5B batch 8 and 32 greedy, which must not get slower).
 #   sampling [DIR ...]
 #       the sampler against greedy decoding: the latency bench at 0.5B, batch 1 and 64,
 #       greedy / the CLI's sampling / top-p alone, first for each DIR's nanoqwen/ (as batch1
@@ -94,6 +95,16 @@ in_tree() {
   name=$(basename "$dir"); [[ $dir == . ]] && name=checkout
   (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "$@" 2>&1 | grep -v $'\r' \
     | tee "$OUT/${log}_${name}.log")
+}
+
+# in_trees LOG DIR... -- CMD...: in_tree for each DIR, then for the checkout.
+in_trees() {
+  local log=$1 dirs=() dir; shift
+  while [[ $1 != -- ]]; do dirs+=("$1"); shift; done
+  shift
+  for dir in "${dirs[@]}" .; do
+    in_tree "$dir" "$log" "$@"
+  done
 }
 
 check() {
@@ -138,10 +149,7 @@ batch1() {
   gpu_env optional
   local bench=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
                --sampling greedy --max-num-seqs 64)
-  local dir
-  for dir in "$@" .; do
-    in_tree "$dir" batch1 "${bench[@]}"
-  done
+  in_trees batch1 "$@" -- "${bench[@]}"
   python3 tools/profile_decode.py --shape 0.5B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/batch1_profile.log"
   python3 tools/gemv_chain_bench.py --sweep 2>&1 | tee "$OUT/gemv_chain.log"
@@ -152,11 +160,14 @@ ab() {
   gpu_env optional
   local small=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
                --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
-  local dir
+  local mid=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 8,32
+             --sampling greedy --max-num-seqs 32)
+  local dir parts=" ${AB_PARTS:-small 7b int4} "
   for dir in "$@" .; do
-    in_tree "$dir" ab_small "${small[@]}"
-    in_tree "$dir" ab_7b "${LATENCY_7B[@]}"
-    in_tree "$dir" ab_int4 "${LATENCY_7B[@]}" --quantization int4
+    [[ $parts == *" small "* ]] && in_tree "$dir" ab_small "${small[@]}"
+    [[ $parts == *" 7b "* ]] && in_tree "$dir" ab_7b "${LATENCY_7B[@]}"
+    [[ $parts == *" int4 "* ]] && in_tree "$dir" ab_int4 "${LATENCY_7B[@]}" --quantization int4
+    [[ $parts == *" mid "* ]] && in_tree "$dir" ab_mid "${mid[@]}"
   done
 }
 sampling() {
@@ -165,13 +176,8 @@ sampling() {
                --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
   local profile=(python3 "$PWD/tools/profile_sampler.py" --batch-sizes 1,64
                  --presets greedy,cli,t1-p0.9 --kernels)
-  local dir
-  for dir in "$@" .; do
-    in_tree "$dir" sampling "${bench[@]}"
-  done
-  for dir in "$@" .; do
-    in_tree "$dir" sampler_kernels "${profile[@]}"
-  done
+  in_trees sampling "$@" -- "${bench[@]}"
+  in_trees sampler_kernels "$@" -- "${profile[@]}"
 }
 
 kv_cache() {
@@ -411,10 +417,7 @@ stream() {
   python3 tools/stream_gemv_bench.py --budget-s "${SWEEP_S:-150}" 2>&1 | tee "$OUT/stream_gemv.log"
   python3 tools/stream_gemv_bench.py --shapes 0.5B --only lm_head --budget-s 30 2>&1 \
     | tee -a "$OUT/stream_gemv.log"
-  local dir
-  for dir in "$@" .; do
-    in_tree "$dir" stream_7b "${LATENCY_7B[@]}"
-  done
+  in_trees stream_7b "$@" -- "${LATENCY_7B[@]}"
   python3 tools/profile_decode.py --shape 7B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/stream_profile_7b.log"
 }
@@ -423,10 +426,7 @@ int4() {
   gpu_env optional
   python3 tools/quant_kernel_bench.py --shapes 7B --sections stack,mma --formats q4g128o \
     --sweep-budget-s "${SWEEP_S:-120}" 2>&1 | tee "$OUT/int4_kernels.log"
-  local dir
-  for dir in "$@" .; do
-    in_tree "$dir" int4 "${LATENCY_7B[@]}" --quantization int4
-  done
+  in_trees int4 "$@" -- "${LATENCY_7B[@]}" --quantization int4
   in_tree . int4_bf16 "${LATENCY_7B[@]}" --quantization none
 }
 

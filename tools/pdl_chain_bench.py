@@ -9,6 +9,14 @@ dependents (kernels/triton/pdl.py) that let the next kernel launch at their star
 their work; and the same with WORK bytes of an independent read a program before the wait
 (a weight tile, as the GEMVs do).
 
+Against them, what a persistent kernel over the layers would pay instead (the megakernel
+design): the same chain as the phases of one launch, each program reading a value another
+program wrote in the phase before, a grid-wide barrier between phases (an atomic count each
+program adds to and polls), its WORK read before it polls. Only for grids the GPU holds at
+once (at most one program an SM here): a program waiting on one not yet placed would wait
+forever, so each poll gives up after MAX_SPINS and the run says so. GPU only: Triton's
+interpreter runs one program after another.
+
 Usage (device): python3 tools/pdl_chain_bench.py [--kernels 200] [--programs 32,128,512]
 """
 
@@ -44,6 +52,59 @@ def _link_kernel(
     tl.store(dst_ptr + pid, v + 1.0 + w * 0.0)
 
 
+MAX_SPINS = tl.constexpr(1 << 14)  # a few ms: a phase hands over in a few µs
+
+
+@triton.jit
+def _wait_for(counter_ptr, target, failed_ptr):
+    """Polls the count (uncached loads) until it reaches target, then acquires it: the
+    stores counted in before are visible after. Gives up after MAX_SPINS, marking failed."""
+    seen = tl.load(counter_ptr, volatile=True)
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = tl.load(counter_ptr, volatile=True)
+        spins += 1
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.atomic_max(failed_ptr, (seen < target).to(tl.int32))
+
+
+@triton.jit
+def _phases_kernel(buf_ptr, weight_ptr, counter_ptr, failed_ptr, phases, programs,
+                   WORK: tl.constexpr):  # fmt: skip
+    """The chain as `phases` phases of one launch, a grid barrier between them."""
+    pid = tl.program_id(0)
+    for phase in range(phases):
+        w = 0.0
+        if WORK > 0:
+            offs = (phase * programs + pid).to(tl.int64) * WORK + tl.arange(0, WORK)
+            w = tl.sum(tl.load(weight_ptr + offs).to(tl.float32), axis=0)
+        if phase > 0:
+            _wait_for(counter_ptr, phase * programs, failed_ptr)
+        src = buf_ptr + (phase % 2) * programs
+        dst = buf_ptr + ((phase + 1) % 2) * programs
+        v = tl.load(src + (pid + 1) % programs, cache_modifier=".cg")  # another program's
+        tl.store(dst + pid, v + 1.0 + w * 0.0)
+        tl.debug_barrier()  # every thread's store before the one thread's release
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+def phases_us(phases: int, programs: int, work: int) -> float | None:
+    """µs a phase of one launch of `phases` phases, from a CUDA graph; None where a poll
+    gave up (programs the GPU could not hold at once)."""
+    buf = torch.zeros(2 * programs, device="cuda")
+    weights = torch.randn(phases * programs * max(work, 1), device="cuda", dtype=torch.bfloat16)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    failed = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def run():
+        counter.zero_()
+        _phases_kernel[(programs,)](buf, weights, counter, failed, phases, programs, WORK=work,
+                                    num_warps=4)  # fmt: skip
+
+    us = graph_us(run, reps=1, iters=20) / phases
+    return None if failed.item() else us
+
+
 def chain_us(kernels: int, programs: int, work: int, pdl: bool, early: bool) -> float:
     """µs a kernel of a chain of `kernels` links, from a CUDA graph."""
     bufs = [torch.zeros(programs, device="cuda") for _ in range(2)]
@@ -71,6 +132,7 @@ def main() -> None:
     p.add_argument("--work", default="0,4096", help="bf16 elements a program reads first")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for programs in (int(v) for v in args.programs.split(",")):
         for work in (int(v) for v in args.work.split(",")):
             row = {
@@ -80,9 +142,13 @@ def main() -> None:
                     args.kernels, programs, work, True, False
                 ),
             }
+            if programs <= sms:
+                row["one launch, grid barriers"] = phases_us(args.kernels, programs, work)
             print(
                 f"{programs} programs, {work * 2} B read first: "
-                + " | ".join(f"{k} {v:.2f} µs" for k, v in row.items()),
+                + " | ".join(
+                    f"{k} " + ("gave up" if v is None else f"{v:.2f} µs") for k, v in row.items()
+                ),
                 flush=True,
             )
 
