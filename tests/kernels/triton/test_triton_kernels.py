@@ -78,12 +78,26 @@ def test_norm_gemv_equals_add_rms_norm_then_the_projection(n, k, residual, first
     assert torch.equal(new_residual, total)
 
 
-def test_fused_model_generates_what_the_reference_layers_generate(tiny_model):
+@pytest.mark.parametrize("streamed", [False, True], ids=["gemv", "all-streamed"])
+def test_fused_model_generates_what_the_reference_layers_generate(
+    tiny_model, streamed, monkeypatch
+):
     """Batch-1 decode through every fused kernel (add+RMSNorm inside the qkv and gate_up
     GEMVs, GEMV with bias, GEMV with SiLU·up, the final norm inside the lm_head's streamed
-    GEMV) picks the same greedy tokens with the same logits."""
+    GEMV) picks the same greedy tokens with the same logits; all-streamed: every projection
+    on stream_gemv.py's kernel, as 7B's are (weights above GEMV_MAX_BYTES)."""
     from nanoqwen import LLM, SamplingParams
 
+    streamed_calls = set()
+    if streamed:
+        inner_stream = gemv_module.stream_gemv
+
+        def stream(x, weight, bias=None, silu_mul=False, norm=None):
+            streamed_calls.add((bias is not None, silu_mul, norm is not None))
+            return inner_stream(x, weight, bias, silu_mul, norm)
+
+        monkeypatch.setattr(gemv_module, "GEMV_MAX_BYTES", 0)
+        monkeypatch.setattr(gemv_module, "stream_gemv", stream)
     path, _ = tiny_model
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     prompt = [5, 17, 99, 3]
@@ -108,3 +122,5 @@ def test_fused_model_generates_what_the_reference_layers_generate(tiny_model):
     assert tokens[True] == tokens[False]
     assert decode_logprobs[True] == pytest.approx(decode_logprobs[False], abs=1e-5)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+    if streamed:  # (bias, SiLU·up, norm): qkv, gate_up, o_proj and down_proj
+        assert streamed_calls == {(True, False, True), (False, True, True), (False, False, False)}
