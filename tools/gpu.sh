@@ -75,6 +75,16 @@ in_tree() {
     | tee "$OUT/${log}_${name}.log")
 }
 
+# in_trees LOG DIR... -- CMD...: in_tree for each DIR, then for the checkout.
+in_trees() {
+  local log=$1 dirs=() dir; shift
+  while [[ $1 != -- ]]; do dirs+=("$1"); shift; done
+  shift
+  for dir in "${dirs[@]}" .; do
+    in_tree "$dir" "$log" "$@"
+  done
+}
+
 check() {
   gpu_env
   local what=${1:-all}; shift || true
@@ -117,10 +127,7 @@ batch1() {
   gpu_env optional
   local bench=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
                --sampling greedy --max-num-seqs 64)
-  local dir
-  for dir in "$@" .; do
-    in_tree "$dir" batch1 "${bench[@]}"
-  done
+  in_trees batch1 "$@" -- "${bench[@]}"
   python3 tools/profile_decode.py --shape 0.5B --batch-sizes 1 --kernels 2>&1 \
     | tee "$OUT/batch1_profile.log"
   python3 tools/gemv_chain_bench.py --sweep 2>&1 | tee "$OUT/gemv_chain.log"
@@ -132,13 +139,8 @@ sampling() {
                --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
   local profile=(python3 "$PWD/tools/profile_sampler.py" --batch-sizes 1,64
                  --presets greedy,cli,t1-p0.9 --kernels)
-  local dir
-  for dir in "$@" .; do
-    in_tree "$dir" sampling "${bench[@]}"
-  done
-  for dir in "$@" .; do
-    in_tree "$dir" sampler_kernels "${profile[@]}"
-  done
+  in_trees sampling "$@" -- "${bench[@]}"
+  in_trees sampler_kernels "$@" -- "${profile[@]}"
 }
 
 kv_cache() {
