@@ -82,17 +82,13 @@ class DecoderLayer(nn.Module):
 
     def _norm_into(self, x, residual, norm, proj, dense: bool, silu_mul: bool):
         """(proj(norm(x + residual)), with silu_mul SiLU·up of it, and x + residual) in one
-        launch at one row: set_ops' dense GEMVs (dense: proj takes them), or a quantized
-        layer's own (fuses_norm); None where neither runs."""
-        if x.shape[0] != 1 or self.norm_gemv is None:
+        launch at one row, on set_ops' dense GEMVs (dense: proj takes them); None where they
+        do not run."""
+        if x.shape[0] != 1 or self.norm_gemv is None or not dense:
             return None
-        if dense:
-            if silu_mul:
-                return self.norm_gemv_silu_mul(x, residual, norm.weight, norm.eps, proj.weight)
-            return self.norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        if getattr(proj, "fuses_norm", False):
-            return proj.norm_row(x, residual, norm.weight, norm.eps, silu_mul)
-        return None
+        if silu_mul:
+            return self.norm_gemv_silu_mul(x, residual, norm.weight, norm.eps, proj.weight)
+        return self.norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
 class Qwen2ForCausalLM(nn.Module):

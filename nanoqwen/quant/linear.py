@@ -206,22 +206,6 @@ class QuantizedLinear(nn.Module):
 
         return quant_linear_silu_mul(x, self._decode[0])
 
-    @property
-    def fuses_norm(self) -> bool:
-        """Whether norm_row runs (a decoder layer asks, for a single row): int4 on the
-        tensor-core GEMV."""
-        from nanoqwen.kernels.triton.quant_matmul import fuses_norm
-
-        return self.kind == "triton" and fuses_norm(self._decode[0])
-
-    def norm_row(self, x, residual, norm_weight, eps: float, silu_mul: bool = False):
-        """(this layer of rms_norm(x + residual) * norm_weight, or with silu_mul silu(gate) *
-        up, and x + residual) for one row, in one kernel (CUDA)."""
-        from nanoqwen.kernels.triton.quant_matmul import quant_norm_linear
-
-        return quant_norm_linear(x, residual, norm_weight, eps, self._decode[0], self.bias,
-                                 silu_mul)  # fmt: skip
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "triton":
             return cuda_forward(x, self._decode[0], self.bias)

@@ -36,21 +36,13 @@ def row_rstd(x_ptr, res_ptr, sum_ptr, K, eps, first, HAS_RES: tl.constexpr, BK: 
 
 
 @triton.jit
-def normed_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, HAS_RES: tl.constexpr,
-                 dtype: tl.constexpr):  # fmt: skip
-    """RMSNorm(x + residual) * norm weight at cols (any shape), in dtype, zero off c_mask."""
-    v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
-    normed = (v.to(tl.float32) * rstd).to(dtype)
-    nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
-    return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def gemv_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM: tl.constexpr,
                HAS_RES: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """The product's input at cols, [1, len(cols)] in float32: x, or with NORM the
     normalized x + residual times the norm weight."""
     if NORM:
-        v = normed_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, HAS_RES, dtype)
-        return v.to(tl.float32)[None, :]
+        v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
+        normed = (v.to(tl.float32) * rstd).to(dtype)
+        nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
+        return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]
     return tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]

@@ -14,10 +14,11 @@ finished too; kernels launched without it (cuBLAS, torch) wait for everything in
 them as usual, and CUDA graphs capture the dependency as it is.
 
 Only single-row launches use it (batches above one are not measured). Most kernels let the
-one behind them launch (gdc_launch_dependents) at their start; the int4 GEMV, and a streamed
-GEMV whose grid is more than one wave (7B's gate_up), only once their programs are past
-their loops: the int4 GEMV that let it launch at its start made 7B int4's step 2.425 ->
-3.687 ms, most likely through the waiting programs holding SMs its later programs needed.
+one behind them launch (gdc_launch_dependents) at their start; a streamed GEMV whose grid is
+more than one wave (7B's gate_up) only once its programs are past their loops, so that the
+waiting programs do not hold SMs its later programs need. The int4 GEMV launches normally:
+as a dependent that let the next launch at its start it made 7B int4's step 2.425 -> 3.687
+ms, and at the end of its loops (with its norm prologue and more splits) 2.459 -> 2.774 ms.
 NANOQWEN_PDL=0 turns it off (A/B runs, bisecting a suspected race).
 """
 

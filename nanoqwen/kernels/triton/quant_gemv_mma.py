@@ -26,12 +26,12 @@ Compiled for sm_90, a weight costs ~3.2 instructions at 16 rows x 4 panels a ste
 `rows` output rows and `panels` panels a step (a batch dimension, one per warp), summed over
 the batch at the end.
 
-Short, wide weights (7B's qkv, o_proj and down_proj: 224-288 programs of 16 rows) leave too
-few bytes in flight per SM to stream at the copy rate, so `splits` > 1 also divides the
-panels among that many programs per block of rows. Each stores its float32 sums and counts
-itself in with an atomic add; the last of a block to arrive adds the splits' sums in split
-order (the same result whatever the arrival order), then the bias and SiLU·up, so no kernel
-of its own reduces them.
+`splits` > 1 divides a block of rows' panels among that many programs, for short, wide
+weights (7B's qkv, o_proj and down_proj: 224-288 programs of 16 rows). Each stores its
+float32 sums and counts itself in with an atomic add; the last of a block to arrive adds the
+splits' sums in split order (the same result whatever the arrival order), then the bias and
+SiLU·up, so no kernel of its own reduces them. The default is one split: those three split
+to about 512 programs made 7B int4's step 2.500 ms against 2.455 (H200, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -41,16 +41,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.gemv_inputs import normed_input, row_rstd
-from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
 from nanoqwen.kernels.triton.split_sums import finish_split, split_columns, split_span
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
-TARGET_PROGRAMS = 512
 
 # Outputs $0..$7 are value slots 0..7 of the word in $8. (a & b) | c is LOP3 immediate 0xea.
 _UNPACK_PTX = """{{
@@ -134,12 +130,12 @@ def _dot(w, x, acc):
 
 @triton.jit
 def _row_dot(
-    x_ptr, res_ptr, nw_ptr, rstd, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end,
+    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-    STAGES: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """float32 dot products of x (with NORM, RMSNorm(x + residual) * norm weight) with the
-    dequantized weight rows `rows` (in bounds) over panels [p_begin, p_end): [BN]."""
+    """float32 dot products of x with the dequantized weight rows `rows` (in bounds) over
+    panels [p_begin, p_end): [BN]."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     P: tl.constexpr = 16  # PANEL
     rows64 = rows.to(tl.int64)
@@ -160,11 +156,7 @@ def _row_dot(
         # The panel's x in one contiguous (cp.async) load, permuted in registers to the dots'
         # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
         cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
-        x_mask = p_ok[:, None] & (cols < K)
-        if NORM:
-            x = normed_input(x_ptr, res_ptr, nw_ptr, cols, x_mask, rstd, HAS_RES, dtype)
-        else:
-            x = tl.load(x_ptr + cols, mask=x_mask, other=0.0)
+        x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
         x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
         x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
         part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
@@ -186,44 +178,31 @@ def _row_dot(
 
 @triton.jit
 def _mma_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, part_ptr, counts_ptr,
-    N, K, KW, G, chunk, eps,
+    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, N, K, KW, G, chunk,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
-    SPLITS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr,
+    SPLITS: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With SPLITS > 1, program (pid, s) takes panels [s *
     chunk, (s + 1) * chunk); part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N
-    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows. With NORM, x is first
-    RMSNorm(x + residual) * norm weight (gemv_inputs.py; the first program stores x +
-    residual to sum_ptr). Under PDL the kernel behind launches once every program is past
-    its loop: launched from the start, its waiting programs held SMs that this grid's
-    later programs needed (7B int4, 2.425 -> 3.687 ms a step)."""
+    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows. Launched normally
+    (pdl.py says why)."""
     block = tl.program_id(0)
     rows = block * BN + tl.arange(0, BN)
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
     p_begin, p_end = split_span(KW // 16, chunk, SPLITS)
-    if PDL:
-        gdc_wait()  # x (and the residual) are the kernels in front's output
-    rstd = 0.0
-    if NORM:
-        first = (block == 0) & (tl.program_id(1) == 0)
-        rstd = row_rstd(x_ptr, res_ptr, sum_ptr, K, eps, first, HAS_RES, 1024)
     y = _row_dot(
-        x_ptr, res_ptr, nw_ptr, rstd, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end,
-        GROUP, HAS_OFFSET, BN, BP, STAGES, NORM, HAS_RES, ASM,
+        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, GROUP, HAS_OFFSET, BN,
+        BP, STAGES, ASM,
     )  # fmt: skip
     up = y
     if SILU_MUL:
         up = _row_dot(
-            x_ptr, res_ptr, nw_ptr, rstd, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin,
-            p_end, GROUP, HAS_OFFSET, BN, BP, STAGES, NORM, HAS_RES, ASM,
+            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, GROUP,
+            HAS_OFFSET, BN, BP, STAGES, ASM,
         )  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
     finish_split(part_ptr, counts_ptr, b_ptr, y_ptr, block, tl.program_id(1), rows, r_mask, y,
                  up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
 
@@ -241,23 +220,13 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     # 16 rows keep >= 1.7 programs an SM below 16K rows, where more rows a step pay; long
     # rows (K >= N) like a fourth stage in flight.
     rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
-    # Short, wide weights split their panels until about four programs an SM of an H200
-    # hold bytes in flight (7B's qkv, o_proj and down_proj: 224-288 blocks of rows).
-    splits = min(8, triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, rows)))
-    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3, splits=splits)
+    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3)
 
 
 def launch_mma_gemv(
-    x: torch.Tensor,
-    w,
-    bias: torch.Tensor | None,
-    silu_mul: bool,
-    config: MmaGemvConfig | None,
-    norm: tuple | None = None,
-):
-    """x [1, K] times the packed int4 weight: [1, N], or [1, N // 2] with silu_mul. norm:
-    (residual or None, norm weight, eps) for the add+RMSNorm in front, and then (y, x +
-    residual) is returned."""
+    x: torch.Tensor, w, bias: torch.Tensor | None, silu_mul: bool, config: MmaGemvConfig | None
+) -> torch.Tensor:
+    """x [1, K] times the packed int4 weight: [1, N], or [1, N // 2] with silu_mul."""
     n = w.out_features // 2 if silu_mul else w.out_features
     cfg = config or mma_gemv_config(w.out_features, w.in_features)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -267,17 +236,12 @@ def launch_mma_gemv(
     if splits > 1:
         part = torch.empty(splits, w.out_features, dtype=torch.float32, device=x.device)
         counts = zeroed_counters(x.device, blocks, "int4 gemv splits")
-    x = x.contiguous()
-    res, nw, eps = norm if norm is not None else (None, x, 0.0)
-    total = torch.empty_like(x) if res is not None else x
-    pdl = use_pdl(x)
     _mma_gemv_kernel[(blocks, splits)](
-        x, w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
-        w.scales if bias is None else bias, y, x if res is None else res.contiguous(), nw,
-        total, part, counts, n, w.in_features, w.qweight.shape[1], w.scales.shape[1], chunk,
-        eps, GROUP=kernel_group(w), HAS_OFFSET=w.offsets is not None,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BN=cfg.rows, BP=cfg.panels,
-        STAGES=cfg.num_stages, SPLITS=splits, NORM=norm is not None, HAS_RES=res is not None,
-        PDL=pdl, ASM=x.device.type == "cuda", launch_pdl=pdl, num_warps=cfg.num_warps,
+        x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
+        w.scales if bias is None else bias, y, part, counts, n, w.in_features,
+        w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
+        HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
+        ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
     )  # fmt: skip
-    return y if norm is None else (y, total)
+    return y

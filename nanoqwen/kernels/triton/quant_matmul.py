@@ -21,13 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.kernels.triton.quant_gemm import GemmConfig, dequantize, launch_gemm
-from nanoqwen.kernels.triton.quant_gemv import PANEL, GemvConfig, kernel_group, launch_gemv
-from nanoqwen.kernels.triton.quant_gemv_mma import (
-    MMA_PANEL_COLS,
-    MmaGemvConfig,
-    launch_mma_gemv,
-    mma_gemv_fits,
-)
+from nanoqwen.kernels.triton.quant_gemv import PANEL, GemvConfig, launch_gemv
+from nanoqwen.kernels.triton.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_gemv_fits
 
 DEQUANT_MIN_M = 512  # from here a dense dequantized matrix and cuBLAS beat the Triton GEMM
 
@@ -171,22 +166,6 @@ def quant_linear(
     if m >= DEQUANT_MIN_M and config is None:
         return F.linear(x, dequantize(w, x.dtype), bias)
     return launch_gemm(x, w, bias, config)
-
-
-def fuses_norm(w: PackedWeight) -> bool:
-    """Whether quant_norm_linear takes this weight: int4 on the tensor-core GEMV."""
-    return w.bits == 4 and kernel_group(w) % MMA_PANEL_COLS == 0
-
-
-def quant_norm_linear(
-    x: torch.Tensor, residual, norm_weight, eps: float, w: PackedWeight, bias=None,
-    silu_mul: bool = False,
-):  # fmt: skip
-    """For one row: (quant_linear(rms_norm(x + residual) * norm_weight, w, bias), or with
-    silu_mul quant_linear_silu_mul's, and x + residual (x itself where residual is None)),
-    the add+RMSNorm in the GEMV's prologue (fuses_norm weights)."""
-    _check_input(x, w)
-    return launch_mma_gemv(x, w, bias, silu_mul, None, norm=(residual, norm_weight, eps))
 
 
 def quant_linear_silu_mul(

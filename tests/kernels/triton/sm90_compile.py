@@ -246,23 +246,21 @@ def attention_cases():
 
 def quant_cases():
     """The int4 tensor-core GEMV (kernels/triton/quant_gemv_mma.py) at the 7B shape's
-    projections, groups of 128 with offsets, as the decode step launches them (qkv and
-    gate_up with the add+RMSNorm in front, as programmatic dependents), and with the panels
-    split over 2 and 4 programs."""
+    projections, groups of 128 with offsets, with its launcher's configuration and with the
+    panels split over 2 and 4 programs."""
     from nanoqwen.kernels.triton import quant_gemv_mma as q
 
     types = dict(x_ptr=BF16, qw_ptr=I32, s_ptr=BF16, o_ptr=BF16, b_ptr=BF16, y_ptr=BF16,
-                 res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16, part_ptr=F32, counts_ptr=I32,
-                 N="i32", K="i32", KW="i32", G="i32", chunk="i32", eps="fp32")  # fmt: skip
-    for name, n, k, bias, silu, norm in (
-        ("qkv", 4608, 3584, True, False, True), ("o", 3584, 3584, False, False, False),
-        ("gate_up", 37888, 3584, False, True, True), ("down", 3584, 18944, False, False, False),
+                 part_ptr=F32, counts_ptr=I32, N="i32", K="i32", KW="i32", G="i32",
+                 chunk="i32")  # fmt: skip
+    for name, n, k, bias, silu in (
+        ("qkv", 4608, 3584, True, False), ("o", 3584, 3584, False, False),
+        ("gate_up", 37888, 3584, False, True), ("down", 3584, 18944, False, False),
     ):  # fmt: skip
         cfg = q.mma_gemv_config(n, k)
         for splits in sorted({cfg.splits, 2, 4}):
             flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
-                         BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, NORM=norm,
-                         HAS_RES=norm, PDL=True, ASM=True)  # fmt: skip
+                         BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True)  # fmt: skip
             label = f"int4 gemv 7B {name}" + (f" splits {splits}" if splits != cfg.splits else "")
             yield label, q._mma_gemv_kernel, types, flags, cfg.num_warps, 3
 

@@ -46,9 +46,9 @@ def launches(monkeypatch):
     calls = []
     launch = quant_gemv_mma.launch_mma_gemv
 
-    def recorded(x, w, bias, silu_mul, config, **norm):
+    def recorded(x, w, bias, silu_mul, config):
         calls.append(silu_mul)
-        return launch(x, w, bias, silu_mul, config, **norm)
+        return launch(x, w, bias, silu_mul, config)
 
     monkeypatch.setattr("nanoqwen.kernels.triton.quant_matmul.launch_mma_gemv", recorded)
     return calls
@@ -155,33 +155,3 @@ def test_mlp_runs_one_row_of_a_quantized_gate_up_through_the_fused_gemv(launches
     assert launches == [True]  # the fused GEMV, not quant_linear then SiLU·up
     gate, up = reference(x, dequantize(gate_up.weight).double()).float().chunk(2, dim=-1)
     torch.testing.assert_close(fused, mlp.down_proj(F.silu(gate) * up), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["first-layer", "residual"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_add_rms_norm_in_front_equals_norm_then_the_product(
-    residual, splits, launches, monkeypatch
-):
-    """The add+RMSNorm in the GEMV's prologue: the product of the normalized row (bias, or
-    SiLU·up), and x + residual as the residual stream's next value, stored once however
-    many programs normalize the row."""
-    from nanoqwen.kernels.triton.quant_matmul import fuses_norm, quant_norm_linear
-
-    packed, w = make_weight(2 * N, 640, 128, True, seed=7)
-    assert fuses_norm(packed)
-    gen = torch.Generator().manual_seed(splits + residual)
-    x = torch.randn(1, 640, generator=gen)
-    res = torch.randn(1, 640, generator=gen) if residual else None
-    nw = torch.rand(640, generator=gen) + 0.5
-    bias = torch.randn(2 * N, generator=gen)
-    total = x + res if residual else x
-    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
-    config = MmaGemvConfig(16, 2, splits=splits)
-    monkeypatch.setattr(quant_gemv_mma, "mma_gemv_config", lambda n, k: config)
-    y, new_residual = quant_norm_linear(x, res, nw, 1e-6, packed, bias)
-    act, again = quant_norm_linear(x, res, nw, 1e-6, packed, silu_mul=True)
-    assert launches == [False, True]
-    torch.testing.assert_close(y.double(), reference(normed, w, bias), rtol=1e-5, atol=1e-4)
-    gate, up = reference(normed, w).float().chunk(2, dim=-1)
-    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
-    assert torch.equal(new_residual, total) and torch.equal(again, total)
