@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks, one mode per device call (device tool, carry .whl: the flash-attn wheel).
 # Usage: bash tools/gpu.sh MODE [ARGS...]
-#   check [tests|bench|all|kernels|profile|prefill|workload] [ARGS...]
-#       the GPU tests, then the 0.5B and 7B benchmarks (default all); kernels, profile and
+#   check [tests|tests-from N|bench|all|kernels|profile|prefill|workload] [ARGS...]
+#       the GPU tests, then the 0.5B and 7B benchmarks (default all); tests-from N runs the
+#       one-GPU test files from the Nth on, file by file with a log and a summary line each,
+#       so that a call cut off by the command limit leaves the files it finished and the
+#       next call starts at the file it was in (they take more than one call); kernels, profile and
 #       prefill run tools/kernel_bench.py, tools/profile_decode.py and tools/prefill_bench.py
 #       with ARGS (prefill kernels [--sweep] | prefill engine --shape 7B); workload [SHAPE]
 #       [WORKLOAD] runs tools/profile_workload.py for nanoqwen and nano-vllm (carry .peer too),
@@ -115,6 +118,18 @@ check() {
   python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null || echo "flash_attn: not installed"
   if [[ $what == tests || $what == all ]]; then
     python3 -m pytest tests/gpu -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  fi
+  if [[ $what == tests-from ]]; then
+    local files=() i name
+    mapfile -t files < <(ls tests/gpu/test_*.py tests/kernels/triton/test_*_gpu.py \
+                           | grep -v -e tensor_parallel -e custom_all_reduce)
+    for ((i = ${1:-1} - 1; i < ${#files[@]}; i++)); do
+      name=$(basename "${files[i]}" .py)
+      echo "[$((i + 1))/${#files[@]}] ${files[i]}: $(date +%T)"
+      python3 -m pytest "${files[i]}" -q -rfE -p no:cacheprovider > "$OUT/tests_$name.log" 2>&1
+      tail -1 "$OUT/tests_$name.log"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests_$name.log" | head -20
+    done
   fi
   if [[ $what == bench || $what == all ]]; then
     for shape in 0.5B 7B; do
