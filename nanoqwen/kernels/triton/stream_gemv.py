@@ -9,7 +9,8 @@ H200's ~4.3 TB/s copy rate). Here each program's tiles of weight rows arrive as 
 memory, so a program keeps several tiles in flight without holding them in registers. Short,
 wide weights (qkv, o_proj and down_proj at 7B: 224-288 blocks of 16 rows) also split their
 columns over programs (split_sums.py: the last program of a block adds the splits' sums), so
-every SM has a few programs' copies in flight.
+every SM has a few programs' copies in flight. 7B's batch-1 step against cuBLAS for the same
+projections: 4.193 against 4.357 ms (H200, 2026-12-05).
 
 As in gemv.py: the bias or SiLU·up in the epilogue, the add+RMSNorm in front in the prologue
 (NORM: every program normalizes the row for itself), and launched as a programmatic dependent
