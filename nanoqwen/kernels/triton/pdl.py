@@ -17,8 +17,9 @@ Only single-row launches use it (batches above one are not measured). Most kerne
 one behind them launch (gdc_launch_dependents) at their start; a streamed GEMV whose grid is
 more than one wave (7B's gate_up) only once its programs are past their loops, so that the
 waiting programs do not hold SMs its later programs need. The int4 GEMV launches normally:
-as a dependent that let the next launch at its start it made 7B int4's step 2.425 -> 3.687
-ms, and at the end of its loops (with its norm prologue and more splits) 2.459 -> 2.774 ms.
+as a dependent it made 7B int4's step 2.425 -> 3.687 ms letting the next kernel launch at its
+start, and 2.459 -> 2.774 ms letting it launch at the end of its loops (with the add+RMSNorm
+in its prologue and more splits; H200, 2026-12-05).
 NANOQWEN_PDL=0 turns it off (A/B runs, bisecting a suspected race).
 """
 
