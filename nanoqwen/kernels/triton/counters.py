@@ -9,8 +9,21 @@ before. Launches on one device run one after another, so one set serves each use
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _MADE: dict[tuple[torch.device, str], list[torch.Tensor]] = {}
+
+
+@triton.jit
+def last_to_arrive(counter, total):
+    """Counts this program in at counter (after every thread's stores: the barrier, then one
+    thread's release); True in the last of `total` to arrive, which leaves the count zero and
+    then sees every other program's stores (loads that skip L1)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == total - 1
+    tl.store(counter, 0, mask=last)  # ready for the next launch
+    return last
 
 
 def zeroed_counters(device: torch.device, n: int, user: str) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
-from nanoqwen.kernels.triton.counters import zeroed_counters
+from nanoqwen.kernels.triton.counters import last_to_arrive, zeroed_counters
 from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token
 
 TILE = 2048  # vocabulary entries per program
@@ -84,24 +84,13 @@ def _prepare_kernel(
     if SAMPLE:
         _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
                     part_gval_ptr, part_gidx_ptr)  # fmt: skip
-    if _last_tile(row_count_ptr + row, num_tiles):
+    if last_to_arrive(row_count_ptr + row, num_tiles):
         _reduce_row(
             row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr,
             iparams_ptr, counts_ptr, out_pos_ptr, tokens_ptr, vocab, True, SAMPLE, SAMPLE,
             TILES, CANDIDATES, False,
         )  # fmt: skip
-
-
-@triton.jit
-def _last_tile(counter, num_tiles):
-    """Counts this tile program of a row in (after every thread's stores: the barrier, then
-    one thread's release); True in the row's last to arrive, which leaves the count zero and
-    then sees every tile's partials."""
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_tiles - 1
-    tl.store(counter, 0, mask=last)
-    return last
 
 
 @triton.jit
@@ -142,7 +131,7 @@ def _sample_kernel(
         keep = inside & (x >= tau)
         _store_draw(x, keep, tl.load(ip + I_FLAGS), ip, out_pos_ptr, slot, offs, part,
                     tile * BLOCK, part_gval_ptr, part_gidx_ptr)  # fmt: skip
-    if _last_tile(row_count_ptr + row, num_tiles):
+    if last_to_arrive(row_count_ptr + row, num_tiles):
         _reduce_row(
             row, part_max_ptr, part_max_ptr, part_max_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, part_max_ptr, part_max_ptr, greedy_ptr, part_max_ptr, tokens_ptr,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nanoqwen.kernels.triton.counters import last_to_arrive
+
 
 @triton.jit
 def store_split_and_merge(
@@ -29,12 +31,7 @@ def store_split_and_merge(
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=r_mask)
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dv[None, :], acc / l_safe[:, None],
              mask=r_mask[:, None])  # fmt: skip
-    # Every warp's stores come before one thread's release of the count (the barrier), and
-    # that thread's acquire before the merging warps' loads (the count is broadcast through
-    # shared memory behind another barrier).
-    tl.debug_barrier()
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-        tl.store(counter, 0)  # ready for the next launch
+    if last_to_arrive(counter, used):
         _merge(part_out_ptr, part_lse_ptr, out_rows, row_ids, r_mask, used, HEAD_DIM,
                NUM_SPLITS, SPLITS_PAD)  # fmt: skip
 

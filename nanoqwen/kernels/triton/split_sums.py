@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nanoqwen.kernels.triton.counters import last_to_arrive
 from nanoqwen.kernels.triton.silu_mul import _silu_mul
 
 
@@ -55,13 +56,7 @@ def count_in(
     tl.store(at, y, mask=r_mask)
     if SILU_MUL:
         tl.store(at + N, up, mask=r_mask)
-    # Every warp's stores come before one thread's release of the count (the barrier), and
-    # that thread's acquire before the summing warps' loads.
-    tl.debug_barrier()
-    counter = counts_ptr + block
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
-    tl.store(counter, 0, mask=last)  # ready for the next launch
-    return last
+    return last_to_arrive(counts_ptr + block, SPLITS)
 
 
 @triton.jit
