@@ -25,22 +25,31 @@ from triton.tools import disasm
 from nanoqwen.kernels.triton import quant_gemv, quant_gemv_mma
 
 SM90 = GPUTarget("cuda", 90, 32)
-POINTERS = ("x_ptr", "qw_ptr", "s_ptr", "o_ptr", "b_ptr", "y_ptr")
-DIVISIBLE = (*POINTERS, "N", "K", "KW")  # what a launch specializes as multiples of 16
+POINTER_TYPES = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "qw_ptr": "*i32",
+                 "counts_ptr": "*i32"}  # fmt: skip
+DIVISIBLE = ("N", "K", "KW")  # what a launch specializes as multiples of 16, with pointers
 
 
-def compile_sm90(fn, ints: tuple[str, ...], const: dict, warps: int, stages: int):
-    sig = {name: "*i32" if name == "qw_ptr" else "*fp32" for name in POINTERS}
-    sig.update(x_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16")
-    sig.update({name: "i32" for name in ints})
-    sig.update({name: "constexpr" for name in const})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in DIVISIBLE}
+def compile_sm90(fn, const: dict, warps: int, stages: int):
+    """fn with every argument not in const an int32, or a pointer where its name ends in
+    _ptr (float32 unless POINTER_TYPES says otherwise)."""
+    sig = {
+        name: "constexpr" if name in const
+        else POINTER_TYPES.get(name, "*fp32") if name.endswith("_ptr") else "i32"
+        for name in fn.arg_names
+    }  # fmt: skip
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if n in DIVISIBLE or sig[n].startswith("*")
+    }
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=SM90, options={"num_warps": warps, "num_stages": stages})
 
 
-def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcodes of the first loop (label .. backward branch to it)."""
+def loop_opcodes(sass: str, suffixes: bool = False) -> collections.Counter:
+    """Opcodes of the first loop (label .. backward branch to it); with suffixes, as
+    LDS.U8 rather than LDS."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, x in enumerate(lines) if (m := re.match(r"^(\w+):\s*$", x))}
     for i, line in enumerate(lines):
@@ -50,7 +59,8 @@ def loop_opcodes(sass: str) -> collections.Counter:
             for x in lines[labels[m.group(1)] + 1 : i + 1]:
                 if "\t" in x:
                     ins = re.sub(r"^@!?U?P\w+\s+", "", x.split("\t", 1)[1].strip())
-                    ops[ins.split()[0].split(".")[0].rstrip(";")] += 1
+                    op = ins.split()[0].rstrip(";")
+                    ops[op if suffixes else op.split(".")[0]] += 1
             return ops
     raise ValueError("no loop found")
 
@@ -67,7 +77,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--top", type=int, default=8, help="opcodes to list")
     top = p.parse_args().top
-    ints = ("N", "K", "KW", "G", "MAGIC")
     for group, offset in ((128, False), (32, True)):
         cfg = quant_gemv.gemv_config(3584, 3584, 4, 132)
         const = {
@@ -75,7 +84,7 @@ def main() -> None:
             "HAS_BIAS": False, "SILU_MUL": False, "BN": cfg.rows, "BP": cfg.panels,
             "STAGES": cfg.num_stages,
         }  # fmt: skip
-        k = compile_sm90(quant_gemv._qgemv_kernel, ints, const, cfg.num_warps, cfg.num_stages)
+        k = compile_sm90(quant_gemv._qgemv_kernel, const, cfg.num_warps, cfg.num_stages)
         per_thread = cfg.rows * cfg.panels * 128 // (32 * cfg.num_warps)
         report(f"CUDA-core int4 g{group}{' + offsets' if offset else ''} {cfg}", k,
                per_thread, top)  # fmt: skip
@@ -84,11 +93,10 @@ def main() -> None:
             cfg = quant_gemv_mma.MmaGemvConfig(rows, 4)
             const = {
                 "GROUP": 128, "HAS_OFFSET": offset, "HAS_BIAS": False, "SILU_MUL": False,
-                "BN": rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "ASM": True,
+                "BN": rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "SPLITS": 1,
+                "ASM": True,
             }  # fmt: skip
-            k = compile_sm90(
-                quant_gemv_mma._mma_gemv_kernel, ints[:4], const, cfg.num_warps, cfg.num_stages
-            )
+            k = compile_sm90(quant_gemv_mma._mma_gemv_kernel, const, cfg.num_warps, cfg.num_stages)
             per_thread = rows * cfg.panels * 128 // (32 * cfg.num_warps)
             report(f"tensor-core int4 g128{' + offsets' if offset else ''} {cfg}", k,
                    per_thread, top)  # fmt: skip

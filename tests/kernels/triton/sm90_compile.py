@@ -33,11 +33,17 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int) -> dict:
-    """types: each argument's Triton type; "i32:16" marks an integer that is a multiple of 16
-    at run time. Those and every pointer carry the divisibility that Triton's launcher
-    specializes on (every tensor the engine passes is 16-byte aligned): without it, loads
-    under masks that depend on a size do not vectorize, and register counts come out far
-    above what the GPU compiles (0.5B's gate_up GEMV 190 against 96)."""
+    """compile_kernel's resource use (cuobjdump's REG, STACK, ...)."""
+    return resources(compile_kernel(kernel, types, constexprs, warps, stages).asm["cubin"])
+
+
+def compile_kernel(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int):
+    """kernel compiled for sm_90. types: each argument's Triton type; "i32:16" marks an
+    integer that is a multiple of 16 at run time. Those and every pointer carry the
+    divisibility that Triton's launcher specializes on (every tensor the engine passes is
+    16-byte aligned): without it, loads under masks that depend on a size do not vectorize,
+    and register counts come out far above what the GPU compiles (0.5B's gate_up GEMV 190
+    against 96)."""
     names = kernel.arg_names
     sig = {n: "constexpr" if n in constexprs else types[n].split(":")[0] for n in names}
     attrs = {
@@ -47,9 +53,7 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, st
     }
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
-    return resources(
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
-    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def gemv_cases():
