@@ -16,14 +16,9 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import sys
-from pathlib import Path
 
-from quant_gemv_sass import loop_opcodes
+from quant_gemv_sass import loop_opcodes, sm90_compile
 from triton.tools import disasm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels" / "triton"))
-import sm90_compile  # noqa: E402
 
 
 def main() -> None:

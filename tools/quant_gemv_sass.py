@@ -16,35 +16,31 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import sys
+from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.tools import disasm
 
 from nanoqwen.kernels.triton import quant_gemv, quant_gemv_mma
 
-SM90 = GPUTarget("cuda", 90, 32)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels" / "triton"))
+import sm90_compile  # noqa: E402
+
 POINTER_TYPES = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "qw_ptr": "*i32",
                  "counts_ptr": "*i32"}  # fmt: skip
 DIVISIBLE = ("N", "K", "KW")  # what a launch specializes as multiples of 16, with pointers
 
 
 def compile_sm90(fn, const: dict, warps: int, stages: int):
-    """fn with every argument not in const an int32, or a pointer where its name ends in
-    _ptr (float32 unless POINTER_TYPES says otherwise)."""
-    sig = {
-        name: "constexpr" if name in const
-        else POINTER_TYPES.get(name, "*fp32") if name.endswith("_ptr") else "i32"
+    """fn through sm90_compile.compile_kernel, every argument not in const an int32, or a
+    pointer where its name ends in _ptr (float32 unless POINTER_TYPES says otherwise)."""
+    types = {
+        name: POINTER_TYPES.get(name, "*fp32") if name.endswith("_ptr")
+        else "i32:16" if name in DIVISIBLE else "i32"
         for name in fn.arg_names
+        if name not in const
     }  # fmt: skip
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(fn.arg_names)
-        if n in DIVISIBLE or sig[n].startswith("*")
-    }
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=SM90, options={"num_warps": warps, "num_stages": stages})
+    return sm90_compile.compile_kernel(fn, types, const, warps, stages)
 
 
 def loop_opcodes(sass: str, suffixes: bool = False) -> collections.Counter:
