@@ -7,8 +7,8 @@
 #       so that a call cut off by the command limit leaves the files it finished and the
 #       next call starts at the file it was in (they take more than one call); kernels,
 #       profile and prefill run tools/kernel_bench.py, tools/profile_decode.py and
-#       tools/prefill_bench.py
-#       with ARGS (prefill kernels [--sweep] | prefill engine --shape 7B); workload [SHAPE]
+#       tools/prefill_bench.py with ARGS (prefill kernels [--sweep] | prefill engine --shape
+#       7B); workload [SHAPE]
 #       [WORKLOAD] runs tools/profile_workload.py for nanoqwen and nano-vllm (carry .peer too),
 #       7B throughput by default.
 #   kv-cache [tests|bench|all] [0.5B|7B]
