@@ -2,15 +2,14 @@
 # The GPU checks, one mode per device call (device tool, carry .whl: the flash-attn wheel).
 # Usage: bash tools/gpu.sh MODE [ARGS...]
 #   check [tests|tests-from N|bench|all|kernels|profile|prefill|workload] [ARGS...]
-#       the GPU tests, then the 0.5B and 7B benchmarks (default all); tests-from N runs the
-#       one-GPU test files from the Nth on, file by file with a log and a summary line each,
-#       so that a call cut off by the command limit leaves the files it finished and the
-#       next call starts at the file it was in (they take more than one call); kernels,
-#       profile and prefill run tools/kernel_bench.py, tools/profile_decode.py and
-#       tools/prefill_bench.py with ARGS (prefill kernels [--sweep] | prefill engine --shape
-#       7B); workload [SHAPE]
-#       [WORKLOAD] runs tools/profile_workload.py for nanoqwen and nano-vllm (carry .peer too),
-#       7B throughput by default.
+#       the GPU tests, then the 0.5B and 7B benchmarks (default all); tests-from N runs the one-GPU
+#       test files from the Nth on, file by file with a log and a summary line each, so that a call
+#       cut off by the command limit leaves the files it finished and the next call starts at the
+#       file it was in (they take more than one call); kernels, profile and prefill run
+#       tools/kernel_bench.py, tools/profile_decode.py and tools/prefill_bench.py with ARGS (prefill
+#       kernels [--sweep] | prefill engine --shape 7B); workload [SHAPE] [WORKLOAD] runs
+#       tools/profile_workload.py for nanoqwen and nano-vllm (carry .peer too), 7B throughput by
+#       default.
 #   kv-cache [tests|bench|all] [0.5B|7B]
 #       the swap / host-tier tests, then swap vs recompute under a pool a quarter of the batch
 #       needs, host tier on vs off for prefixes that fit the host pool but not the GPU pool,
