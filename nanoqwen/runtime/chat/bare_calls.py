@@ -41,7 +41,8 @@ def _may_open_call(text: str, pos: int, names: frozenset[str]) -> bool:
     fence or not) naming one of names."""
     fenced = text.startswith("`", _skip_space(text, pos))
     pieces = [FENCE, "json"] if fenced else []
-    if fenced and not text.startswith("j", _past(text, pos, FENCE)):
+    after = _past(text, pos, FENCE)
+    if fenced and not (after >= 0 and text.startswith("j", after)):
         pieces.pop()  # the fence's language is optional
     for piece in pieces + list(_HEAD):
         if piece is _NAME:  # no whitespace inside a string
