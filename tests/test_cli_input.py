@@ -121,6 +121,11 @@ ERRORS = {
     "backend": (["--attention-backend", "triton"], "--attention-backend 'triton' is unavailable"),
     "missing file": (["--file", "/no/such/prompts.txt"], "--file /no/such/prompts.txt: no such"),
     "bad jsonl": (["--file", "{bad_jsonl}"], ':1: expected an object with a string "prompt"'),
+    "jsonl key": (
+        ["--file", "{keyed_jsonl}"],
+        ':2: key "max_tokens" is a sampling parameter, which a line cannot set: the sampling '
+        "flags apply to every prompt",
+    ),
     "not utf-8": (["--file", "{latin1}"], "is not UTF-8 text (byte 0xe9 at offset 4)"),
     "system without chat": (["--no-chat", "--system", "S"], "--system needs the chat template"),
     "template without chat": (["--no-chat", "--chat-template", "{{x}}"], "unused with --no-chat"),
@@ -141,10 +146,12 @@ def test_generate_bad_input_is_one_line_and_exit_2(case, model, tmp_path):
         pytest.skip("triton can run on this machine")
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.jsonl").write_text('["not an object"]\n')
+    (tmp_path / "keyed.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "max_tokens": 5}\n')
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1")[:3] + b"\n\xe9\n")
     fill = {
         "empty": tmp_path / "empty",
         "bad_jsonl": tmp_path / "bad.jsonl",
+        "keyed_jsonl": tmp_path / "keyed.jsonl",
         "latin1": tmp_path / "latin1.txt",
     }
     flags, expected = ERRORS[case]

@@ -27,10 +27,11 @@ GENERATE_HELP = """\
 Generates an answer for each prompt and streams it to stdout.
 
 Prompts: each PROMPT argument is one prompt (quote it); --file adds one prompt per line, or
-one {"prompt": ...} object per line when the file is JSONL (--format; auto: a .jsonl name, or
-a first line that is a JSON object); `--file -` reads them from stdin. With neither, all of
-stdin is one prompt; stdin text next to PROMPT arguments is refused (use --file -). The
-model's chat template (or --chat-template) is applied unless --no-chat.
+one {"prompt": ...} object per line (no sampling parameter: the flags set them) when the
+file is JSONL (--format; auto: a .jsonl name, or a first line that is a JSON object);
+`--file -` reads them from stdin. With neither, all of stdin is one prompt; stdin text next
+to PROMPT arguments is refused (use --file -). The model's chat template (or
+--chat-template) is applied unless --no-chat.
 
 Several prompts run as one batch. Answers print in prompt order, each under a
 `### i/N: prompt` header: the answer being printed streams live, later ones are buffered

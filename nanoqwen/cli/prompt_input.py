@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
+from nanoqwen.cli.errors import UsageError
 from nanoqwen.errors import InvalidInputError
+from nanoqwen.runtime.sampling_params import SamplingParams
 from nanoqwen.validation import read_text
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 FORMATS = ("auto", "text", "jsonl")
 
@@ -55,6 +60,13 @@ def parse_prompt_lines(name: str, text: str, fmt: str) -> list[str]:
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise InvalidInputError(
                 f'{label}:{lineno}: expected an object with a string "prompt" (JSONL)'
+            )
+        settings = sorted(set(obj) & SAMPLING_FIELDS)
+        if settings:  # dropped, it would look obeyed; other keys (ids, metadata) are let be
+            # (a UsageError: the key is quoted as written, not respelled as a flag)
+            raise UsageError(
+                f'{label}:{lineno}: key "{settings[0]}" is a sampling parameter, which a line '
+                "cannot set: the sampling flags apply to every prompt"
             )
         prompts.append(obj["prompt"])
     if not prompts:
