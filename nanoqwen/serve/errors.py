@@ -65,7 +65,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # Of a union's complaints the deepest names what is wrong: an image part of a message's
+    # content is "content.0.type: Input should be 'text'", not "content: ... a valid string".
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     if first.get("type") == "json_invalid":
         why = first.get("ctx", {}).get("error", "parse error")
         return f"the body is not valid JSON ({why})", None

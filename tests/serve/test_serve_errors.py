@@ -95,6 +95,13 @@ BAD_REQUESTS = {
     ),
     "max_tokens float": (COMPLETIONS, completion(max_tokens=1.5), 400, "max_tokens: Input"),
     "n bool": (COMPLETIONS, completion(n=True), 400, "n: Input should be a valid integer"),
+    # a union's deepest complaint: what is wrong in the part, not that it is not a string
+    "image part": (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages.0.content.0.type: Input should be 'text'",
+    ),
     "stream string": (COMPLETIONS, completion(stream="yes"), 400, "stream: Input"),
     "stop number": (COMPLETIONS, completion(stop=123), 400, "stop"),
     "prompt number": (COMPLETIONS, completion(prompt=5), 400, "prompt"),
