@@ -36,15 +36,28 @@ def _past(text: str, pos: int, piece: str) -> int:
     return _MORE if piece.startswith(text[pos:]) else _NO
 
 
+def _object_start(text: str, pos: int) -> int:
+    """Where a call's object may begin: past the ```json (or bare ```) fence that opens at
+    pos, if one does; _MORE while that fence or its language is not all there yet."""
+    if not text.startswith("`", pos):
+        return pos
+    at = _past(text, pos, FENCE)
+    if at < 0:
+        return at
+    at = _skip_space(text, at)
+    language = text[at : at + len("json")]
+    if language == "json":
+        return at + len("json")
+    return _MORE if "json".startswith(language) and at + len(language) == len(text) else at
+
+
 def _may_open_call(text: str, pos: int, names: frozenset[str]) -> bool:
     """Whether text from pos, all there is so far, may be the start of a call's object (in a
     fence or not) naming one of names."""
-    fenced = text.startswith("`", _skip_space(text, pos))
-    pieces = [FENCE, "json"] if fenced else []
-    after = _past(text, pos, FENCE)
-    if fenced and not (after >= 0 and text.startswith("j", after)):
-        pieces.pop()  # the fence's language is optional
-    for piece in pieces + list(_HEAD):
+    pos = _object_start(text, pos)
+    if pos < 0:
+        return pos == _MORE
+    for piece in _HEAD:
         if piece is _NAME:  # no whitespace inside a string
             close = text.find('"', pos)
             if close < 0:
@@ -71,19 +84,16 @@ def read_bare_calls(text: str, names: frozenset[str], ended: bool) -> list[tuple
     while pos < len(text):
         if not _may_open_call(text, pos, names):
             return None
-        fenced = text.startswith("`", pos)
-        at = _past(text, pos, FENCE) if fenced else pos
-        if at < 0:  # the fence is not all there yet
+        start = _object_start(text, pos)
+        if start < 0:  # the fence is not all there yet
             return None if ended else calls
-        if fenced and text.startswith("json", at):
-            at += len("json")
         try:
-            call, end = decoder.raw_decode(text, _skip_space(text, at))
+            call, end = decoder.raw_decode(text, _skip_space(text, start))
         except ValueError:  # cut off, or not JSON: which, the rest of the answer tells
             return None if ended else calls
         if not (isinstance(call, dict) and call.get("name") in names and "arguments" in call):
             return None
-        if fenced:  # the fence closes after the object
+        if start != pos:  # fenced: the fence closes after the object
             end = _past(text, end, FENCE)
             if end == _NO or (end == _MORE and ended):
                 return None
