@@ -124,10 +124,10 @@ class ToolCallParser:
                 start = self._buffer.find(OPEN)
                 if start < 0:
                     keep = _held_back(self._buffer, OPEN)
-                    text = self._buffer[: len(self._buffer) - keep]
-                    if self.num_calls and text.isspace():
+                    ready = self._buffer[: len(self._buffer) - keep]
+                    if self.num_calls and ready.isspace():
                         return events  # after a call: content only if more text follows it
-                    self._content(text, events)
+                    self._content(ready, events)
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return events
                 self._content(self._buffer[:start], events)
