@@ -211,6 +211,7 @@ class _Partials:
         self.arg, self.gidx = torch.empty(shape, **i32), torch.empty(shape, **i32)
         self.cand = torch.empty(rows, self.tiles, max(candidates, 1), **f32)
         self.floor = torch.empty(shape, **f32)  # every value above it is a candidate
+        self.count = torch.empty(shape, **i32)  # how many of its candidates were stored
         self.m, self.s = torch.empty(rows, **f32), torch.empty(rows, **f32)
         self.bound = torch.empty(rows, **f32)
         self.greedy = torch.empty(rows, **i32)

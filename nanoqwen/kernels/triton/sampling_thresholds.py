@@ -33,6 +33,7 @@ NUM_F = tl.constexpr(layout.NUM_F)
 I_TOP_K = tl.constexpr(layout.I_TOP_K)
 NUM_I = tl.constexpr(layout.NUM_I)
 PROBES = 8  # thresholds a search pass measures at once
+COMPACT = 256  # candidates a row's union is packed into where they fit
 SEARCH_BLOCK = 2048  # values a search loads at a time
 SEARCH_WARPS = 16
 
@@ -44,13 +45,14 @@ def _at(values, idx, i):
 
 @triton.jit
 def _candidates_kernel(
-    z_ptr, part_max_ptr, bound_ptr, cand_ptr, floor_ptr, slots_ptr, iparams_ptr, vocab,
-    num_tiles, CAP: tl.constexpr, BLOCK: tl.constexpr, OPEN_P: tl.constexpr,
+    z_ptr, part_max_ptr, bound_ptr, cand_ptr, floor_ptr, count_ptr, slots_ptr, iparams_ptr,
+    vocab, num_tiles, CAP: tl.constexpr, BLOCK: tl.constexpr, OPEN_P: tl.constexpr,
 ):  # fmt: skip
-    """Each tile's candidates: its values above a floor, at most CAP (select.store_above). A
-    tile whose max is under the row's bound (from sample._reduce_row) holds none of the
-    row's values the filters read: it is skipped, with its max as its floor. With top-k 20
-    most tiles are. With OPEN_P, rows without top-k need none (_thresholds_kernel)."""
+    """Each tile's candidates: its values above a floor, at most CAP (select.store_above), and
+    how many. A tile whose max is under the row's bound (from sample._reduce_row) holds
+    none of the row's values the filters read: it is skipped, with its max as its floor.
+    With top-k 20 most tiles are, and the others keep no value under the bound either. With
+    OPEN_P, rows without top-k need none (_thresholds_kernel)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     if OPEN_P:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
@@ -59,13 +61,19 @@ def _candidates_kernel(
     part = row * num_tiles + tile
     out = cand_ptr + part * CAP
     tile_max = tl.load(part_max_ptr + part)
-    if tile_max < tl.load(bound_ptr + row):
+    bound = tl.load(bound_ptr + row)
+    if tile_max < bound:
         tl.store(out + tl.arange(0, CAP), tl.full([CAP], float("-inf"), tl.float32))
         tl.store(floor_ptr + part, tile_max)
+        tl.store(count_ptr + part, 0)
         return
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(z_ptr + row * vocab + offs, mask=offs < vocab, other=float("-inf"))
-    tl.store(floor_ptr + part, store_above(x, tile_max, out, CAP))
+    # Just under the bound: the row's top-k values are at or above it.
+    lowest = tl.where(bound > float("-inf"), from_ordered_key(ordered_key(bound) - 1), bound)
+    floor = store_above(x, tile_max, out, CAP, lowest)
+    tl.store(floor_ptr + part, floor)
+    tl.store(count_ptr + part, tl.sum((x > floor).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -78,9 +86,10 @@ def _row_floor(floor_ptr, row, num_tiles, TILES: tl.constexpr):
 
 @triton.jit
 def _thresholds_kernel(
-    cand_ptr, floor_ptr, num_tiles, top_ptr, m_ptr, s_ptr, slots_ptr, fparams_ptr, iparams_ptr,
-    tau_k_ptr, tau_p_ptr, tau_min_ptr, need_ptr, vocab,
+    cand_ptr, floor_ptr, count_ptr, num_tiles, packed_ptr, top_ptr, m_ptr, s_ptr, slots_ptr,
+    fparams_ptr, iparams_ptr, tau_k_ptr, tau_p_ptr, tau_min_ptr, need_ptr, vocab,
     CAP: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, OPEN_P: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):  # fmt: skip
     """With OPEN_P, a row without top-k reads no candidate: its top-p is left open (need bit
     3) for nucleus_draw.py, which needs no threshold."""
@@ -100,13 +109,32 @@ def _thresholds_kernel(
             tl.store(need_ptr + row, tl.where(top_p < 1.0, 4, 0))
             return
     num_cands = num_tiles * CAP
-    offs = tl.arange(0, BLOCK)
-    merged = tl.load(cand_ptr + row * num_cands + offs, mask=offs < num_cands, other=float("-inf"))
     idx = tl.arange(0, CAP)
     # The union's values above a floor that leaves at most CAP of them, through memory
     # (top_ptr: [rows, CAP]), then sorted: its largest, without the 32 block-wide
-    # reductions of an exact CAP largest (a bisection took 20.5 µs a step at batch 1).
-    store_above(merged, tl.max(merged, axis=0), top_ptr + row * CAP, CAP)
+    # reductions of an exact CAP largest (a bisection took 20.5 µs a step at batch 1). Where
+    # they fit, the tiles' candidates are packed into COMPACT places first (most tiles store
+    # none or a few), so the selection reads COMPACT values rather than every tile's CAP.
+    t = tl.arange(0, TILES)
+    counts = tl.load(count_ptr + row * num_tiles + t, mask=t < num_tiles, other=0)
+    n = tl.sum(counts, axis=0)
+    if n <= COMPACT:
+        packed_row = packed_ptr + row * COMPACT
+        place = tl.arange(0, CAP)[None, :]
+        stored = place < counts[:, None]
+        cands = tl.load(cand_ptr + (row * num_tiles + t[:, None]) * CAP + place, mask=stored)
+        starts = tl.cumsum(counts, axis=0) - counts
+        tl.store(packed_row + starts[:, None] + place, cands, mask=stored)
+        i = tl.arange(0, COMPACT)
+        tl.store(packed_row + i, tl.full([COMPACT], float("-inf"), tl.float32), mask=i >= n)
+        tl.debug_barrier()  # every thread's stores, before any thread reads them back
+        packed = tl.load(packed_row + i)
+        store_above(packed, tl.max(packed, axis=0), top_ptr + row * CAP, CAP)
+    else:
+        offs = tl.arange(0, BLOCK)
+        merged = tl.load(cand_ptr + row * num_cands + offs, mask=offs < num_cands,
+                         other=float("-inf"))  # fmt: skip
+        store_above(merged, tl.max(merged, axis=0), top_ptr + row * CAP, CAP)
     tl.debug_barrier()  # every thread's stores, before any thread reads them back
     values = tl.sort(tl.load(top_ptr + row * CAP + idx), descending=True)
     # values[i] is the row's (i+1)-th largest while it is above c (every value of the row
@@ -290,20 +318,21 @@ def thresholds(z: torch.Tensor, parts, slots: torch.Tensor, state, candidates: i
     rows, vocab = z.shape
     tiles = parts.tiles
     _candidates_kernel[(rows, tiles)](
-        z, parts.max, parts.bound, parts.cand, parts.floor, slots, state.iparams, vocab, tiles,
-        CAP=candidates, BLOCK=parts.tile, OPEN_P=not exact, num_warps=4,
+        z, parts.max, parts.bound, parts.cand, parts.floor, parts.count, slots, state.iparams,
+        vocab, tiles, CAP=candidates, BLOCK=parts.tile, OPEN_P=not exact, num_warps=4,
     )  # fmt: skip
     num_cands = tiles * candidates
     f32 = dict(dtype=torch.float32, device=z.device)
     tau_k, tau_p, tau_min, tau = (torch.empty(rows, **f32) for _ in range(4))
     need = torch.empty(rows, dtype=torch.int32, device=z.device)
     top = torch.empty(rows, candidates, **f32)
+    packed = torch.empty(rows, COMPACT, **f32)
     pow2 = triton.next_power_of_2(tiles)
     _thresholds_kernel[(rows,)](
-        parts.cand, parts.floor, tiles, top, parts.m, parts.s, slots, state.fparams,
-        state.iparams, tau_k, tau_p, tau_min, need, vocab, CAP=candidates,
+        parts.cand, parts.floor, parts.count, tiles, packed, top, parts.m, parts.s, slots,
+        state.fparams, state.iparams, tau_k, tau_p, tau_min, need, vocab, CAP=candidates,
         BLOCK=max(triton.next_power_of_2(num_cands), candidates), TILES=pow2, OPEN_P=not exact,
-        num_warps=8,
+        COMPACT=COMPACT, num_warps=8,
     )  # fmt: skip
     search_keys = torch.empty(rows, 2, dtype=torch.int64, device=z.device)
     search_target = torch.empty(rows, **f32)

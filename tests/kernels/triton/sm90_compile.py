@@ -136,6 +136,18 @@ def sampler_cases():
                 pending_ptr=I32, row_count_ptr=I32, **state, **parts)  # fmt: skip
     flags = dict(BLOCK=sample.TILE, TILES=pow2)
     yield "sampler draw", sample._sample_kernel, draw, flags, 4, 3
+    candidates = dict(z_ptr=F32, part_max_ptr=F32, bound_ptr=F32, cand_ptr=F32, floor_ptr=F32,
+                      count_ptr=I32, slots_ptr=I64, iparams_ptr=I64, vocab="i32",
+                      num_tiles="i32")  # fmt: skip
+    flags = dict(CAP=CAP, BLOCK=sample.TILE, OPEN_P=True)
+    yield "sampler candidates", st._candidates_kernel, candidates, flags, 4, 3
+    merge = dict(cand_ptr=F32, floor_ptr=F32, count_ptr=I32, num_tiles="i32", packed_ptr=F32,
+                 top_ptr=F32,
+                 m_ptr=F32, s_ptr=F32, tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32,
+                 need_ptr=I32, vocab="i32", **state)  # fmt: skip
+    block = triton.next_power_of_2(triton.cdiv(vocab, sample.TILE) * CAP)
+    flags = dict(CAP=CAP, BLOCK=block, TILES=pow2, OPEN_P=True, COMPACT=st.COMPACT)
+    yield "sampler thresholds", st._thresholds_kernel, merge, flags, 8, 3
     finish = dict(z_ptr=F32, cand_ptr=F32, floor_ptr=F32, num_tiles="i32", need_ptr=I32,
                   tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32, m_ptr=F32, s_ptr=F32,
                   tau_ptr=F32, vocab="i32", search_keys_ptr=I64, search_target_ptr=F32,
