@@ -6,7 +6,7 @@ data besides the slot ids. Every pass runs over [rows, vocabulary tiles], so bat
 spreads over many programs.
 
 The noise is counter-based: token t of a request at output position n draws
-hash(seed, n, t) (splitmix64 finalizers), identical to runtime/sampling/noise.py, so a
+hash(seed, n, t) (kernels/triton/draw.py), identical to runtime/sampling/noise.py, so a
 seeded request samples the same tokens in any batch and on CPU or GPU.
 """
 
