@@ -21,12 +21,19 @@ from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_tok
 
 TILE = 2048  # vocabulary entries per program
 
+# Which rows the first pass draws for (its SAMPLE): none; every row (no filter in the batch);
+# the rows no filter threshold can cut (no top-k, no min-p: a top-p alone is decided after
+# the draw, nucleus_draw.py), whose draw then needs no second pass over z.
+DRAW_NONE, DRAW_ALL, DRAW_UNCUT = 0, 1, 2
+_ALL, _UNCUT = tl.constexpr(DRAW_ALL), tl.constexpr(DRAW_UNCUT)
+
 # The tables' layout (sampling_layout.py) as compile-time constants.
 F_TEMPERATURE = tl.constexpr(layout.F_TEMPERATURE)
 F_REPETITION = tl.constexpr(layout.F_REPETITION)
 F_PRESENCE = tl.constexpr(layout.F_PRESENCE)
 F_FREQUENCY = tl.constexpr(layout.F_FREQUENCY)
 NUM_F = tl.constexpr(layout.NUM_F)
+F_MIN_P = tl.constexpr(layout.F_MIN_P)
 I_TOP_K = tl.constexpr(layout.I_TOP_K)
 I_MIN_TOKENS = tl.constexpr(layout.I_MIN_TOKENS)
 I_SEED = tl.constexpr(layout.I_SEED)
@@ -46,8 +53,8 @@ def _prepare_kernel(
     WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
-    per-tile partials: max, sum of exp(z - max), first argmax; with SAMPLE the Gumbel argmax
-    of z + noise (a draw with no filter)."""
+    per-tile partials: max, sum of exp(z - max), first argmax; for the rows SAMPLE names
+    (DRAW_*) the Gumbel argmax of z + noise (a draw with no filter threshold)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -78,9 +85,19 @@ def _prepare_kernel(
     total = tl.sum(tl.exp(x - tile_max), axis=0)
     tl.store(part_sum_ptr + part, tl.where(tile_max == float("-inf"), 0.0, total))
     tl.store(part_arg_ptr + part, tile * BLOCK + tl.argmax(x, axis=0))
-    if SAMPLE:
+    if SAMPLE == _ALL:
         _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
                     part_gval_ptr, part_gidx_ptr)  # fmt: skip
+    elif SAMPLE == _UNCUT:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
+        if not _cut(fp, ip, vocab):
+            _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
+                        part_gval_ptr, part_gidx_ptr)  # fmt: skip
+
+
+@triton.jit
+def _cut(fp, ip, vocab):
+    """Whether a filter threshold may cut the row (top-k or min-p; greedy rows draw none)."""
+    return (tl.load(ip + I_TOP_K) < vocab) | (tl.load(fp + F_MIN_P) > 0)
 
 
 @triton.jit
@@ -98,19 +115,22 @@ def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_p
 
 @triton.jit
 def _sample_kernel(
-    z_ptr, tau_ptr, part_max_ptr, slots_ptr, iparams_ptr, out_pos_ptr, part_gval_ptr,
-    part_gidx_ptr, vocab, num_tiles, BLOCK: tl.constexpr,
+    z_ptr, tau_ptr, part_max_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
+    part_gval_ptr, part_gidx_ptr, vocab, num_tiles, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold)."""
+    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold), for
+    the rows a filter threshold can cut (the first pass drew the others, DRAW_UNCUT)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    if not _cut(fparams_ptr + slot * NUM_F, iparams_ptr + slot * NUM_I, vocab):
+        return
     part = row * num_tiles + tile
     tau = tl.load(tau_ptr + row)
     if tl.load(part_max_ptr + part) < tau:  # the filters keep nothing here: most tiles
         tl.store(part_gval_ptr + part, float("-inf"))
         tl.store(part_gidx_ptr + part, tile * BLOCK)
         return
-    slot = tl.load(slots_ptr + row)
     ip = iparams_ptr + slot * NUM_I
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     inside = offs < vocab
@@ -191,7 +211,7 @@ class _Partials:
         self.greedy = torch.empty(rows, **i32)
 
 
-def _prepare(logits, slots, state, z, parts: _Partials, sample: bool) -> None:
+def _prepare(logits, slots, state, z, parts: _Partials, sample: int) -> None:
     rows, vocab = logits.shape
     _prepare_kernel[(rows, parts.tiles)](
         logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
@@ -219,23 +239,24 @@ def plain_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _prepare(logits, slots, state, None, parts, sample=True)
+    _prepare(logits, slots, state, None, parts, sample=DRAW_ALL)
     _reduce(parts, slots, state, tokens, first=True, sampled=True, record=True)
     return tokens
 
 
 def filter_thresholds(
-    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int, exact: bool = True
-):
+    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int, exact: bool = True,
+    draw: int = DRAW_NONE,
+):  # fmt: skip
     """The processed logits z, each row's threshold tau (top-k, top-p and min-p keep
-    z >= tau), the partials and the rows left open (sampling_thresholds.thresholds; with
-    exact, none)."""
+    z >= tau), the partials (with the draws of the rows `draw` names) and the rows left open
+    (sampling_thresholds.thresholds; with exact, none)."""
     from nanoqwen.kernels.triton.sampling_thresholds import thresholds
 
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device, candidates)
     z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    _prepare(logits, slots, state, z, parts, sample=False)
+    _prepare(logits, slots, state, z, parts, sample=draw)
     _reduce(parts, slots, state, parts.m, first=True, sampled=False, record=False,
             candidates=candidates)  # fmt: skip
     tau, open_rows = thresholds(z, parts, slots, state, candidates, exact)
@@ -247,11 +268,13 @@ def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: in
     whose top-p boundary lies below every candidate are drawn without it (nucleus_draw.py)."""
     from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
 
-    z, tau, parts, open_rows = filter_thresholds(logits, slots, state, candidates, exact=False)
+    z, tau, parts, open_rows = filter_thresholds(
+        logits, slots, state, candidates, exact=False, draw=DRAW_UNCUT
+    )
     rows, vocab = z.shape
     _sample_kernel[(rows, parts.tiles)](
-        z, tau, parts.max, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab,
-        parts.tiles, BLOCK=parts.tile, num_warps=4,
+        z, tau, parts.max, slots, state.fparams, state.iparams, state.out_pos, parts.gval,
+        parts.gidx, vocab, parts.tiles, BLOCK=parts.tile, num_warps=4,
     )  # fmt: skip
     tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
     _reduce(parts, slots, state, tokens, first=False, sampled=True, record=True,

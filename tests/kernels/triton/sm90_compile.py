@@ -91,8 +91,9 @@ def sampler_cases():
                  part_gidx_ptr=I32, num_tiles="i32", vocab="i32")  # fmt: skip
     prepare = dict(logits_ptr=F32, logits_stride="i32", z_ptr=F32, prompt_mask_ptr="*i1",
                    counts_ptr=I32, ban_mask_ptr="*i1", **state, **parts)  # fmt: skip
-    flags = dict(WRITE_Z=True, SAMPLE=False, BLOCK=sample.TILE)
-    yield "sampler prepare", sample._prepare_kernel, prepare, flags, 4, 3
+    for label, write_z, draw in (("", True, sample.DRAW_UNCUT), (" plain", False, sample.DRAW_ALL)):
+        flags = dict(WRITE_Z=write_z, SAMPLE=draw, BLOCK=sample.TILE)
+        yield f"sampler prepare{label}", sample._prepare_kernel, prepare, flags, 4, 3
     reduce = dict(m_ptr=F32, s_ptr=F32, greedy_ptr=I32, bound_ptr=F32, tokens_ptr=I64,
                   counts_ptr=I32, pending_ptr=I32, **state, **parts)  # fmt: skip
     flags = dict(FIRST=True, SAMPLED=True, RECORD=True, TILES=pow2, CANDIDATES=CAP, PENDING=True)
