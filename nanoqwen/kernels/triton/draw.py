@@ -18,11 +18,23 @@ def _mix64(x):
 
 
 @triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D).to(tl.uint32)  # (uint32 products wrap as lowbias32's do)
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B).to(tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
 def gumbel(seed, pos, offs):
-    """Gumbel(0, 1) noise for tokens offs of a request at output position pos."""
+    """Gumbel(0, 1) noise for tokens offs of a request at output position pos: a 64-bit key
+    per (seed, position), then a 32-bit hash per token (a third of the 64-bit one's integer
+    work, which a flat row pays over its whole vocabulary)."""
     key = _mix64(seed.to(tl.uint64, bitcast=True) + pos.to(tl.uint64) * 0x9E3779B97F4A7C15)
-    bits = _mix64(key + (offs.to(tl.uint64) + 1) * 0xD1B54A32D192ED03)
-    u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    key32 = (key ^ (key >> 32)).to(tl.uint32)
+    bits = _mix32((key32 + ((offs + 1).to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(-tl.log(u))
 
 

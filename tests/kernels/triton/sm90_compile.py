@@ -127,8 +127,8 @@ def sampler_cases():
                    bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32, **state,
                    **parts)  # fmt: skip
     # A filtering step's (z, the candidates' bound) and a plain step's (the draw, recorded).
-    for write_z, cands in ((True, CAP), (False, 0)):
-        flags = dict(WRITE_Z=write_z, SAMPLE=not write_z, BLOCK=sample.TILE, TILES=pow2,
+    for write_z, cands, draw in ((True, CAP, sample.DRAW_UNCUT), (False, 0, sample.DRAW_ALL)):
+        flags = dict(WRITE_Z=write_z, SAMPLE=draw, BLOCK=sample.TILE, TILES=pow2,
                      CANDIDATES=cands)  # fmt: skip
         label = "sampler prepare" + ("" if write_z else " plain")
         yield label, sample._prepare_kernel, prepare, flags, 4, 3
