@@ -246,9 +246,10 @@ static int threshold(const float* z, int64_t V, float m, const float* values, in
 }
 
 static int one_row(const float* x, int64_t V, int64_t slot, const float* fparams,
-                    const int64_t* iparams, int64_t* out_pos, const uint8_t* prompt_mask,
-                    int32_t* counts, const uint8_t* ban_mask, const int64_t* L, int64_t options,
-                   int64_t candidates, float* z_out, float* tau_out, int64_t* token) {
+                   const int64_t* iparams, int64_t* out_pos, const uint8_t* prompt_mask,
+                   int32_t* counts, uint32_t* maybe_seen, const uint8_t* ban_mask,
+                   const int64_t* L, int64_t options, int64_t candidates, float* z_out,
+                   float* tau_out, int64_t* token) {
     const float* f = fparams + slot * L[NUM_F];
     const int64_t* iv = iparams + slot * L[NUM_I];
     const float temperature = f[L[F_TEMPERATURE]], rep = f[L[F_REPETITION]];
@@ -331,6 +332,7 @@ static int one_row(const float* x, int64_t V, int64_t slot, const float* fparams
     }
     if (options & OPT_RECORD) {
         counts[slot * V + *token] += 1;
+        maybe_seen[slot * ((V + 31) / 32) + (*token >> 5)] |= 1u << (*token & 31);
         out_pos[slot] += 1;
     }
     return 0;
@@ -338,20 +340,20 @@ static int one_row(const float* x, int64_t V, int64_t slot, const float* fparams
 
 // For each row r of logits [rows, V] (float32) and its sampler slot slots[r]: tau_out[r]
 // (unless NULL) and z_out's row (unless NULL: scratch memory), and the sampled token
-// tokens[r] (unless NULL), recorded in counts/out_pos with OPT_RECORD. Returns 0, or nonzero
-// for arguments it does not take.
+// tokens[r] (unless NULL), recorded in counts, maybe_seen and out_pos with OPT_RECORD.
+// Returns 0, or nonzero for arguments it does not take.
 int sample_rows(const float* logits, int64_t rows, int64_t V, const int64_t* slots,
                 const float* fparams, const int64_t* iparams, int64_t* out_pos,
-                const uint8_t* prompt_mask, int32_t* counts, const uint8_t* ban_mask,
-                const int64_t* layout, int64_t options, int64_t candidates, float* z_out,
-                float* tau_out, int64_t* tokens, int threads) {
+                const uint8_t* prompt_mask, int32_t* counts, uint32_t* maybe_seen,
+                const uint8_t* ban_mask, const int64_t* layout, int64_t options,
+                int64_t candidates, float* z_out, float* tau_out, int64_t* tokens, int threads) {
     if (candidates < 1 || candidates > MAX_CANDIDATES || V < 1) return 1;
     int failed = 0;
 #pragma omp parallel for num_threads(rows > 1 ? threads : 1) schedule(dynamic) \
     reduction(| : failed)
     for (int64_t r = 0; r < rows; r++)
         failed |= one_row(logits + r * V, V, slots[r], fparams, iparams, out_pos, prompt_mask,
-                          counts, ban_mask, layout, options, candidates,
+                          counts, maybe_seen, ban_mask, layout, options, candidates,
                           z_out ? z_out + r * V : NULL, tau_out ? tau_out + r : NULL,
                           tokens ? tokens + r : NULL);
     return failed;

@@ -54,9 +54,26 @@ def in_vocab(token, vocab):
 
 
 @triton.jit
-def record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab):
-    """Stores the row's token and counts it as its slot's next output (penalties, positions)."""
+def record_token(token, row, slot, tokens_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, vocab):
+    """Stores the row's token and counts it as its slot's next output (penalties, positions),
+    its bit set in the slot's maybe_seen (SamplingState.maybe_seen)."""
     token = in_vocab(token, vocab)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.atomic_add(counts_ptr + slot * vocab + token, 1)
+    word = maybe_seen_ptr + slot * ((vocab + 31) // 32) + (token >> 5)
+    tl.atomic_or(word, (1 << (token & 31)).to(tl.int32))
     tl.atomic_add(out_pos_ptr + slot, 1)
+
+
+@triton.jit
+def maybe_seen(maybe_seen_ptr, slot, first, vocab, BLOCK: tl.constexpr):
+    """Per token of first + arange(BLOCK) (first a multiple of 32): whether it may be in the
+    slot's prompt or outputs (its bit in SamplingState.maybe_seen); where not, its count is 0
+    and its prompt mask clear. A word a 32 tokens, loaded once: the [words, 32] bits flatten
+    to the tile's own layout."""
+    w = first // 32 + tl.arange(0, BLOCK // 32)
+    words = tl.load(maybe_seen_ptr + slot * ((vocab + 31) // 32) + w, mask=w * 32 < vocab,
+                    other=0)  # fmt: skip
+    bits = (words[:, None] >> tl.arange(0, 32)[None, :]) & 1
+    offs = first + tl.arange(0, BLOCK)
+    return (tl.reshape(bits, (BLOCK,)) != 0) & (offs < vocab)

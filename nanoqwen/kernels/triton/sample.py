@@ -18,7 +18,7 @@ import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import last_to_arrive, zeroed_counters
-from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token
+from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, maybe_seen, record_token
 
 TILE = 2048  # vocabulary entries per program
 
@@ -48,7 +48,7 @@ FLAG_BAN = tl.constexpr(layout.FLAG_BAN)
 @triton.jit
 def _prepare_kernel(
     logits_ptr, logits_stride, z_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
-    prompt_mask_ptr, counts_ptr, ban_mask_ptr,
+    prompt_mask_ptr, counts_ptr, maybe_seen_ptr, ban_mask_ptr,
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, row_count_ptr,
     WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
@@ -70,8 +70,11 @@ def _prepare_kernel(
     flags = tl.load(ip + I_FLAGS)
     table = slot * vocab + offs
     if (flags & FLAG_PENALTY) != 0:
-        counts = tl.load(counts_ptr + table, mask=inside, other=0)
-        seen = (tl.load(prompt_mask_ptr + table, mask=inside, other=0) != 0) | (counts > 0)
+        # The two tables are read only where a token may be seen: a few hundred tokens of a
+        # row, so the pass streams the logits alone (their 5 bytes a token would double it).
+        maybe = maybe_seen(maybe_seen_ptr, slot, tile * BLOCK, vocab, BLOCK)
+        counts = tl.load(counts_ptr + table, mask=maybe, other=0)
+        seen = (tl.load(prompt_mask_ptr + table, mask=maybe, other=0) != 0) | (counts > 0)
         rep = tl.load(fp + F_REPETITION)
         x = tl.where(seen, tl.where(x < 0, x * rep, x / rep), x)
         x = x - tl.load(fp + F_FREQUENCY) * counts.to(tl.float32)
@@ -100,7 +103,8 @@ def _prepare_kernel(
         _reduce_row(
             row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr,
-            iparams_ptr, counts_ptr, out_pos_ptr, tokens_ptr, vocab, True, SAMPLE == _ALL,
+            iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, tokens_ptr, vocab, True,
+            SAMPLE == _ALL,
             SAMPLE == _ALL, TILES, CANDIDATES, False,
         )  # fmt: skip
 
@@ -128,7 +132,7 @@ def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_p
 def _sample_kernel(
     z_ptr, tau_ptr, part_max_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
     part_gval_ptr, part_gidx_ptr, vocab, num_tiles, greedy_ptr, tokens_ptr, counts_ptr,
-    pending_ptr, row_count_ptr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    maybe_seen_ptr, pending_ptr, row_count_ptr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold), for
     the rows a filter threshold can cut (the first pass drew the others, DRAW_UNCUT); the
@@ -156,8 +160,8 @@ def _sample_kernel(
         _reduce_row(
             row, part_max_ptr, part_max_ptr, part_max_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, part_max_ptr, part_max_ptr, greedy_ptr, part_max_ptr, tokens_ptr,
-            slots_ptr, iparams_ptr, counts_ptr, out_pos_ptr, pending_ptr, vocab, False, True,
-            True, TILES, 0, True,
+            slots_ptr, iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, pending_ptr, vocab,
+            False, True, True, TILES, 0, True,
         )  # fmt: skip
 
 
@@ -165,7 +169,7 @@ def _sample_kernel(
 def _reduce_row(
     row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
     m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr,
-    out_pos_ptr, pending_ptr, vocab,
+    maybe_seen_ptr, out_pos_ptr, pending_ptr, vocab,
     FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
     CANDIDATES: tl.constexpr, PENDING: tl.constexpr,
 ):  # fmt: skip
@@ -218,7 +222,8 @@ def _reduce_row(
         if open_row:
             tl.store(tokens_ptr + row, in_vocab(token, vocab).to(tl.int64))
         else:
-            record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab)
+            record_token(token, row, slot, tokens_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr,
+                         vocab)  # fmt: skip
 
 
 class _Partials:
@@ -247,7 +252,8 @@ def _prepare(
     rows, vocab = logits.shape
     _prepare_kernel[(rows, parts.tiles)](
         logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
-        state.iparams, state.out_pos, state.prompt_mask, state.counts, state.ban_mask,
+        state.iparams, state.out_pos, state.prompt_mask, state.counts, state.maybe_seen,
+        state.ban_mask,
         parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles, parts.m,
         parts.s, parts.greedy, parts.bound, parts.m if tokens is None else tokens,
         zeroed_counters(logits.device, rows, "sampler prepare rows"), WRITE_Z=z is not None,
@@ -294,7 +300,8 @@ def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: in
     tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
     _sample_kernel[(rows, parts.tiles)](
         z, tau, parts.max, slots, state.fparams, state.iparams, state.out_pos, parts.gval,
-        parts.gidx, vocab, parts.tiles, parts.greedy, tokens, state.counts, open_rows.pending,
+        parts.gidx, vocab, parts.tiles, parts.greedy, tokens, state.counts, state.maybe_seen,
+        open_rows.pending,
         zeroed_counters(z.device, rows, "sampler draw rows"), BLOCK=parts.tile,
         TILES=triton.next_power_of_2(parts.tiles), num_warps=4,
     )  # fmt: skip

@@ -123,9 +123,9 @@ def sampler_cases():
     parts = dict(part_max_ptr=F32, part_sum_ptr=F32, part_arg_ptr=I32, part_gval_ptr=F32,
                  part_gidx_ptr=I32, num_tiles="i32", vocab="i32")  # fmt: skip
     prepare = dict(logits_ptr=F32, logits_stride="i32", z_ptr=F32, prompt_mask_ptr="*i1",
-                   counts_ptr=I32, ban_mask_ptr="*i1", m_ptr=F32, s_ptr=F32, greedy_ptr=I32,
-                   bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32, **state,
-                   **parts)  # fmt: skip
+                   counts_ptr=I32, maybe_seen_ptr=I32, ban_mask_ptr="*i1", m_ptr=F32,
+                   s_ptr=F32, greedy_ptr=I32, bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32,
+                   **state, **parts)  # fmt: skip
     # A filtering step's (z, the candidates' bound) and a plain step's (the draw, recorded).
     for write_z, cands, draw in ((True, CAP, sample.DRAW_UNCUT), (False, 0, sample.DRAW_ALL)):
         flags = dict(WRITE_Z=write_z, SAMPLE=draw, BLOCK=sample.TILE, TILES=pow2,
@@ -133,7 +133,8 @@ def sampler_cases():
         label = "sampler prepare" + ("" if write_z else " plain")
         yield label, sample._prepare_kernel, prepare, flags, 4, 3
     draw = dict(z_ptr=F32, tau_ptr=F32, greedy_ptr=I32, tokens_ptr=I64, counts_ptr=I32,
-                pending_ptr=I32, row_count_ptr=I32, **state, **parts)  # fmt: skip
+                maybe_seen_ptr=I32, pending_ptr=I32, row_count_ptr=I32, **state,
+                **parts)  # fmt: skip
     flags = dict(BLOCK=sample.TILE, TILES=pow2)
     yield "sampler draw", sample._sample_kernel, draw, flags, 4, 3
     candidates = dict(z_ptr=F32, part_max_ptr=F32, bound_ptr=F32, cand_ptr=F32, floor_ptr=F32,
@@ -171,8 +172,8 @@ def sampler_cases():
         yield f"sampler row search round {label}", rs._round_kernel, search, flags, 4, 3
     draw = dict(z_ptr=F32, vocab="i32", num_tiles="i32", rows="i32", part_max_ptr=F32,
                 pending_in_ptr=I32, pending_out_ptr=I32, tokens_ptr=I64, bound_ptr=F32,
-                tau_ptr=F32, m_ptr=F32, target_ptr=F32, counts_ptr=I32, mass_ptr=F32,
-                gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, **state)  # fmt: skip
+                tau_ptr=F32, m_ptr=F32, target_ptr=F32, counts_ptr=I32, maybe_seen_ptr=I32,
+                mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, **state)  # fmt: skip
     for final, rows in itertools.product((False, True), (1, 64)):
         programs = min(nd.PROGRAMS, rows * triton.cdiv(vocab, sample.TILE))
         flags = dict(FINAL=final, BLOCK=sample.TILE, ROWS=rows, TILES=pow2,
