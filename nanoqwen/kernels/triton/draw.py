@@ -71,6 +71,7 @@ def maybe_seen(maybe_seen_ptr, slot, first, vocab, BLOCK: tl.constexpr):
     slot's prompt or outputs (its bit in SamplingState.maybe_seen); where not, its count is 0
     and its prompt mask clear. A word a 32 tokens, loaded once: the [words, 32] bits flatten
     to the tile's own layout."""
+    tl.static_assert(BLOCK % 32 == 0, "a tile holds whole 32-token words")
     w = first // 32 + tl.arange(0, BLOCK // 32)
     words = tl.load(maybe_seen_ptr + slot * ((vocab + 31) // 32) + w, mask=w * 32 < vocab,
                     other=0)  # fmt: skip
