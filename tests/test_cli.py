@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.cli.chat import run_chat
@@ -447,3 +448,15 @@ def test_bench_help_delegates_to_the_bench_module():
     r = cli("bench", "--help")
     assert r.returncode == 0, r.stderr
     assert "--shape {0.5B,1.5B,3B,7B,14B,32B,72B}" in r.stdout and "(default: 0.5B)" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the bench's default device is CUDA")
+def test_the_bench_module_fails_in_one_line_as_the_command_does():
+    env = {k: v for k, v in os.environ.items() if k != "NANOQWEN_DEBUG"}
+    r = subprocess.run([sys.executable, "-m", "nanoqwen.bench", "--mode", "latency"], cwd=REPO,
+                       capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == (
+        "python -m nanoqwen.bench: error: device='cuda' but CUDA is not available on this "
+        "machine: allowed cpu\n"
+    )

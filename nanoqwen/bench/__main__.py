@@ -1,10 +1,20 @@
-"""`python -m nanoqwen.bench`: the same benchmark as `nanoqwen bench`."""
+"""`python -m nanoqwen.bench`: the same benchmark as `nanoqwen bench`, its failures one line
+each as the CLI prints them (NANOQWEN_DEBUG=1 shows the traceback)."""
 
 import argparse
 import sys
 
 from nanoqwen.bench import add_arguments, run
+from nanoqwen.errors import debug, exit_code, one_line
 
-parser = argparse.ArgumentParser(prog="python -m nanoqwen.bench")
+PROG = "python -m nanoqwen.bench"
+parser = argparse.ArgumentParser(prog=PROG)
 add_arguments(parser)
-sys.exit(run(parser.parse_args()))
+args = parser.parse_args()
+try:
+    sys.exit(run(args))
+except Exception as e:
+    if debug():
+        raise
+    print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+    sys.exit(exit_code(e))

@@ -304,7 +304,7 @@ class LLM:
         params = split_sampling_params(sampling_params, len(requests), SamplingParams)
         params = [constrained(p, r) for p, r in zip(params, requests)]
         outputs = self.generate([r.prompt_ids for r in requests], params, use_tqdm)
-        return [chat_output(o, r.parses_tool_calls) for o, r in zip(outputs, requests)]
+        return [chat_output(o, r.tool_names) for o, r in zip(outputs, requests)]
 
     def stream(
         self,

@@ -187,9 +187,8 @@ def build_app(engine: EngineClient, info: ModelInfo, config: ServerConfig) -> Fa
         max_tokens = P.chat_max_tokens(req)
         params = P.sampling_params(req, len(prompt), info, max_tokens, logprobs, constraint)
         gen = Generation(engine, [prompt], [params])
-        tools = chat.parses_tool_calls
-        stream = functools.partial(chat_stream, tool_calls=tools)
-        whole = functools.partial(chat_response, tool_calls=tools)
+        stream = functools.partial(chat_stream, tool_names=chat.tool_names)
+        whole = functools.partial(chat_response, tool_names=chat.tool_names)
         return await respond(request, gen, req, stream, whole)
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))

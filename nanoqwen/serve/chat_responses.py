@@ -1,6 +1,6 @@
 """Engine output -> /v1/chat/completions bodies: the whole response, and its event stream.
 
-A request with tools has its answers' <tool_call> blocks read back as tool_calls (one
+A request with tools has its answers' calls of them read back as tool_calls (one
 ToolCallParser per choice, so a streamed answer gives the same calls as a whole one); the
 content is then the text around them, and an answer that ended on its own after calling
 tools ends for "tool_calls"."""
@@ -43,11 +43,11 @@ from nanoqwen.serve.responses import (
 )
 
 
-def _message(out: ChoiceOutput, tool_calls: bool) -> tuple[AssistantMessage, str]:
+def _message(out: ChoiceOutput, tool_names: frozenset[str]) -> tuple[AssistantMessage, str]:
     reason = out.finish_reason or "length"
-    if not tool_calls:
+    if not tool_names:
         return AssistantMessage(content=out.text), reason
-    content, calls = parse_tool_calls(out.text)
+    content, calls = parse_tool_calls(out.text, tool_names)
     made = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in calls]  # fmt: skip
     message = AssistantMessage(content=message_content(content, calls), tool_calls=made or None)
@@ -60,11 +60,11 @@ def chat_response(
     model: str,
     token_text: TokenText,
     return_token_ids: bool,
-    tool_calls: bool = False,
+    tool_names: frozenset[str] = frozenset(),
 ) -> ChatCompletionResponse:
     choices = []
     for i, out in enumerate(outputs):
-        message, reason = _message(out, tool_calls)
+        message, reason = _message(out, tool_names)
         choices.append(
             ChatChoice(
                 index=i,
@@ -101,11 +101,11 @@ def chat_stream(
     token_text: TokenText,
     return_token_ids: bool,
     include_usage: bool,
-    tool_calls: bool = False,
+    tool_names: frozenset[str] = frozenset(),
 ) -> AsyncIterator[str]:
     base = dict(id=new_id("chatcmpl"), created=int(time.time()), model=model)
     encode = ChunkEncoder(ChatCompletionChunk(**base, choices=[]), include_usage)
-    parsers = [ToolCallParser() for _ in range(gen.num_choices)] if tool_calls else None
+    parsers = [ToolCallParser(tool_names) for _ in range(gen.num_choices)] if tool_names else None
 
     def opening() -> str:  # as OpenAI does: each choice opens with the role and empty content
         return "".join(

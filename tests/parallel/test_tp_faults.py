@@ -182,3 +182,22 @@ def test_a_rank_killed_mid_generate_leaves_nothing_behind(tiny_model):
     assert multiprocessing.active_children() == []
     assert open_fds() == fds
     assert shm() - before_shm == set()
+
+
+def test_a_script_read_from_stdin_is_told_to_run_from_a_file(tiny_model):
+    """spawn runs the main script again from its file: "<stdin>" is none, and the rank died
+    re-reading it before it could say why."""
+    code = textwrap.dedent(f"""
+        from nanoqwen import LLM
+        try:
+            LLM({str(tiny_model[0])!r}, tensor_parallel_size=2, device="cpu", progress=False)
+        except Exception as e:
+            print(type(e).__name__, e)
+    """)
+    proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                          env=ENV, timeout=120)  # fmt: skip
+    assert proc.stdout.strip() == (
+        "TensorParallelError tensor parallelism starts its ranks with multiprocessing's spawn, "
+        "which runs the main script again from its file, and this one has none (<stdin>): run "
+        'the script from a file, building the LLM under `if __name__ == "__main__":`'
+    ), proc.stderr

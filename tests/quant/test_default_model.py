@@ -64,3 +64,13 @@ def test_default_runs_the_gguf_quantized(real_model_dir, gguf_path):
     assert llm.tokenizer.encode(text) == Tokenizer(real_model_dir).encode(text)
     out = llm.generate([text], SamplingParams(temperature=0, max_tokens=8))[0]
     assert len(out.token_ids) == 8 and out.text.strip()
+
+
+@pytest.mark.real_model
+def test_a_prompt_over_the_step_token_budget_is_answered(real_model_dir, gguf_path):
+    """Prefilled in chunks: the steps before the last end no prompt, so they need no logits."""
+    llm = LLM(device="cpu", dtype="bfloat16", max_num_batched_tokens=256, num_kv_blocks=8,
+              swap_space=0, progress=False)  # fmt: skip
+    prompt = list(range(1000, 1700))  # 700 tokens: chunks of 256, 256 and 188
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3

@@ -279,3 +279,13 @@ def test_without_a_compiler_the_layers_keep_torchs_kernels(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", "int8pack"]
     assert "GGUF CPU kernels unavailable, using torch's int8 kernel" in done.stderr
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q8_0", "Q6_K", "Q4_K"])
+def test_no_rows_give_no_rows(type_name):
+    """A prefill chunk that ends no prompt asks the lm_head for the logits of no rows."""
+    packed = from_file(type_name, random_blocks(type_name, 80, 256, seed=0))
+    tensors = to_lanes(packed.kind, packed.tensors) if packed.kind in LANE_KINDS else packed.tensors
+    for dtype in (torch.bfloat16, torch.float32):
+        out = gguf_matmul(torch.empty(0, 256, dtype=dtype), packed.kind, tensors)
+        assert out.shape == (0, 80) and out.dtype == dtype

@@ -1,7 +1,8 @@
 """Tool calls and JSON-schema answers from the real Qwen2.5-Coder-0.5B-Instruct behind
 `nanoqwen serve`, through the official openai client: every answer to a set of schemas
-validates, required and named tool choices give valid calls, streamed calls assemble to the
-whole response's, and a conversation with a tool result goes on to a text answer."""
+validates, required and named tool choices give valid calls, an unconstrained call without
+its tags is read as one, streamed calls assemble to the whole response's, and a conversation
+with a tool result goes on to a text answer."""
 
 from __future__ import annotations
 
@@ -174,6 +175,21 @@ def test_forced_calls_are_valid_and_streaming_assembles_the_same_call(client, to
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls
     ]
     assert all(c["id"].startswith("call_") for c in pieces)
+
+
+@pytest.mark.parametrize("tools", [[WEATHER], [WEATHER, SEARCH]], ids=["bare", "fenced"])
+def test_auto_reads_a_call_the_model_writes_without_its_tags(client, tools):
+    """Unconstrained, this model writes the call as a bare object (one tool) or in a ```json
+    fence (two), not in <tool_call> tags; it is read as the call all the same."""
+    request = dict(model=None, messages=ASK, tools=tools, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert calls_of(whole.message) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    pieces, content, reason = streamed(client, **request)
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in pieces] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
 
 
 def test_a_tool_result_leads_to_a_text_answer(client):

@@ -127,6 +127,8 @@ def gguf_matmul(
     rows, k = x.shape
     n = packed[0].shape[0]
     out = torch.empty(rows, n, dtype=x.dtype)
+    if rows == 0:  # a prefill chunk that ends no prompt asks the lm_head for no rows
+        return out
     library, gemv, _, _ = _KERNELS[kind]
     status = getattr(library(), gemv)(
         x.data_ptr(), int(out_bf16), rows, k, *[t.data_ptr() for t in packed], n,

@@ -27,9 +27,9 @@ def message_content(content: str, calls: list[ToolCall]) -> str | None:
     return None if calls and not content.strip() else content
 
 
-def chat_output(output: RequestOutput, parses_tool_calls: bool) -> ChatOutput:
-    if not parses_tool_calls:
+def chat_output(output: RequestOutput, tool_names: frozenset[str]) -> ChatOutput:
+    if not tool_names:
         return ChatOutput(output.text, [], output.finish_reason, output)
-    content, calls = parse_tool_calls(output.text)
+    content, calls = parse_tool_calls(output.text, tool_names)
     reason = finish_reason(output.finish_reason, bool(calls))
     return ChatOutput(message_content(content, calls), calls, reason, output)

@@ -22,7 +22,7 @@ from nanoqwen.runtime.sampling_params import SamplingParams
 class ChatRequest:
     prompt_ids: list[int]
     structured_output: StructuredOutput | None
-    parses_tool_calls: bool  # the answer's <tool_call> blocks are read back as calls
+    tool_names: frozenset[str]  # tools whose calls the answer is read for (none: plain text)
 
 
 def chat_request(
@@ -53,7 +53,7 @@ def chat_request(
     except TemplateError as e:
         raise InvalidInputError(f"messages: the chat template refused them: {e}",
                                 param="messages") from None  # fmt: skip
-    return ChatRequest(ids, fmt or use.constraint, use.parses_calls)
+    return ChatRequest(ids, fmt or use.constraint, use.call_names)
 
 
 def constrained(params: SamplingParams, request: ChatRequest) -> SamplingParams:

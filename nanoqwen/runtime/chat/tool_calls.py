@@ -10,7 +10,8 @@ Qwen2.5's chat template teaches the model to call a tool by writing
 events as OpenAI streams a message: text outside the blocks as content, and for each call its
 name first, then its arguments (JSON text) in pieces as they are written. A whole answer is
 parsed by feeding it at once, so a streamed answer and a whole one give the same calls, to the
-byte."""
+byte. Given the request's tool names, an answer made of nothing but calls written without the
+tags is read as those calls too (bare_calls.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+
+from nanoqwen.runtime.chat.bare_calls import BareCalls
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -98,9 +101,11 @@ class _ValueScanner:
 
 
 class ToolCallParser:
-    """feed() each new piece of text, then finish() once: both return events in order."""
+    """feed() each new piece of text, then finish() once: both return events in order.
+    names: the request's tools, whose calls are also read without tags (bare_calls.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+        self._bare = BareCalls(names) if names else None  # while the answer may be such calls
         self._buffer = ""  # text not yet turned into events
         self._in_call = False
         self._scanner: _ValueScanner | None = None  # while a call's arguments stream
@@ -108,6 +113,10 @@ class ToolCallParser:
         self.num_calls = 0
 
     def feed(self, text: str) -> list[Event]:
+        if self._bare is not None:
+            if self._bare.feed(text):
+                return []
+            text, self._bare = self._bare.text, None
         self._buffer += text
         events: list[Event] = []
         while True:
@@ -115,7 +124,10 @@ class ToolCallParser:
                 start = self._buffer.find(OPEN)
                 if start < 0:
                     keep = _held_back(self._buffer, OPEN)
-                    self._content(self._buffer[: len(self._buffer) - keep], events)
+                    text = self._buffer[: len(self._buffer) - keep]
+                    if self.num_calls and text.isspace():
+                        return events  # after a call: content only if more text follows it
+                    self._content(text, events)
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return events
                 self._content(self._buffer[:start], events)
@@ -126,7 +138,17 @@ class ToolCallParser:
 
     def finish(self) -> list[Event]:
         """The rest: held-back text, or a call cut off before its name as plain content."""
-        events: list[Event] = []
+        if self._bare is not None:
+            bare, self._bare = self._bare, None
+            calls = bare.calls()
+            if calls is None:
+                return self.feed(bare.text) + self.finish()
+            events: list[Event] = []
+            for name, arguments in calls:
+                self._start(name, events)
+                events.append(ArgumentsDelta(self.num_calls - 1, arguments))
+            return events
+        events = []
         if self._in_call and self._scanner is None:
             self._content(OPEN + self._buffer, events)
         elif not self._in_call:
@@ -196,9 +218,10 @@ class ToolCallParser:
         self._arguments_done = False
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """A whole answer's content (text outside the calls) and its calls."""
-    parser = ToolCallParser()
+def parse_tool_calls(text: str, names: frozenset[str] = frozenset()) -> tuple[str, list[ToolCall]]:
+    """A whole answer's content (text outside the calls) and its calls (names: as
+    ToolCallParser takes them)."""
+    parser = ToolCallParser(names)
     return assemble(parser.feed(text) + parser.finish())
 
 

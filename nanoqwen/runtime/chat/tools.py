@@ -1,6 +1,6 @@
 """A chat request's tools and tool_choice, as OpenAI's API takes them, turned into what the
 engine does with them: the tools the template shows the model, the constraint on its answer,
-and whether its <tool_call> blocks are read back as calls.
+and the tools whose calls are read back from it.
 
 tool_choice "none": the model is not shown the tools and its text stays text. "auto" (the
 default when tools are given): it is shown them and may call them; its calls are read back
@@ -31,10 +31,10 @@ CHOICES = ("none", "auto", "required")
 class ToolUse:
     tools: list[dict[str, Any]] | None  # for the template; None: no tools section
     constraint: StructuredOutput | None
-    parses_calls: bool
+    call_names: frozenset[str]  # empty: the answer's text stays text
 
 
-NO_TOOLS = ToolUse(None, None, False)
+NO_TOOLS = ToolUse(None, None, frozenset())
 
 
 def tool_use(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = True) -> ToolUse:
@@ -55,11 +55,11 @@ def tool_use(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = Tru
         if choice == "none":
             return NO_TOOLS
         if choice == "auto":
-            return ToolUse(list(tools), None, True)
+            return ToolUse(list(tools), None, frozenset(names))
     else:
         names, parallel = [_named(choice, names)], False
     constraint = StructuredOutput(structural_tag=_calls_tag(tools, names, parallel))
-    return ToolUse(list(tools), constraint, True)
+    return ToolUse(list(tools), constraint, frozenset(names))
 
 
 def _calls_tag(tools: Sequence[Mapping], names: list[str], parallel: bool) -> str:

@@ -15,6 +15,7 @@ from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.device_choice import device_name
 from nanoqwen.runtime.parallel.group import (
     ParallelContext,
+    TensorParallelError,
     join_group,
     keep_multicast_off,
     leave_group,
@@ -23,7 +24,10 @@ from nanoqwen.runtime.parallel.group import (
     under_torchrun,
 )
 from nanoqwen.runtime.parallel.processes import WorkerProcesses
-from nanoqwen.runtime.parallel.rank_errors import refuse_spawn_while_bootstrapping
+from nanoqwen.runtime.parallel.rank_errors import (
+    main_script_for_spawn,
+    refuse_spawn_while_bootstrapping,
+)
 from nanoqwen.runtime.parallel.watched_store import WatchedStore
 from nanoqwen.runtime.parallel.worker import run_worker
 
@@ -54,6 +58,9 @@ def start_group(
         run_worker(ctx, quiet, build)
         sys.exit(0)
     refuse_spawn_while_bootstrapping()  # before this rank would listen and spawn in turn
+    why_not = main_script_for_spawn()
+    if why_not is not None:
+        raise TensorParallelError(why_not)
     dev = rank_device(device, 0, size)
     store = spawn_store(size)
     workers = WorkerProcesses(size, store.port, quiet, build)

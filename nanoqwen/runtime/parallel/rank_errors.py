@@ -21,6 +21,21 @@ NO_MAIN_GUARD = (
 )
 
 
+def main_script_for_spawn() -> str | None:
+    """Why spawn cannot start the ranks from this process's main script (None where it can):
+    it runs the script again from its file, and a script read from standard input has none
+    (its rank would die re-reading "<stdin>" before it could say so)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or path is None or os.path.exists(path):
+        return None
+    return (
+        f"tensor parallelism starts its ranks with multiprocessing's spawn, which runs the "
+        f"main script again from its file, and this one has none ({path}): run the script "
+        f'from a file, building the LLM under `if __name__ == "__main__":`'
+    )
+
+
 def report_error(rank: int, line: str) -> None:
     """In a spawned rank: the line rank 0 quotes (the first line of what went wrong)."""
     where = os.environ.get(ERROR_DIR_ENV)
