@@ -143,18 +143,13 @@ def sampler_cases():
     flags = dict(CAP=CAP, BLOCK=sample.TILE, OPEN_P=True)
     yield "sampler candidates", st._candidates_kernel, candidates, flags, 4, 3
     merge = dict(cand_ptr=F32, floor_ptr=F32, count_ptr=I32, num_tiles="i32", packed_ptr=F32,
-                 top_ptr=F32,
-                 m_ptr=F32, s_ptr=F32, tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32,
-                 need_ptr=I32, vocab="i32", **state)  # fmt: skip
+                 top_ptr=F32, z_ptr=F32, m_ptr=F32, s_ptr=F32, tau_ptr=F32, tau_k_ptr=F32,
+                 vocab="i32", search_keys_ptr=I64, search_target_ptr=F32, pending_ptr=I32,
+                 **state)  # fmt: skip
     block = triton.next_power_of_2(triton.cdiv(vocab, sample.TILE) * CAP)
-    flags = dict(CAP=CAP, BLOCK=block, TILES=pow2, OPEN_P=True, COMPACT=st.COMPACT)
-    yield "sampler thresholds", st._thresholds_kernel, merge, flags, 8, 3
-    finish = dict(z_ptr=F32, cand_ptr=F32, floor_ptr=F32, num_tiles="i32", need_ptr=I32,
-                  tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32, m_ptr=F32, s_ptr=F32,
-                  tau_ptr=F32, vocab="i32", search_keys_ptr=I64, search_target_ptr=F32,
-                  pending_ptr=I32, **state)  # fmt: skip
-    flags = dict(CAP=CAP, PROBES=st.PROBES, BLOCK=st.SEARCH_BLOCK, TILES=pow2)
-    yield "sampler thresholds finish", st._finish_kernel, finish, flags, st.SEARCH_WARPS, 3
+    flags = dict(CAP=CAP, BLOCK=block, TILES=pow2, OPEN_P=True, COMPACT=st.COMPACT,
+                 PROBES=st.PROBES, SEARCH=st.SEARCH_BLOCK)  # fmt: skip
+    yield "sampler thresholds", st._thresholds_kernel, merge, flags, st.WARPS, 3
     search = dict(
         z_ptr=F32,
         vocab="i32",
