@@ -87,6 +87,27 @@ def test_triton_and_torch_passes_draw_the_same_tokens(spread):
     assert agree >= 0.98, agree
 
 
+@pytest.mark.parametrize("filtering", [False, True])
+def test_penalties_see_the_tokens_the_device_recorded(filtering):
+    """Greedy rows where each step's token is penalised below the next best: a token missing
+    from the slot's maybe_seen bits (prompt or recorded output) would be picked again. The
+    vocabulary's last 32-token word is among them."""
+    order = [151000, 37, 64, 5, VOCAB - 1, 100, 31, 32]
+    logits = torch.zeros(2, VOCAB, device=DEV)
+    logits[:, order] = 1.0 - 0.01 * torch.arange(len(order), device=DEV).float()
+    seqs = [
+        Sequence([1], SamplingParams(max_tokens=64, temperature=0, frequency_penalty=1.0)),
+        Sequence([151000, 64], SamplingParams(max_tokens=64, temperature=0,
+                                             repetition_penalty=4.0)),
+    ]  # fmt: skip
+    sampler = Sampler(frozenset({2}), VOCAB, len(seqs), DEV)
+    sampler.admit(seqs)
+    slots = torch.tensor(sampler.slots(seqs), device=DEV)
+    steps = torch.stack([sampler(logits, slots, filtering) for _ in range(8)]).tolist()
+    assert [s[0] for s in steps] == order
+    assert [s[1] for s in steps] == [37, 5, VOCAB - 1, 100, 31, 32, 151000, 151000]
+
+
 @pytest.mark.parametrize(
     "params",
     [

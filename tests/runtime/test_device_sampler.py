@@ -66,14 +66,23 @@ FILTERS = [
 
 
 @pytest.mark.parametrize("passes", ["torch", "native", "triton"])
-# 4 candidates: every boundary past them; 10 tiles of 32: most skipped for a small top-k
-@pytest.mark.parametrize(("candidates", "tile"), [(256, 2048), (4, 2048), (4, 32)])
-def test_filtered_sets_equal_the_reference_with_ties(monkeypatch, passes, candidates, tile):
+# 4 candidates: every boundary past them; 10 tiles of 32: most skipped for a small top-k;
+# a union packed into 8 places: most rows' candidates do not fit and are read in place
+@pytest.mark.parametrize(
+    ("candidates", "tile", "compact"), [(256, 2048, 256), (4, 2048, 256), (4, 32, 256), (4, 32, 8)]
+)
+def test_filtered_sets_equal_the_reference_with_ties(
+    monkeypatch, passes, candidates, tile, compact
+):
     if passes == "triton":
         pytest.importorskip("triton")
         from nanoqwen.kernels.triton import sample as kernels
+        from nanoqwen.kernels.triton import sampling_thresholds
 
         monkeypatch.setattr(kernels, "TILE", tile)
+        monkeypatch.setattr(sampling_thresholds, "COMPACT", compact)
+    elif compact != 256:
+        pytest.skip("the packed union is the Triton passes'")
     monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
     vocab = 300
     params = [dict(temperature=1.0) | f for f in FILTERS]
@@ -334,6 +343,27 @@ def test_torch_c_and_triton_passes_sample_the_same_tokens(spread):
     assert tokens["torch"] == tokens["native"] == tokens["triton"]
     # min_tokens=3 with two outputs: one more step may not pick EOS, the next one does.
     assert tokens["torch"][0][5] != EOS and tokens["torch"][1][5] == EOS
+
+
+@pytest.mark.parametrize("passes", ["torch", "native", "triton"])
+@pytest.mark.parametrize("filtering", [False, True])
+def test_penalties_see_the_tokens_the_passes_sampled(passes, filtering):
+    """Greedy rows where each step's token is penalised below the next best: a pass that
+    missed a token its own earlier step recorded, or a prompt token, picks it again. The
+    tokens lie in several 32-token words of the Triton passes' maybe_seen bits."""
+    vocab = 300
+    order = [250, 37, 64, 5, 290, 100, 31, 32]
+    logits = torch.zeros(2, vocab)
+    logits[:, order] = 1.0 - 0.01 * torch.arange(len(order)).float()
+    seqs = [
+        make_seq([1], temperature=0, frequency_penalty=1.0),
+        make_seq([250, 64], temperature=0, repetition_penalty=4.0),
+    ]
+    sampler, slots = make_sampler(seqs, vocab, passes)
+    steps = [sampler(logits, slots, filtering).tolist() for _ in range(8)]
+    assert [s[0] for s in steps] == order
+    # Repetition penalties do not grow with the count: 250 (1.0 / 4) wins once all are seen.
+    assert [s[1] for s in steps] == [37, 5, 290, 100, 31, 32, 250, 250]
 
 
 def test_penalties_and_bans_equal_the_reference():

@@ -36,7 +36,7 @@ enum {
 #define MAX_CANDIDATES 1024
 
 #define G1 0x9E3779B97F4A7C15ull  // sampling/noise.py's constants
-#define G2 0xD1B54A32D192ED03ull
+#define G32 0x9E3779B9u
 
 static inline uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
     x ^= x >> 30;
@@ -46,9 +46,26 @@ static inline uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
     return x ^ (x >> 31);
 }
 
-static inline float gumbel_of(uint64_t bits) {
-    float u = ((float)(bits >> 41) + 0.5f) * (1.0f / 8388608.0f);
+static inline uint32_t mix32(uint32_t x) {  // lowbias32
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+static inline uint32_t row_key(uint64_t seed, uint64_t pos) {
+    const uint64_t key = mix64(seed + pos * G1);
+    return (uint32_t)(key ^ (key >> 32));
+}
+
+static inline float gumbel_of(uint32_t bits) {
+    float u = ((float)(bits >> 9) + 0.5f) * (1.0f / 8388608.0f);
     return -logf(-logf(u));
+}
+
+static inline float token_gumbel(uint32_t key, int64_t t) {
+    return gumbel_of(mix32(key + (uint32_t)(t + 1) * G32));
 }
 
 // Argmax as torch takes it: the first maximum, a NaN counting as the maximum.
@@ -229,9 +246,10 @@ static int threshold(const float* z, int64_t V, float m, const float* values, in
 }
 
 static int one_row(const float* x, int64_t V, int64_t slot, const float* fparams,
-                    const int64_t* iparams, int64_t* out_pos, const uint8_t* prompt_mask,
-                    int32_t* counts, const uint8_t* ban_mask, const int64_t* L, int64_t options,
-                   int64_t candidates, float* z_out, float* tau_out, int64_t* token) {
+                   const int64_t* iparams, int64_t* out_pos, const uint8_t* prompt_mask,
+                   int32_t* counts, uint32_t* maybe_seen, const uint8_t* ban_mask,
+                   const int64_t* L, int64_t options, int64_t candidates, float* z_out,
+                   float* tau_out, int64_t* token) {
     const float* f = fparams + slot * L[NUM_F];
     const int64_t* iv = iparams + slot * L[NUM_I];
     const float temperature = f[L[F_TEMPERATURE]], rep = f[L[F_REPETITION]];
@@ -298,22 +316,23 @@ static int one_row(const float* x, int64_t V, int64_t slot, const float* fparams
     if ((iv[L[I_FLAGS]] & L[FLAG_GREEDY]) || !sampled) {
         *token = best.index;
     } else {
-        const uint64_t key = mix64((uint64_t)iv[L[I_SEED]] + (uint64_t)out_pos[slot] * G1);
-        const float g_max = gumbel_of(~0ull);
+        const uint32_t key = row_key((uint64_t)iv[L[I_SEED]], (uint64_t)out_pos[slot]);
+        const float g_max = gumbel_of(~0u);
         // The winner scores at least what the argmax token (never filtered out: tau <= m)
         // draws, and at least the best score so far: a token below that by more than any
         // noise cannot win, nor tie.
-        const float first = m + gumbel_of(mix64(key + (uint64_t)(best.index + 1) * G2));
+        const float first = m + token_gumbel(key, best.index);
         Best draw = {-INFINITY, 0, 0};
         for (int64_t t = 0; t < V; t++) {
             float v = z[t] < tau ? -INFINITY : z[t];
             if (v + g_max < first || v + g_max < draw.value) continue;
-            consider(&draw, v + gumbel_of(mix64(key + (uint64_t)(t + 1) * G2)), t);
+            consider(&draw, v + token_gumbel(key, t), t);
         }
         *token = draw.index;
     }
     if (options & OPT_RECORD) {
         counts[slot * V + *token] += 1;
+        maybe_seen[slot * ((V + 31) / 32) + (*token >> 5)] |= 1u << (*token & 31);
         out_pos[slot] += 1;
     }
     return 0;
@@ -321,20 +340,20 @@ static int one_row(const float* x, int64_t V, int64_t slot, const float* fparams
 
 // For each row r of logits [rows, V] (float32) and its sampler slot slots[r]: tau_out[r]
 // (unless NULL) and z_out's row (unless NULL: scratch memory), and the sampled token
-// tokens[r] (unless NULL), recorded in counts/out_pos with OPT_RECORD. Returns 0, or nonzero
-// for arguments it does not take.
+// tokens[r] (unless NULL), recorded in counts, maybe_seen and out_pos with OPT_RECORD.
+// Returns 0, or nonzero for arguments it does not take.
 int sample_rows(const float* logits, int64_t rows, int64_t V, const int64_t* slots,
                 const float* fparams, const int64_t* iparams, int64_t* out_pos,
-                const uint8_t* prompt_mask, int32_t* counts, const uint8_t* ban_mask,
-                const int64_t* layout, int64_t options, int64_t candidates, float* z_out,
-                float* tau_out, int64_t* tokens, int threads) {
+                const uint8_t* prompt_mask, int32_t* counts, uint32_t* maybe_seen,
+                const uint8_t* ban_mask, const int64_t* layout, int64_t options,
+                int64_t candidates, float* z_out, float* tau_out, int64_t* tokens, int threads) {
     if (candidates < 1 || candidates > MAX_CANDIDATES || V < 1) return 1;
     int failed = 0;
 #pragma omp parallel for num_threads(rows > 1 ? threads : 1) schedule(dynamic) \
     reduction(| : failed)
     for (int64_t r = 0; r < rows; r++)
         failed |= one_row(logits + r * V, V, slots[r], fparams, iparams, out_pos, prompt_mask,
-                          counts, ban_mask, layout, options, candidates,
+                          counts, maybe_seen, ban_mask, layout, options, candidates,
                           z_out ? z_out + r * V : NULL, tau_out ? tau_out + r : NULL,
                           tokens ? tokens + r : NULL);
     return failed;

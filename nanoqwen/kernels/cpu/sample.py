@@ -37,7 +37,7 @@ def sampling_kernels() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.sample_rows.argtypes = [
-        _ptr, _i64, _i64, *[_ptr] * 8, _i64, _i64, _ptr, _ptr, _ptr, _int,
+        _ptr, _i64, _i64, *[_ptr] * 9, _i64, _i64, _ptr, _ptr, _ptr, _int,
     ]  # fmt: skip
     lib.sample_rows.restype = ctypes.c_int
     return lib
@@ -66,8 +66,9 @@ def sample_rows(
     failed = sampling_kernels().sample_rows(
         logits.data_ptr(), rows, vocab, slots.data_ptr(), state.fparams.data_ptr(),
         state.iparams.data_ptr(), state.out_pos.data_ptr(), state.prompt_mask.data_ptr(),
-        state.counts.data_ptr(), state.ban_mask.data_ptr(), LAYOUT.data_ptr(), options,
-        candidates, ptr(z), ptr(tau), ptr(tokens), torch.get_num_threads(),
+        state.counts.data_ptr(), state.maybe_seen.data_ptr(), state.ban_mask.data_ptr(),
+        LAYOUT.data_ptr(), options, candidates, ptr(z), ptr(tau), ptr(tokens),
+        torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise RuntimeError(f"sample_rows failed ({failed}): candidates={candidates}")

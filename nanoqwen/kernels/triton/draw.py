@@ -18,11 +18,23 @@ def _mix64(x):
 
 
 @triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D).to(tl.uint32)  # (uint32 products wrap as lowbias32's do)
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B).to(tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
 def gumbel(seed, pos, offs):
-    """Gumbel(0, 1) noise for tokens offs of a request at output position pos."""
+    """Gumbel(0, 1) noise for tokens offs of a request at output position pos: a 64-bit key
+    per (seed, position), then a 32-bit hash per token (a third of the 64-bit one's integer
+    work, which a flat row pays over its whole vocabulary)."""
     key = _mix64(seed.to(tl.uint64, bitcast=True) + pos.to(tl.uint64) * 0x9E3779B97F4A7C15)
-    bits = _mix64(key + (offs.to(tl.uint64) + 1) * 0xD1B54A32D192ED03)
-    u = ((bits >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    key32 = (key ^ (key >> 32)).to(tl.uint32)
+    bits = _mix32((key32 + ((offs + 1).to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(-tl.log(u))
 
 
@@ -42,9 +54,27 @@ def in_vocab(token, vocab):
 
 
 @triton.jit
-def record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab):
-    """Stores the row's token and counts it as its slot's next output (penalties, positions)."""
+def record_token(token, row, slot, tokens_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, vocab):
+    """Stores the row's token and counts it as its slot's next output (penalties, positions),
+    its bit set in the slot's maybe_seen (SamplingState.maybe_seen)."""
     token = in_vocab(token, vocab)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.atomic_add(counts_ptr + slot * vocab + token, 1)
+    word = maybe_seen_ptr + slot * ((vocab + 31) // 32) + (token >> 5)
+    tl.atomic_or(word, (1 << (token & 31)).to(tl.int32))
     tl.atomic_add(out_pos_ptr + slot, 1)
+
+
+@triton.jit
+def maybe_seen(maybe_seen_ptr, slot, first, vocab, BLOCK: tl.constexpr):
+    """Per token of first + arange(BLOCK) (first a multiple of 32): whether it may be in the
+    slot's prompt or outputs (its bit in SamplingState.maybe_seen); where not, its count is 0
+    and its prompt mask clear. A word a 32 tokens, loaded once: the [words, 32] bits flatten
+    to the tile's own layout."""
+    tl.static_assert(BLOCK % 32 == 0, "a tile holds whole 32-token words")
+    w = first // 32 + tl.arange(0, BLOCK // 32)
+    words = tl.load(maybe_seen_ptr + slot * ((vocab + 31) // 32) + w, mask=w * 32 < vocab,
+                    other=0)  # fmt: skip
+    bits = (words[:, None] >> tl.arange(0, 32)[None, :]) & 1
+    offs = first + tl.arange(0, BLOCK)
+    return (tl.reshape(bits, (BLOCK,)) != 0) & (offs < vocab)

@@ -87,7 +87,7 @@ def _walk(z_row, vocab, v, bound, lo, m, seed, pos, BLOCK: tl.constexpr):
 def _round_kernel(
     z_ptr, vocab, num_tiles, rows, part_max_ptr, pending_in_ptr, pending_out_ptr, tokens_ptr,
     bound_ptr, tau_ptr, m_ptr, target_ptr, slots_ptr, iparams_ptr, out_pos_ptr, counts_ptr,
-    mass_ptr, gval_ptr, gidx_ptr, count_ptr,
+    maybe_seen_ptr, mass_ptr, gval_ptr, gidx_ptr, count_ptr,
     FINAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):  # fmt: skip
@@ -161,14 +161,15 @@ def _round_kernel(
                 tl.store(count_ptr + row, 0)
                 _decide(z_row, vocab, num_tiles, row, state, token, bound, lo, m, seed, pos,
                         slot, target_ptr, mass_ptr, gval_ptr, gidx_ptr, pending_out_ptr,
-                        tokens_ptr, counts_ptr, out_pos_ptr, FINAL, TILES)  # fmt: skip
+                        tokens_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, FINAL,
+                        TILES)  # fmt: skip
 
 
 @triton.jit
 def _decide(
     z_row, vocab, num_tiles, row, state, token, bound, lo, m, seed, pos, slot, target_ptr,
-    mass_ptr, gval_ptr, gidx_ptr, pending_out_ptr, tokens_ptr, counts_ptr, out_pos_ptr,
-    FINAL: tl.constexpr, TILES: tl.constexpr,
+    mass_ptr, gval_ptr, gidx_ptr, pending_out_ptr, tokens_ptr, counts_ptr, maybe_seen_ptr,
+    out_pos_ptr, FINAL: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """A row's decision over its tiles' parts: a measured candidate kept (the row decided) or
     passed; a passed one's next candidate found. With FINAL, the walk."""
@@ -199,7 +200,8 @@ def _decide(
         state = state * 0
     tl.store(pending_out_ptr + row, state)
     if state == 0:
-        record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab)
+        record_token(token, row, slot, tokens_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr,
+                     vocab)  # fmt: skip
     else:
         tl.store(tokens_ptr + row, token)
 
@@ -224,7 +226,8 @@ def draw_open_rows(
     for r in range(ROUNDS):
         _round_kernel[(programs,)](
             z, vocab, tiles, rows, part_max, states[r % 2], states[(r + 1) % 2], tokens, bound,
-            tau, m, target, slots, state.iparams, state.out_pos, state.counts, mass, gval,
-            gidx, count, FINAL=r == ROUNDS - 1, BLOCK=tile, ROWS=triton.next_power_of_2(rows),
+            tau, m, target, slots, state.iparams, state.out_pos, state.counts, state.maybe_seen,
+            mass, gval, gidx, count, FINAL=r == ROUNDS - 1, BLOCK=tile,
+            ROWS=triton.next_power_of_2(rows),
             TILES=triton.next_power_of_2(tiles), NUM_PROGRAMS=programs, num_warps=4,
         )  # fmt: skip

@@ -1,6 +1,6 @@
 """The top-p threshold of a flat row, searched over the whole vocabulary by many programs.
 
-sampling_thresholds._finish_kernel finds most thresholds among the vocabulary tiles'
+sampling_thresholds._finish_row finds most thresholds among the vocabulary tiles'
 candidates. A top-p boundary below every candidate (a flat row, whose nucleus holds tens of
 thousands of tokens: what random weights give, and a trained model at a high temperature)
 needs the row's probability mass at trial thresholds. A step's draw does without it
@@ -89,7 +89,7 @@ def _round_kernel(
 
 
 def search_rows(z: torch.Tensor, keys: torch.Tensor, bound, m, target, tau) -> None:
-    """keys: [rows, 2] int64, each row's key range [lo, hi) as _finish_kernel left it (lo = hi
+    """keys: [rows, 2] int64, each row's key range [lo, hi) as _finish_row left it (lo = hi
     where the row needs no search); bound (top-k's threshold), m (the row max), target (the
     mass to reach): [rows] float32. Raises tau where a row searched."""
     rows, vocab = z.shape

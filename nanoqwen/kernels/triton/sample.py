@@ -6,7 +6,7 @@ data besides the slot ids. Every pass runs over [rows, vocabulary tiles], so bat
 spreads over many programs.
 
 The noise is counter-based: token t of a request at output position n draws
-hash(seed, n, t) (splitmix64 finalizers), identical to runtime/sampling/noise.py, so a
+hash(seed, n, t) (kernels/triton/draw.py), identical to runtime/sampling/noise.py, so a
 seeded request samples the same tokens in any batch and on CPU or GPU.
 """
 
@@ -18,9 +18,15 @@ import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import last_to_arrive, zeroed_counters
-from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token
+from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, maybe_seen, record_token
 
 TILE = 2048  # vocabulary entries per program
+
+# Which rows the first pass draws for (its SAMPLE): none; every row (no filter in the batch);
+# the rows no filter threshold can cut (no top-k, no min-p: a top-p alone is decided after
+# the draw, nucleus_draw.py), whose draw then needs no second pass over z.
+DRAW_NONE, DRAW_ALL, DRAW_UNCUT = 0, 1, 2
+_ALL, _UNCUT = tl.constexpr(DRAW_ALL), tl.constexpr(DRAW_UNCUT)
 
 # The tables' layout (sampling_layout.py) as compile-time constants.
 F_TEMPERATURE = tl.constexpr(layout.F_TEMPERATURE)
@@ -28,6 +34,7 @@ F_REPETITION = tl.constexpr(layout.F_REPETITION)
 F_PRESENCE = tl.constexpr(layout.F_PRESENCE)
 F_FREQUENCY = tl.constexpr(layout.F_FREQUENCY)
 NUM_F = tl.constexpr(layout.NUM_F)
+F_MIN_P = tl.constexpr(layout.F_MIN_P)
 I_TOP_K = tl.constexpr(layout.I_TOP_K)
 I_MIN_TOKENS = tl.constexpr(layout.I_MIN_TOKENS)
 I_SEED = tl.constexpr(layout.I_SEED)
@@ -41,16 +48,17 @@ FLAG_BAN = tl.constexpr(layout.FLAG_BAN)
 @triton.jit
 def _prepare_kernel(
     logits_ptr, logits_stride, z_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
-    prompt_mask_ptr, counts_ptr, ban_mask_ptr,
+    prompt_mask_ptr, counts_ptr, maybe_seen_ptr, ban_mask_ptr,
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, row_count_ptr,
     WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
     CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
-    per-tile partials: max, sum of exp(z - max), first argmax; with SAMPLE the Gumbel argmax
-    of z + noise (a draw with no filter). The row's last tile program to finish reduces the
-    row (_reduce_row: FIRST, and with SAMPLE the draw and its record)."""
+    per-tile partials: max, sum of exp(z - max), first argmax; for the rows SAMPLE names
+    (DRAW_*) the Gumbel argmax of z + noise (a draw with no filter threshold). The row's last
+    tile program to finish reduces the row (_reduce_row: FIRST, and with DRAW_ALL the draw and
+    its record)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -62,8 +70,11 @@ def _prepare_kernel(
     flags = tl.load(ip + I_FLAGS)
     table = slot * vocab + offs
     if (flags & FLAG_PENALTY) != 0:
-        counts = tl.load(counts_ptr + table, mask=inside, other=0)
-        seen = (tl.load(prompt_mask_ptr + table, mask=inside, other=0) != 0) | (counts > 0)
+        # The two tables are read only where a token may be seen: a few hundred tokens of a
+        # row, so the pass streams the logits alone (their 5 bytes a token would double it).
+        maybe = maybe_seen(maybe_seen_ptr, slot, tile * BLOCK, vocab, BLOCK)
+        counts = tl.load(counts_ptr + table, mask=maybe, other=0)
+        seen = (tl.load(prompt_mask_ptr + table, mask=maybe, other=0) != 0) | (counts > 0)
         rep = tl.load(fp + F_REPETITION)
         x = tl.where(seen, tl.where(x < 0, x * rep, x / rep), x)
         x = x - tl.load(fp + F_FREQUENCY) * counts.to(tl.float32)
@@ -81,16 +92,27 @@ def _prepare_kernel(
     total = tl.sum(tl.exp(x - tile_max), axis=0)
     tl.store(part_sum_ptr + part, tl.where(tile_max == float("-inf"), 0.0, total))
     tl.store(part_arg_ptr + part, tile * BLOCK + tl.argmax(x, axis=0))
-    if SAMPLE:
+    if SAMPLE == _ALL:
         _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
                     part_gval_ptr, part_gidx_ptr)  # fmt: skip
+    elif SAMPLE == _UNCUT:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
+        if not _cut(fp, ip, vocab):
+            _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
+                        part_gval_ptr, part_gidx_ptr)  # fmt: skip
     if last_to_arrive(row_count_ptr + row, num_tiles):
         _reduce_row(
             row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr,
-            iparams_ptr, counts_ptr, out_pos_ptr, tokens_ptr, vocab, True, SAMPLE, SAMPLE,
-            TILES, CANDIDATES, False,
+            iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, tokens_ptr, vocab, True,
+            SAMPLE == _ALL,
+            SAMPLE == _ALL, TILES, CANDIDATES, False,
         )  # fmt: skip
+
+
+@triton.jit
+def _cut(fp, ip, vocab):
+    """Whether a filter threshold may cut the row (top-k or min-p; greedy rows draw none)."""
+    return (tl.load(ip + I_TOP_K) < vocab) | (tl.load(fp + F_MIN_P) > 0)
 
 
 @triton.jit
@@ -108,22 +130,25 @@ def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_p
 
 @triton.jit
 def _sample_kernel(
-    z_ptr, tau_ptr, part_max_ptr, slots_ptr, iparams_ptr, out_pos_ptr, part_gval_ptr,
-    part_gidx_ptr, vocab, num_tiles, greedy_ptr, tokens_ptr, counts_ptr, pending_ptr,
-    row_count_ptr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    z_ptr, tau_ptr, part_max_ptr, slots_ptr, fparams_ptr, iparams_ptr, out_pos_ptr,
+    part_gval_ptr, part_gidx_ptr, vocab, num_tiles, greedy_ptr, tokens_ptr, counts_ptr,
+    maybe_seen_ptr, pending_ptr, row_count_ptr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold); the
+    """Gumbel-max partials over the tokens with z >= tau (the row's filter threshold), for
+    the rows a filter threshold can cut (the first pass drew the others, DRAW_UNCUT); the
     row's last tile program to finish draws and records its token (a row still open for
     nucleus_draw.py gets its draw as that pass's first candidate)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
     part = row * num_tiles + tile
     tau = tl.load(tau_ptr + row)
-    if tl.load(part_max_ptr + part) < tau:  # the filters keep nothing here: most tiles
+    if not _cut(fparams_ptr + slot * NUM_F, iparams_ptr + slot * NUM_I, vocab):
+        pass  # its partials are the first pass's draw
+    elif tl.load(part_max_ptr + part) < tau:  # the filters keep nothing here: most tiles
         tl.store(part_gval_ptr + part, float("-inf"))
         tl.store(part_gidx_ptr + part, tile * BLOCK)
     else:
-        slot = tl.load(slots_ptr + row)
         ip = iparams_ptr + slot * NUM_I
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         inside = offs < vocab
@@ -135,8 +160,8 @@ def _sample_kernel(
         _reduce_row(
             row, part_max_ptr, part_max_ptr, part_max_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, part_max_ptr, part_max_ptr, greedy_ptr, part_max_ptr, tokens_ptr,
-            slots_ptr, iparams_ptr, counts_ptr, out_pos_ptr, pending_ptr, vocab, False, True,
-            True, TILES, 0, True,
+            slots_ptr, iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, pending_ptr, vocab,
+            False, True, True, TILES, 0, True,
         )  # fmt: skip
 
 
@@ -144,7 +169,7 @@ def _sample_kernel(
 def _reduce_row(
     row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
     m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr,
-    out_pos_ptr, pending_ptr, vocab,
+    maybe_seen_ptr, out_pos_ptr, pending_ptr, vocab,
     FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
     CANDIDATES: tl.constexpr, PENDING: tl.constexpr,
 ):  # fmt: skip
@@ -197,7 +222,8 @@ def _reduce_row(
         if open_row:
             tl.store(tokens_ptr + row, in_vocab(token, vocab).to(tl.int64))
         else:
-            record_token(token, row, slot, tokens_ptr, counts_ptr, out_pos_ptr, vocab)
+            record_token(token, row, slot, tokens_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr,
+                         vocab)  # fmt: skip
 
 
 class _Partials:
@@ -211,21 +237,23 @@ class _Partials:
         self.arg, self.gidx = torch.empty(shape, **i32), torch.empty(shape, **i32)
         self.cand = torch.empty(rows, self.tiles, max(candidates, 1), **f32)
         self.floor = torch.empty(shape, **f32)  # every value above it is a candidate
+        self.count = torch.empty(shape, **i32)  # how many of its candidates were stored
         self.m, self.s = torch.empty(rows, **f32), torch.empty(rows, **f32)
         self.bound = torch.empty(rows, **f32)
         self.greedy = torch.empty(rows, **i32)
 
 
 def _prepare(
-    logits, slots, state, z, parts: _Partials, sample: bool, tokens=None, candidates: int = 0
+    logits, slots, state, z, parts: _Partials, sample: int, tokens=None, candidates: int = 0
 ) -> None:
     """The prepare pass, each row then reduced by its last tile program: FIRST (the row's
-    max, sum, greedy token and, with candidates, their bound), and with sample the draw
+    max, sum, greedy token and, with candidates, their bound), and with DRAW_ALL the draw
     and its record into tokens."""
     rows, vocab = logits.shape
     _prepare_kernel[(rows, parts.tiles)](
         logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
-        state.iparams, state.out_pos, state.prompt_mask, state.counts, state.ban_mask,
+        state.iparams, state.out_pos, state.prompt_mask, state.counts, state.maybe_seen,
+        state.ban_mask,
         parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles, parts.m,
         parts.s, parts.greedy, parts.bound, parts.m if tokens is None else tokens,
         zeroed_counters(logits.device, rows, "sampler prepare rows"), WRITE_Z=z is not None,
@@ -239,22 +267,23 @@ def plain_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _prepare(logits, slots, state, None, parts, sample=True, tokens=tokens)
+    _prepare(logits, slots, state, None, parts, sample=DRAW_ALL, tokens=tokens)
     return tokens
 
 
 def filter_thresholds(
-    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int, exact: bool = True
-):
+    logits: torch.Tensor, slots: torch.Tensor, state, candidates: int, exact: bool = True,
+    draw: int = DRAW_NONE,
+):  # fmt: skip
     """The processed logits z, each row's threshold tau (top-k, top-p and min-p keep
-    z >= tau), the partials and the rows left open (sampling_thresholds.thresholds; with
-    exact, none)."""
+    z >= tau), the partials (with the draws of the rows `draw` names) and the rows left open
+    (sampling_thresholds.thresholds; with exact, none)."""
     from nanoqwen.kernels.triton.sampling_thresholds import thresholds
 
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device, candidates)
     z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    _prepare(logits, slots, state, z, parts, sample=False, candidates=candidates)
+    _prepare(logits, slots, state, z, parts, sample=draw, candidates=candidates)
     tau, open_rows = thresholds(z, parts, slots, state, candidates, exact)
     return z, tau, parts, open_rows
 
@@ -264,12 +293,15 @@ def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: in
     whose top-p boundary lies below every candidate are drawn without it (nucleus_draw.py)."""
     from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
 
-    z, tau, parts, open_rows = filter_thresholds(logits, slots, state, candidates, exact=False)
+    z, tau, parts, open_rows = filter_thresholds(
+        logits, slots, state, candidates, exact=False, draw=DRAW_UNCUT
+    )
     rows, vocab = z.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
     _sample_kernel[(rows, parts.tiles)](
-        z, tau, parts.max, slots, state.iparams, state.out_pos, parts.gval, parts.gidx, vocab,
-        parts.tiles, parts.greedy, tokens, state.counts, open_rows.pending,
+        z, tau, parts.max, slots, state.fparams, state.iparams, state.out_pos, parts.gval,
+        parts.gidx, vocab, parts.tiles, parts.greedy, tokens, state.counts, state.maybe_seen,
+        open_rows.pending,
         zeroed_counters(z.device, rows, "sampler draw rows"), BLOCK=parts.tile,
         TILES=triton.next_power_of_2(parts.tiles), num_warps=4,
     )  # fmt: skip

@@ -39,22 +39,26 @@ def _count_above(x, probes):
 
 
 @triton.jit
-def store_above(x, top, out_ptr, K: tl.constexpr):
+def store_above(x, top, out_ptr, K: tl.constexpr, lowest=float("-inf")):
     """Stores every value of the 1-D block x above a floor that leaves at most K of them at
-    out_ptr[:K] (in no order, -inf after them) and returns the floor: close to x's K-th
-    largest, not exactly it, for a fraction of a sort's work. top: x's max. Two rounds of 16
-    probes, each one batched count: first gaps below top from 0 to 64 (ratio ~1.5), then 16
-    even steps inside the bracket where the count passes K."""
-    j = tl.arange(0, 16)
-    gaps = tl.where(j == 0, 0.0, tl.exp2(j.to(tl.float32) * 0.6 - 3.0))
-    probes = top - gaps  # decreasing: counts increase
-    fits = _count_above(x, probes) <= K  # true at j = 0: nothing is above the max
-    last = tl.max(tl.where(fits, j, 0), axis=0)
-    hi = tl.sum(tl.where(j == last, probes, 0.0), axis=0)
-    lo = tl.sum(tl.where(j == tl.minimum(last + 1, 15), probes, 0.0), axis=0)
-    span = tl.where(hi > lo, hi - lo, 0.0)  # 0 for an all -inf block (inf - inf is nan)
-    probes = hi - span * (j.to(tl.float32) / 16.0)
-    fits = _count_above(x, probes) <= K
-    floor = tl.min(tl.where(fits, probes, hi), axis=0)
+    out_ptr[:K] (in no order, -inf after them) and returns the floor: never below lowest
+    (fewer values kept where they would not matter), lowest itself where that leaves at most
+    K, else close to x's K-th largest, not exactly it, for a fraction of a sort's work. top:
+    x's max. Two rounds of 16 probes, each one batched count: first gaps below top from 0 to
+    64 (ratio ~1.5), then 16 even steps inside the bracket where the count passes K."""
+    if tl.sum((x > lowest).to(tl.int32), axis=0) <= K:
+        floor = tl.zeros((), tl.float32) + lowest
+    else:
+        j = tl.arange(0, 16)
+        gaps = tl.where(j == 0, 0.0, tl.exp2(j.to(tl.float32) * 0.6 - 3.0))
+        probes = top - gaps  # decreasing: counts increase
+        fits = _count_above(x, probes) <= K  # true at j = 0: nothing is above the max
+        last = tl.max(tl.where(fits, j, 0), axis=0)
+        hi = tl.sum(tl.where(j == last, probes, 0.0), axis=0)
+        lo = tl.sum(tl.where(j == tl.minimum(last + 1, 15), probes, 0.0), axis=0)
+        span = tl.where(hi > lo, hi - lo, 0.0)  # 0 for an all -inf block (inf - inf is nan)
+        probes = hi - span * (j.to(tl.float32) / 16.0)
+        fits = _count_above(x, probes) <= K
+        floor = tl.maximum(tl.min(tl.where(fits, probes, hi), axis=0), lowest)
     _store_compacted(x, x > floor, float("-inf"), out_ptr, K)
     return floor

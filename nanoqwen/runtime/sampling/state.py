@@ -70,6 +70,10 @@ class SamplingState:
         # a CLI run touches the rows of a few slots.
         self.prompt_mask = lazy_zeros((rows, vocab), torch.bool, device)
         self.counts = lazy_zeros((rows, vocab), torch.int32, device)
+        # One bit a token, set for every token in a slot's prompt or outputs (and left set
+        # where unrecord takes an output back): the Triton penalty pass reads the two tables
+        # above only where it is set. Kept by admit and every record of an output.
+        self.maybe_seen = lazy_zeros((rows, -(-vocab // 32)), torch.int32, device)
         # min_tokens: the tokens that may not be sampled yet (EOS and stop tokens).
         self.ban_mask = lazy_zeros((rows, vocab), torch.bool, device)
         self._free = list(range(capacity - 1, -1, -1))
@@ -170,6 +174,8 @@ class SamplingState:
             self.counts.index_fill_(0, rows, 0)
             self._scatter(self.prompt_mask, prompt_rows, prompt_ids, accumulate=False)
             self._scatter(self.counts, count_rows, count_ids, accumulate=True)
+            seen = self._seen_bits(penalised, prompt_rows + count_rows, prompt_ids + count_ids)
+            self.maybe_seen.index_copy_(0, rows, self._to_device(seen))
         banning = [s for s in slots if self._settings[int(s)].bans]
         if banning:
             self.ban_mask.index_fill_(0, self._to_device(np.array(banning, dtype=np.int64)), False)
@@ -181,6 +187,16 @@ class SamplingState:
         index = self._to_device(np.array([rows, ids], dtype=np.int64))
         ones = torch.ones(len(ids), dtype=table.dtype, device=self.device)
         table.index_put_((index[0], index[1]), ones, accumulate=accumulate)
+
+    def _seen_bits(self, slots: list[int], rows: list[int], ids: list[int]) -> np.ndarray:
+        """maybe_seen's rows for slots: the bits of each (row, id) pair set."""
+        bits = np.zeros((len(slots), self.maybe_seen.shape[1]), dtype=np.uint32)
+        where = {slot: i for i, slot in enumerate(slots)}
+        index = np.array([where[r] for r in rows], dtype=np.int64)
+        tokens = np.array(ids, dtype=np.int64)
+        one_bit = np.uint32(1) << (tokens & 31).astype(np.uint32)
+        np.bitwise_or.at(bits, (index, tokens >> 5), one_bit)
+        return bits.view(np.int32)
 
     def _banned(self, seq: Sequence) -> list[int]:
         ids = set(seq.params.stop_token_ids) | set(self.eos_token_ids)
@@ -222,6 +238,10 @@ class SamplingState:
         self.counts.index_put_(
             (slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
         )
+        # The rows' slots are distinct but for padding's scratch slot, which has no penalties.
+        words = (slots, tokens >> 5)
+        bits = (torch.ones_like(tokens) << (tokens & 31)).to(torch.int32)
+        self.maybe_seen.index_put_(words, self.maybe_seen[words] | bits)
         self.out_pos.index_add_(0, slots, torch.ones_like(slots))
 
     def unrecord(self, slots: torch.Tensor, tokens: torch.Tensor, dropped=None) -> None:

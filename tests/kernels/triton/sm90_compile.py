@@ -123,25 +123,33 @@ def sampler_cases():
     parts = dict(part_max_ptr=F32, part_sum_ptr=F32, part_arg_ptr=I32, part_gval_ptr=F32,
                  part_gidx_ptr=I32, num_tiles="i32", vocab="i32")  # fmt: skip
     prepare = dict(logits_ptr=F32, logits_stride="i32", z_ptr=F32, prompt_mask_ptr="*i1",
-                   counts_ptr=I32, ban_mask_ptr="*i1", m_ptr=F32, s_ptr=F32, greedy_ptr=I32,
-                   bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32, **state,
-                   **parts)  # fmt: skip
+                   counts_ptr=I32, maybe_seen_ptr=I32, ban_mask_ptr="*i1", m_ptr=F32,
+                   s_ptr=F32, greedy_ptr=I32, bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32,
+                   **state, **parts)  # fmt: skip
     # A filtering step's (z, the candidates' bound) and a plain step's (the draw, recorded).
-    for write_z, cands in ((True, CAP), (False, 0)):
-        flags = dict(WRITE_Z=write_z, SAMPLE=not write_z, BLOCK=sample.TILE, TILES=pow2,
+    for write_z, cands, draw in ((True, CAP, sample.DRAW_UNCUT), (False, 0, sample.DRAW_ALL)):
+        flags = dict(WRITE_Z=write_z, SAMPLE=draw, BLOCK=sample.TILE, TILES=pow2,
                      CANDIDATES=cands)  # fmt: skip
         label = "sampler prepare" + ("" if write_z else " plain")
         yield label, sample._prepare_kernel, prepare, flags, 4, 3
     draw = dict(z_ptr=F32, tau_ptr=F32, greedy_ptr=I32, tokens_ptr=I64, counts_ptr=I32,
-                pending_ptr=I32, row_count_ptr=I32, **state, **parts)  # fmt: skip
+                maybe_seen_ptr=I32, pending_ptr=I32, row_count_ptr=I32, **state,
+                **parts)  # fmt: skip
     flags = dict(BLOCK=sample.TILE, TILES=pow2)
     yield "sampler draw", sample._sample_kernel, draw, flags, 4, 3
-    finish = dict(z_ptr=F32, cand_ptr=F32, floor_ptr=F32, num_tiles="i32", need_ptr=I32,
-                  tau_k_ptr=F32, tau_p_ptr=F32, tau_min_ptr=F32, m_ptr=F32, s_ptr=F32,
-                  tau_ptr=F32, vocab="i32", search_keys_ptr=I64, search_target_ptr=F32,
-                  pending_ptr=I32, **state)  # fmt: skip
-    flags = dict(CAP=CAP, PROBES=st.PROBES, BLOCK=st.SEARCH_BLOCK, TILES=pow2)
-    yield "sampler thresholds finish", st._finish_kernel, finish, flags, st.SEARCH_WARPS, 3
+    candidates = dict(z_ptr=F32, part_max_ptr=F32, bound_ptr=F32, cand_ptr=F32, floor_ptr=F32,
+                      count_ptr=I32, slots_ptr=I64, iparams_ptr=I64, vocab="i32",
+                      num_tiles="i32")  # fmt: skip
+    flags = dict(CAP=CAP, BLOCK=sample.TILE, OPEN_P=True)
+    yield "sampler candidates", st._candidates_kernel, candidates, flags, 4, 3
+    merge = dict(cand_ptr=F32, floor_ptr=F32, count_ptr=I32, num_tiles="i32", packed_ptr=F32,
+                 top_ptr=F32, z_ptr=F32, m_ptr=F32, s_ptr=F32, tau_ptr=F32, tau_k_ptr=F32,
+                 vocab="i32", search_keys_ptr=I64, search_target_ptr=F32, pending_ptr=I32,
+                 **state)  # fmt: skip
+    block = triton.next_power_of_2(triton.cdiv(vocab, sample.TILE) * CAP)
+    flags = dict(CAP=CAP, BLOCK=block, TILES=pow2, OPEN_P=True, COMPACT=st.COMPACT,
+                 PROBES=st.PROBES, SEARCH=st.SEARCH_BLOCK)  # fmt: skip
+    yield "sampler thresholds", st._thresholds_kernel, merge, flags, st.WARPS, 3
     search = dict(
         z_ptr=F32,
         vocab="i32",
@@ -159,8 +167,8 @@ def sampler_cases():
         yield f"sampler row search round {label}", rs._round_kernel, search, flags, 4, 3
     draw = dict(z_ptr=F32, vocab="i32", num_tiles="i32", rows="i32", part_max_ptr=F32,
                 pending_in_ptr=I32, pending_out_ptr=I32, tokens_ptr=I64, bound_ptr=F32,
-                tau_ptr=F32, m_ptr=F32, target_ptr=F32, counts_ptr=I32, mass_ptr=F32,
-                gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, **state)  # fmt: skip
+                tau_ptr=F32, m_ptr=F32, target_ptr=F32, counts_ptr=I32, maybe_seen_ptr=I32,
+                mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, **state)  # fmt: skip
     for final, rows in itertools.product((False, True), (1, 64)):
         programs = min(nd.PROGRAMS, rows * triton.cdiv(vocab, sample.TILE))
         flags = dict(FINAL=final, BLOCK=sample.TILE, ROWS=rows, TILES=pow2,

@@ -53,3 +53,32 @@ def test_every_value_above_the_floor_and_at_most_k(name, k):
     assert bool((out[above.numel() :] == float("-inf")).all())
     if name == "distinct":  # near the k-th largest: most of the k places used
         assert above.numel() >= k // 2, (above.numel(), k)
+
+
+@triton.jit
+def _above_lowest_kernel(
+    x_ptr, n, lowest, out_ptr, floor_ptr, BLOCK: tl.constexpr, K: tl.constexpr
+):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=float("-inf"))
+    tl.store(floor_ptr, store_above(x, tl.max(x, axis=0), out_ptr, K, lowest))
+
+
+@pytest.mark.parametrize("lowest", [2.5, 0.0, -1.0])
+def test_a_floor_never_below_lowest_and_lowest_itself_where_it_leaves_k(lowest):
+    """Standard normal values: 2.5 leaves 17 of the 2,048 above it (at most 64: the floor is
+    2.5 and all of them are kept), 0.0 and -1.0 leave more than 64 (the floor is near the
+    64th largest, above lowest)."""
+    x = CASES["distinct"]
+    k = 64
+    out = torch.full((k,), float("nan"), device=DEVICE)
+    scalar = torch.empty(1, device=DEVICE)
+    _above_lowest_kernel[(1,)](x.to(DEVICE), x.numel(), lowest, out, scalar, BLOCK=2048, K=k)
+    out, floor = out.cpu(), float(scalar)
+    above = x[x > floor]
+    assert floor >= lowest and above.numel() <= k
+    assert torch.equal(out[: above.numel()].sort().values, above.sort().values)
+    if int((x > lowest).sum()) <= k:
+        assert floor == lowest
+    else:
+        assert above.numel() >= k // 2
