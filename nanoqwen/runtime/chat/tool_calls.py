@@ -145,8 +145,7 @@ class ToolCallParser:
                 return self.feed(bare.text) + self.finish()
             events: list[Event] = []
             for name, arguments in calls:
-                self._start(name, events)
-                events.append(ArgumentsDelta(self.num_calls - 1, arguments))
+                self._call_at_once(name, arguments, events)
             return events
         events = []
         if self._in_call and self._scanner is None:
@@ -197,6 +196,11 @@ class ToolCallParser:
         events.append(CallStart(self.num_calls, new_call_id(), name))
         self.num_calls += 1
 
+    def _call_at_once(self, name: str, arguments: str, events: list[Event]) -> None:
+        """A call whose arguments are known whole: its start and one arguments event."""
+        self._start(name, events)
+        events.append(ArgumentsDelta(self.num_calls - 1, arguments))
+
     def _whole_call(self, body: str, events: list[Event]) -> None:
         """A call in another form than the template's: one event with all of it, or plain
         content when it is not a call at all."""
@@ -205,9 +209,8 @@ class ToolCallParser:
         except ValueError:
             call = None
         if isinstance(call, dict) and isinstance(call.get("name"), str):
-            self._start(call["name"], events)
             arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
-            events.append(ArgumentsDelta(self.num_calls - 1, arguments))
+            self._call_at_once(call["name"], arguments, events)
         else:
             self._content(OPEN + body + CLOSE, events)
 
