@@ -102,7 +102,7 @@ def _row_thresholds(
     tau_k = tl.full((), float("-inf"), tl.float32)
     tau_p = tl.full((), float("-inf"), tl.float32)
     need = tl.where(top_p < 1.0, 4, 0)
-    skip = top_k < 0  # False
+    skip = top_k < 0  # False, as a value of the type the line below gives it
     if OPEN_P:
         skip = top_k >= vocab
     if not skip:
