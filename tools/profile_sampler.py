@@ -1,5 +1,6 @@
 """The sampler alone on the GPU: one step per preset and batch size, captured in a CUDA graph,
-with the top kernels of a replay. Usage: python3 tools/profile_sampler.py [--kernels]
+and with --kernels the top kernels of a replay and the last replay's kernels in order.
+Usage: python3 tools/profile_sampler.py [--kernels]
 
 Logits are standard normal times --logit-scales: at 2 (random weights) a top-p 0.9 nucleus holds
 ~36,000 of 151,936 tokens, at 4 ~800, at 6 ~20 (up to ~140 in a batch of 64), closer to a
@@ -50,6 +51,22 @@ def profile(bs: int, scale: float, name: str, vocab: int, kernels: bool) -> None
                 graph.replay()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+        print_last_step(prof, steps=5)
+
+
+def print_last_step(prof, steps: int) -> None:
+    """The last replay's kernels in launch order: each one's time and the gap before it (the
+    launch latency a kernel fewer saves)."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    last = kernels[len(kernels) - len(kernels) // steps :]
+    end = last[0].time_range.start
+    for e in last:
+        gap = e.time_range.start - end
+        end = e.time_range.end
+        print(f"  {e.name[:40]:40s} {e.time_range.elapsed_us():8.1f} us  (gap {gap:5.1f})")
 
 
 def main() -> None:

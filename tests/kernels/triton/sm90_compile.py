@@ -125,13 +125,18 @@ def sampler_cases():
     prepare = dict(logits_ptr=F32, logits_stride="i32", z_ptr=F32, prompt_mask_ptr="*i1",
                    counts_ptr=I32, maybe_seen_ptr=I32, ban_mask_ptr="*i1", m_ptr=F32,
                    s_ptr=F32, greedy_ptr=I32, bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32,
-                   **state, **parts)  # fmt: skip
-    # A filtering step's (z, the candidates' bound) and a plain step's (the draw, recorded).
-    for write_z, cands, draw in ((True, CAP, sample.DRAW_UNCUT), (False, 0, sample.DRAW_ALL)):
-        flags = dict(WRITE_Z=write_z, SAMPLE=draw, BLOCK=sample.TILE, TILES=pow2,
-                     CANDIDATES=cands)  # fmt: skip
-        label = "sampler prepare" + ("" if write_z else " plain")
-        yield label, sample._prepare_kernel, prepare, flags, 4, 3
+                   pending_ptr=I32, target_ptr=F32, **state, **parts)  # fmt: skip
+    # A filtering step's (z, the candidates' bound), a plain step's (the draw, recorded) and
+    # a top-p-alone step's (z and every draw, the top-p rows' left open).
+    for label, write_z, cands, draw in (
+        ("", True, CAP, sample.DRAW_UNCUT),
+        (" plain", False, 0, sample.DRAW_ALL),
+        (" nucleus", True, 0, sample.DRAW_NUCLEUS),
+    ):
+        every = draw in (sample.DRAW_ALL, sample.DRAW_NUCLEUS)
+        flags = dict(WRITE_Z=write_z, SAMPLE=draw, DRAW_EVERY_ROW=every, BLOCK=sample.TILE,
+                     TILES=pow2, CANDIDATES=cands)  # fmt: skip
+        yield "sampler prepare" + label, sample._prepare_kernel, prepare, flags, 4, 3
     draw = dict(z_ptr=F32, tau_ptr=F32, greedy_ptr=I32, tokens_ptr=I64, counts_ptr=I32,
                 maybe_seen_ptr=I32, pending_ptr=I32, row_count_ptr=I32, **state,
                 **parts)  # fmt: skip
