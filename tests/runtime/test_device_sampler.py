@@ -230,16 +230,19 @@ def test_the_filter_stage_follows_what_the_held_slots_use():
 def test_a_top_p_batch_draws_the_reference_tokens_without_thresholds(monkeypatch):
     """The NUCLEUS stage's one pass (kernels/triton/sample.py nucleus_step) draws every row,
     records those without top-p, and leaves the top-p rows to nucleus_draw.py: over 6 steps
-    of flat rows, penalties and a greedy row among them, the tokens the torch passes draw
-    from the exact thresholds, and those of the FULL stage's passes."""
+    of flat rows, other temperatures, penalties and a greedy row among them, the tokens the
+    torch passes draw from the exact thresholds, and those of the FULL stage's passes."""
     pytest.importorskip("triton")
     from nanoqwen.kernels.triton import counters
     from nanoqwen.kernels.triton import sample as kernels
 
     monkeypatch.setattr(kernels, "TILE", 256)
     vocab = 3000
-    params = [dict(top_p=0.3), dict(top_p=0.9), dict(temperature=0.7, top_p=0.5),
-              dict(top_p=0.8, repetition_penalty=1.3, presence_penalty=0.5),
+    # Rows at temperature 1 without penalties are read from their logits (z is not written
+    # for them); the others from z.
+    params = [dict(top_p=0.3), dict(top_p=0.9), dict(temperature=0.7, top_p=0.3),
+              dict(temperature=1.5, top_p=0.3),
+              dict(top_p=0.4, repetition_penalty=1.3, presence_penalty=0.5),
               dict(temperature=0.9), dict(temperature=0)]  # fmt: skip
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(5)) * 0.5
 

@@ -1,11 +1,18 @@
 """Pieces every Triton draw of the sampler shares: the counter-based Gumbel noise (bit for
 bit runtime/sampling/noise.py's), the first-max reduction over tile partials, and recording
-a row's token as its slot's output."""
+a row's token as its slot's output, and which rows' processed logits are their logits."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from nanoqwen.kernels import sampling_layout as layout
+
+F_TEMPERATURE = tl.constexpr(layout.F_TEMPERATURE)
+FLAG_PENALTY = tl.constexpr(layout.FLAG_PENALTY)
+FLAG_BAN = tl.constexpr(layout.FLAG_BAN)
+I_FLAGS = tl.constexpr(layout.I_FLAGS)
 
 
 @triton.jit
@@ -36,6 +43,15 @@ def gumbel(seed, pos, offs):
     bits = _mix32((key32 + ((offs + 1).to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def z_is_logits(fp, ip):
+    """Whether the processed logits z of a slot (its fparams and iparams rows at fp, ip) are
+    its logits bit for bit: temperature 1 (x / 1 is exact), no penalties, no bans. A pass
+    that only reads z can read such a row's logits, and the pass before need not write it."""
+    plain = (tl.load(ip + I_FLAGS) & (FLAG_PENALTY | FLAG_BAN)) == 0
+    return plain & (tl.load(fp + F_TEMPERATURE) == 1.0)
 
 
 @triton.jit

@@ -18,7 +18,14 @@ import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import last_to_arrive, zeroed_counters
-from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, maybe_seen, record_token
+from nanoqwen.kernels.triton.draw import (
+    first_max,
+    gumbel,
+    in_vocab,
+    maybe_seen,
+    record_token,
+    z_is_logits,
+)
 
 TILE = 2048  # vocabulary entries per program
 
@@ -55,14 +62,16 @@ def _prepare_kernel(
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, row_count_ptr,
     pending_ptr, target_ptr,
-    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, DRAW_EVERY_ROW: tl.constexpr,
-    BLOCK: tl.constexpr, TILES: tl.constexpr, CANDIDATES: tl.constexpr,
+    WRITE_Z: tl.constexpr, PLAIN_Z: tl.constexpr, SAMPLE: tl.constexpr,
+    DRAW_EVERY_ROW: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
     per-tile partials: max, sum of exp(z - max), first argmax; for the rows SAMPLE names
     (DRAW_*) the Gumbel argmax of z + noise (a draw with no filter threshold). The row's last
     tile program to finish reduces the row (_reduce_row: FIRST, and with DRAW_ALL the draw and
-    its record; with DRAW_NUCLEUS a top-p row's draw is left open instead, _open_top_p)."""
+    its record; with DRAW_NUCLEUS a top-p row's draw is left open instead). Without PLAIN_Z,
+    z is not written for rows whose z is their logits (draw.z_is_logits)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -88,8 +97,9 @@ def _prepare_kernel(
         banned = tl.load(ban_mask_ptr + table, mask=inside, other=0) != 0
         x = tl.where(banned, float("-inf"), x)
     x = x / tl.load(fp + F_TEMPERATURE)
-    if WRITE_Z:
-        tl.store(z_ptr + row * vocab + offs, x, mask=inside)
+    if WRITE_Z:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
+        if PLAIN_Z or not z_is_logits(fp, ip):
+            tl.store(z_ptr + row * vocab + offs, x, mask=inside)
     part = row * num_tiles + tile
     tile_max = tl.max(x, axis=0)
     tl.store(part_max_ptr + part, tile_max)
@@ -256,12 +266,13 @@ class _Partials:
 
 def _prepare(
     logits, slots, state, z, parts: _Partials, sample: int, tokens=None, candidates: int = 0,
-    open_rows=None,
+    open_rows=None, plain_z: bool = True,
 ) -> None:  # fmt: skip
     """The prepare pass, each row then reduced by its last tile program: FIRST (the row's
     max, sum, greedy token and, with candidates, their bound), and with DRAW_ALL the draw
     and its record into tokens; with DRAW_NUCLEUS, open_rows (pending, target) are written
-    too (the bound into parts.bound)."""
+    too (the bound into parts.bound). plain_z False: z holds only the rows whose z is not
+    their logits (draw.z_is_logits)."""
     rows, vocab = logits.shape
     pending, target = (parts.greedy, parts.s) if open_rows is None else open_rows
     _prepare_kernel[(rows, parts.tiles)](
@@ -271,7 +282,7 @@ def _prepare(
         parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles, parts.m,
         parts.s, parts.greedy, parts.bound, parts.m if tokens is None else tokens,
         zeroed_counters(logits.device, rows, "sampler prepare rows"), pending, target,
-        WRITE_Z=z is not None, SAMPLE=sample,
+        WRITE_Z=z is not None, PLAIN_Z=plain_z, SAMPLE=sample,
         DRAW_EVERY_ROW=sample in (DRAW_ALL, DRAW_NUCLEUS), BLOCK=parts.tile,
         TILES=triton.next_power_of_2(parts.tiles), CANDIDATES=candidates, num_warps=4,
     )  # fmt: skip
@@ -338,8 +349,10 @@ def nucleus_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tens
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     pending = torch.empty(rows, dtype=torch.int32, device=device)
     target = torch.empty(rows, dtype=torch.float32, device=device)
+    # The rounds read a row whose z is its logits there: at temperature 1 (what OpenAI
+    # clients send by default) z is not written at all.
     _prepare(logits, slots, state, z, parts, sample=DRAW_NUCLEUS, tokens=tokens,
-             open_rows=(pending, target))  # fmt: skip
+             open_rows=(pending, target), plain_z=False)  # fmt: skip
     draw_open_rows(z, tokens, pending, parts.bound, parts.bound, parts.m, target, slots, state,
-                   parts.max, parts.tile)  # fmt: skip
+                   parts.max, parts.tile, logits=logits)  # fmt: skip
     return tokens

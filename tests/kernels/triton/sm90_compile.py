@@ -134,8 +134,9 @@ def sampler_cases():
         (" nucleus", True, 0, sample.DRAW_NUCLEUS),
     ):
         every = draw in (sample.DRAW_ALL, sample.DRAW_NUCLEUS)
-        flags = dict(WRITE_Z=write_z, SAMPLE=draw, DRAW_EVERY_ROW=every, BLOCK=sample.TILE,
-                     TILES=pow2, CANDIDATES=cands)  # fmt: skip
+        flags = dict(WRITE_Z=write_z, PLAIN_Z=draw != sample.DRAW_NUCLEUS, SAMPLE=draw,
+                     DRAW_EVERY_ROW=every, BLOCK=sample.TILE, TILES=pow2,
+                     CANDIDATES=cands)  # fmt: skip
         yield "sampler prepare" + label, sample._prepare_kernel, prepare, flags, 4, 3
     draw = dict(z_ptr=F32, tau_ptr=F32, greedy_ptr=I32, tokens_ptr=I64, counts_ptr=I32,
                 maybe_seen_ptr=I32, pending_ptr=I32, row_count_ptr=I32, **state,
@@ -173,11 +174,13 @@ def sampler_cases():
     draw = dict(z_ptr=F32, vocab="i32", num_tiles="i32", rows="i32", part_max_ptr=F32,
                 pending_in_ptr=I32, pending_out_ptr=I32, tokens_ptr=I64, bound_ptr=F32,
                 tau_ptr=F32, m_ptr=F32, target_ptr=F32, counts_ptr=I32, maybe_seen_ptr=I32,
-                mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, **state)  # fmt: skip
+                mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, logits_ptr=F32,
+                logits_stride="i32", **state)  # fmt: skip
+    # A NUCLEUS step's rounds (plain rows read from the logits) at batch 1 and 64.
     for final, rows in itertools.product((False, True), (1, 64)):
         programs = min(nd.PROGRAMS, rows * triton.cdiv(vocab, sample.TILE))
         flags = dict(FINAL=final, BLOCK=sample.TILE, ROWS=rows, TILES=pow2,
-                     NUM_PROGRAMS=programs)  # fmt: skip
+                     NUM_PROGRAMS=programs, PLAIN_FROM_LOGITS=True)  # fmt: skip
         label = f"sampler nucleus draw round final={final} rows={rows}"
         yield label, nd._round_kernel, draw, flags, 4, 3
 
