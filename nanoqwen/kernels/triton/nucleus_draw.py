@@ -32,10 +32,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token, z_is_logits
+from nanoqwen.kernels.triton.pdl import pdl_available
 
 I_SEED = tl.constexpr(layout.I_SEED)
 NUM_I = tl.constexpr(layout.NUM_I)
@@ -91,14 +93,19 @@ def _round_kernel(
     maybe_seen_ptr, mass_ptr, gval_ptr, gidx_ptr, count_ptr, logits_ptr, logits_stride,
     fparams_ptr,
     FINAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, PLAIN_FROM_LOGITS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, PLAIN_FROM_LOGITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One round for each open row (pending_in: 0 decided, else its state): MEASURE its
     candidate's mass above (exponentials only), or ADVANCE past a passed candidate (the
     noise, for the tiles above it). The program that completes a row's count of tiles
     decides; with FINAL it walks on alone until a candidate is kept. A mass that is not
     below the target (NaN included) passes the candidate. With PLAIN_FROM_LOGITS, a row whose
-    z is its logits (draw.z_is_logits) is read from the logits (z was not written there)."""
+    z is its logits (draw.z_is_logits) is read from the logits (z was not written there).
+    With PDL (pdl.py) the round behind may launch at once, and this one waits for the one in
+    front before its first read: every input here is an earlier kernel's output."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     r = tl.arange(0, ROWS)
     states = tl.load(pending_in_ptr + r, mask=r < rows, other=0)
@@ -230,6 +237,7 @@ def draw_open_rows(
     gval = torch.empty(rows, tiles, dtype=torch.float32, device=z.device)
     gidx = torch.empty(rows, tiles, dtype=torch.int32, device=z.device)
     count = zeroed_counters(z.device, rows, "nucleus draw rows")
+    pdl = pdl_available(z.device)
     states = (pending, torch.empty_like(pending))
     for r in range(ROUNDS):
         _round_kernel[(programs,)](
@@ -239,5 +247,5 @@ def draw_open_rows(
             vocab if logits is None else logits.stride(0), state.fparams,
             FINAL=r == ROUNDS - 1, BLOCK=tile, ROWS=triton.next_power_of_2(rows),
             TILES=triton.next_power_of_2(tiles), NUM_PROGRAMS=programs,
-            PLAIN_FROM_LOGITS=logits is not None, num_warps=4,
+            PLAIN_FROM_LOGITS=logits is not None, PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip

@@ -180,7 +180,7 @@ def sampler_cases():
     for final, rows in itertools.product((False, True), (1, 64)):
         programs = min(nd.PROGRAMS, rows * triton.cdiv(vocab, sample.TILE))
         flags = dict(FINAL=final, BLOCK=sample.TILE, ROWS=rows, TILES=pow2,
-                     NUM_PROGRAMS=programs, PLAIN_FROM_LOGITS=True)  # fmt: skip
+                     NUM_PROGRAMS=programs, PLAIN_FROM_LOGITS=True, PDL=True)  # fmt: skip
         label = f"sampler nucleus draw round final={final} rows={rows}"
         yield label, nd._round_kernel, draw, flags, 4, 3
 
