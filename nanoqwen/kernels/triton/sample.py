@@ -20,7 +20,7 @@ from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import last_to_arrive, zeroed_counters
 from nanoqwen.kernels.triton.draw import (
     first_max,
-    gumbel,
+    gumbel_max,
     in_vocab,
     maybe_seen,
     record_token,
@@ -141,10 +141,9 @@ def _cut(fp, ip, vocab):
 def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_ptr, gidx_ptr):
     """The tile's Gumbel-max candidate among `keep` (none for greedy rows)."""
     if (flags & FLAG_GREEDY) == 0:
-        score = x + gumbel(tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
-        score = tl.where(keep & (x > float("-inf")), score, float("-inf"))
-        tl.store(gval_ptr + part, tl.max(score, axis=0))
-        tl.store(gidx_ptr + part, first + tl.argmax(score, axis=0))
+        best, lane = gumbel_max(x, keep, tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
+        tl.store(gval_ptr + part, best)
+        tl.store(gidx_ptr + part, first + lane)
     else:
         tl.store(gval_ptr + part, float("-inf"))
         tl.store(gidx_ptr + part, first)
