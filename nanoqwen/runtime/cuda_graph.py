@@ -12,6 +12,7 @@ from nanoqwen.attention.cascade import shared_prefix_blocks
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.graph_capture import capture
 from nanoqwen.runtime.kv.cache import KVCache
+from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.step_buffer import Layout, StepBuffer
 
 
@@ -63,16 +64,17 @@ class CUDAGraphRunner:
         self.kv = kv
         self.sampler_scratch = sampler_scratch  # the sampler slot padding rows use
         # Keyed by (batch size, variant, filtering, cascade): variant i serves contexts up to
-        # variants[i][0]; filtering graphs include the sampler's top-k/top-p/min-p stage,
+        # variants[i][0]; filtering is the sampler's FilterStage the graph runs (a batch of
+        # top-p alone skips the thresholds: every decode batch size has a graph of each),
         # filtering None ones stop at the logits (structured output's masks and logit_bias
         # are applied to them after the replay, and the sampler runs eagerly then);
         # cascade graphs attend a prefix the whole batch shares once (attention/cascade.py).
         # Each holds (graph, logits, tokens).
         self.graphs: dict[
-            tuple[int, int, bool | None, bool],
+            tuple[int, int, FilterStage | None, bool],
             tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None],
         ] = {}
-        self.meta: dict[tuple[int, int, bool | None, bool], AttentionMetadata] = {}
+        self.meta: dict[tuple[int, int, FilterStage | None, bool], AttentionMetadata] = {}
         self.cascade_from: int | None = None
         self.pool = None  # the graphs' memory pool, once captured
 
@@ -155,7 +157,7 @@ class CUDAGraphRunner:
             (bs, i, filtering, cascade)
             for bs in sorted(self.sizes, reverse=True)
             for i in range(len(variants))
-            for filtering in ((False, True) if sampling else (None,))
+            for filtering in (tuple(FilterStage) if sampling else (None,))
             for cascade in (False, True)
             if not cascade or (cascade_from is not None and bs >= cascade_from)
         ]
@@ -216,7 +218,11 @@ class CUDAGraphRunner:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def key_for(
-        self, num_seqs: int, max_context: int, filtering: bool | None = False, cascade=False
+        self,
+        num_seqs: int,
+        max_context: int,
+        filtering: FilterStage | None = FilterStage.NONE,
+        cascade=False,
     ):
         """The graph serving this batch: (padded batch size, first variant long enough,
         filtering (None: logits only), cascade)."""
@@ -230,8 +236,8 @@ class CUDAGraphRunner:
         ids: list[int],
         sources: list[int],
         sampler_slots: list[int],
-        filtering: bool | None,
-    ) -> tuple[int, int, bool | None, bool]:
+        filtering: FilterStage | None,
+    ) -> tuple[int, int, FilterStage | None, bool]:
         """Writes the decode inputs of seqs into the graphs' buffer and sends it; returns the
         key of the graph to replay. ids: each one's newest token (PLACEHOLDER if in flight),
         sources: the rows of the last step's tokens that hold those in flight (the runner

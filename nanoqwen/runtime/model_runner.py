@@ -20,6 +20,7 @@ from nanoqwen.quant.linear import decode_arithmetic
 from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
+from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.sampling.logit_bias import biased_logits
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.sampling.structured import TokenMasks, masked_logits
@@ -44,7 +45,7 @@ class StepOutput:
     prompt_logprobs: list
     # A step with structured output samples later (sample()): its masks need the tokens of
     # the step before, which the engine reads back while this step's model runs.
-    filtering: bool = False
+    filtering: FilterStage = FilterStage.NONE
     sample_later: bool = False
     slots: list[int] | None = None  # the sampler slots of seqs, taken while all are running
 
@@ -142,7 +143,9 @@ class ModelRunner:
         """Whether the step's logits are masked or biased before the sampler sees them."""
         return any(s.grammar is not None or s.params.logit_bias for s in seqs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], filtering: bool, slots=None):
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], filtering: FilterStage, slots=None
+    ):
         slots = self._tensor(self.sampler.slots(seqs) if slots is None else slots, torch.int64)
         logits = biased_logits(logits, [s.params.logit_bias for s in seqs], self._tensor)
         states = [s.grammar for s in seqs]
@@ -152,7 +155,7 @@ class ModelRunner:
             logits = masked_logits(logits, states, self._masks)
         return self.sampler(logits, slots, filtering)
 
-    def _replay_decode(self, seqs: list[Sequence], filtering: bool | None):
+    def _replay_decode(self, seqs: list[Sequence], filtering: FilterStage | None):
         """The decode graph's logits and tokens for seqs (filtering None: logits only, and
         tokens None)."""
         n = len(seqs)
@@ -168,7 +171,9 @@ class ModelRunner:
         logits, tokens = self.graphs.replay(key)
         return logits[:n], None if tokens is None else tokens[:n]
 
-    def _replay_prefill(self, batch: Batch, bucket: int, seqs: list[Sequence], filtering: bool):
+    def _replay_prefill(
+        self, batch: Batch, bucket: int, seqs: list[Sequence], filtering: FilterStage
+    ):
         """The logits and tokens of bucket's prefill graph for the sequences of batch that
         complete (seqs); the others' rows only fill the KV cache."""
         graphs = self.prefill_graphs

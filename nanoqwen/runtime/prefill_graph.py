@@ -259,7 +259,7 @@ class PrefillGraphRunner:
         bucket: int,
         sources: list[int] | None,
         sampler_slots: list[int],
-        filtering: bool,
+        filtering: int,
     ) -> tuple[int, int, bool]:
         """Writes batch into the graphs' buffer, in bucket (bucket(batch)'s answer), and
         sends it; returns the key of the graph to replay. sampler_slots: those of the
@@ -268,7 +268,7 @@ class PrefillGraphRunner:
         rows = 1 if len(sampler_slots) <= 1 else self.capacity(bucket) - 1
         self._fill(self.buffer.host(), batch, bucket, sources, sampler_slots, rows)
         self.buffer.send(self.used_entries(bucket))
-        return bucket, rows, filtering
+        return bucket, rows, bool(filtering)  # FULL's graph samples a NUCLEUS batch too
 
     def replay(self, key: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replays the graph of key; returns its [rows, vocab] logits and [rows] tokens (None

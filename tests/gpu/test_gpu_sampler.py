@@ -9,6 +9,7 @@ import torch
 
 from nanoqwen import SamplingParams
 from nanoqwen.runtime.sampling import sampler as sampler_module
+from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.sampling.passes import TorchPasses
 from nanoqwen.runtime.sampling.reference import ReferenceSampler, filter_logits
 from nanoqwen.runtime.sampling.sampler import Sampler
@@ -87,6 +88,30 @@ def test_triton_and_torch_passes_draw_the_same_tokens(spread):
     assert agree >= 0.98, agree
 
 
+@pytest.mark.parametrize("spread", [4.0, 1.0])
+def test_a_top_p_batch_draws_the_torch_passes_tokens_without_thresholds(spread):
+    """A batch whose filtering rows use top-p alone runs the NUCLEUS stage (one pass, then
+    nucleus_draw.py): the same tokens as the torch passes, and as the FULL stage's kernels."""
+    params = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_p=0.8),
+              dict(temperature=1.0, top_p=0.5, repetition_penalty=1.2),
+              dict(temperature=0.6), dict(temperature=0.0)] * 8  # fmt: skip
+    g = torch.Generator(device=DEV).manual_seed(2)
+    logits = torch.randn(len(params), VOCAB, generator=g, device=DEV) * spread
+    tokens = {}
+    for name, stage in (("nucleus", FilterStage.NUCLEUS), ("full", FilterStage.FULL),
+                        ("torch", FilterStage.FULL)):  # fmt: skip
+        sampler, slots, _ = _sampler(params)
+        assert sampler.filtering is FilterStage.NUCLEUS
+        if name == "torch":
+            sampler.passes = TorchPasses()
+        tokens[name] = torch.stack([sampler(logits, slots, stage) for _ in range(4)])
+    # The two Triton stages: the same noise and the same arithmetic on the same values.
+    assert torch.equal(tokens["nucleus"], tokens["full"])
+    # Same noise bits; only log() rounding differs from torch's, so near-ties may flip.
+    agree = (tokens["nucleus"] == tokens["torch"]).float().mean().item()
+    assert agree >= 0.98, agree
+
+
 @pytest.mark.parametrize("filtering", [False, True])
 def test_penalties_see_the_tokens_the_device_recorded(filtering):
     """Greedy rows where each step's token is penalised below the next best: a token missing
@@ -136,14 +161,15 @@ def test_sampled_frequencies_match_the_reference(params):
     assert float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2)) > 0.001
 
 
-@pytest.mark.parametrize("filtering", [False, True], ids=["plain", "filtering"])
+@pytest.mark.parametrize("filtering", list(FilterStage), ids=lambda s: s.name.lower())
 def test_nan_logits_give_tokens_inside_the_vocabulary(filtering):
     """A NaN logit leaves the argmax's index unspecified (the warm-up of a decode graph once
     fed the sampler NaN rows, and it returned the vocabulary size): the token still indexes
     the slot's counts and the next embedding, so it must stay inside the vocabulary, and
     each call count exactly one token per slot."""
     vocab, calls = 1000, 3
-    params = [dict(temperature=0.0), dict(temperature=0.7, top_k=20, top_p=0.8),
+    cut = dict(top_k=20) if filtering != FilterStage.NUCLEUS else {}
+    params = [dict(temperature=0.0), dict(temperature=0.7, top_p=0.8, **cut),
               dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)] * 2  # fmt: skip
     sampler, slots, _ = _sampler(params, vocab)
     logits = torch.randn(len(params), vocab, generator=torch.Generator(device=DEV).manual_seed(3),

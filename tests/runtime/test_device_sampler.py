@@ -10,6 +10,7 @@ import torch
 from nanoqwen import SamplingParams
 from nanoqwen.kernels.cpu.sample import sampling_kernels
 from nanoqwen.runtime.sampling import sampler as sampler_module
+from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.sampling.passes import NativePasses, TorchPasses, TritonPasses
 from nanoqwen.runtime.sampling.reference import ReferenceSampler, filter_logits
 from nanoqwen.runtime.sampling.sampler import Sampler
@@ -204,7 +205,74 @@ def test_a_flat_rows_draw_without_its_threshold_is_the_reference_token(
     assert torch.equal(ours[:, 4:], unfiltered[:, 4:])
 
 
-def test_rows_of_nan_logits_get_a_token_each_step_from_the_triton_passes(monkeypatch):
+def test_the_filter_stage_follows_what_the_held_slots_use():
+    """A batch whose filtering rows use top-p alone skips the thresholds (NUCLEUS); a held
+    top-k or min-p row needs them (FULL) until its slot is released."""
+    plain = [make_seq([1], temperature=0), make_seq([1], temperature=0.8, repetition_penalty=1.1)]
+    sampler, _ = make_sampler(plain, 100, capacity=6)
+    assert sampler.filtering is FilterStage.NONE
+    nucleus = [make_seq([1], top_p=0.9), make_seq([1], temperature=0, top_p=0.5)]
+    sampler.admit(nucleus)
+    assert sampler.filtering is FilterStage.NUCLEUS  # the greedy row's top_p is not used
+    cut = [make_seq([1], top_k=20, top_p=0.8), make_seq([1], min_p=0.1)]
+    sampler.admit(cut[:1])
+    assert sampler.filtering is FilterStage.FULL
+    sampler.release(cut[0])
+    sampler.admit(cut[1:])
+    assert sampler.filtering is FilterStage.FULL
+    sampler.release(cut[1])
+    assert sampler.filtering is FilterStage.NUCLEUS
+    for seq in nucleus:
+        sampler.release(seq)
+    assert sampler.filtering is FilterStage.NONE
+
+
+def test_a_top_p_batch_draws_the_reference_tokens_without_thresholds(monkeypatch):
+    """The NUCLEUS stage's one pass (kernels/triton/sample.py nucleus_step) draws every row,
+    records those without top-p, and leaves the top-p rows to nucleus_draw.py: over 6 steps
+    of flat rows, other temperatures, penalties and a greedy row among them, the tokens the
+    torch passes draw from the exact thresholds, and those of the FULL stage's passes."""
+    pytest.importorskip("triton")
+    from nanoqwen.kernels.triton import counters
+    from nanoqwen.kernels.triton import sample as kernels
+
+    monkeypatch.setattr(kernels, "TILE", 256)
+    vocab = 3000
+    # Rows at temperature 1 without penalties are read from their logits (z is not written
+    # for them); the others from z.
+    params = [dict(top_p=0.3), dict(top_p=0.9), dict(temperature=0.7, top_p=0.3),
+              dict(temperature=1.5, top_p=0.3),
+              dict(top_p=0.4, repetition_penalty=1.3, presence_penalty=0.5),
+              dict(temperature=0.9), dict(temperature=0)]  # fmt: skip
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(5)) * 0.5
+
+    def steps(passes, stage):
+        seqs = []
+        for i, p in enumerate(params):
+            seqs.append(make_seq(range(1, 40), **{"temperature": 1.0, **p}))
+            seqs[-1].sampling_seed = 300 + i
+        sampler, slots = make_sampler(seqs, vocab, passes)
+        assert sampler.filtering is FilterStage.NUCLEUS
+        return torch.stack([sampler(logits, slots, stage) for _ in range(6)])
+
+    ours = steps("triton", FilterStage.NUCLEUS)
+    assert torch.equal(ours, steps("torch", FilterStage.NUCLEUS))
+    assert torch.equal(ours, steps("triton", FilterStage.FULL))
+    # Every row's count was left zero for the next step's launches.
+    for user in ("sampler prepare rows", "nucleus draw rows"):
+        assert not any(c.any() for c in counters._MADE[torch.device("cpu"), user])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [dict(temperature=0.7, top_k=20, top_p=0.8), dict(top_p=0.9), dict(top_p=0.5),
+         dict(min_p=0.1), dict(temperature=0)],
+        [dict(top_p=0.8), dict(top_p=0.9), dict(top_p=0.5), dict(), dict(temperature=0)],
+    ],
+    ids=["full", "nucleus"],
+)  # fmt: skip
+def test_rows_of_nan_logits_get_a_token_each_step_from_the_triton_passes(monkeypatch, params):
     """NaN logits (a warm-up's padding rows have fed the sampler such rows) still give each
     row one token inside the vocabulary a step, top-p rows drawn without their threshold
     included: no draw loops on a mass that is not a number."""
@@ -213,15 +281,13 @@ def test_rows_of_nan_logits_get_a_token_each_step_from_the_triton_passes(monkeyp
 
     monkeypatch.setattr(kernels, "TILE", 128)
     vocab, calls = 1000, 2
-    params = [dict(temperature=0.7, top_k=20, top_p=0.8), dict(top_p=0.9), dict(top_p=0.5),
-              dict(min_p=0.1), dict(temperature=0)]  # fmt: skip
     seqs = [make_seq([1, 2], **{"temperature": 1.0, **p}) for p in params]
     sampler, slots = make_sampler(seqs, vocab, "triton")
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(3))
     logits[:2] = float("nan")
     logits[2:, ::2] = float("nan")
     for _ in range(calls):
-        tokens = sampler(logits, slots, True)
+        tokens = sampler(logits, slots, sampler.filtering)
         assert bool(((tokens >= 0) & (tokens < vocab)).all()), tokens.tolist()
     assert sampler.state.counts[slots].sum(dim=1).tolist() == [calls] * len(params)
 

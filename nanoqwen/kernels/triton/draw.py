@@ -1,11 +1,26 @@
 """Pieces every Triton draw of the sampler shares: the counter-based Gumbel noise (bit for
 bit runtime/sampling/noise.py's), the first-max reduction over tile partials, and recording
-a row's token as its slot's output."""
+a row's token as its slot's output, and which rows' processed logits are their logits."""
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from nanoqwen.kernels import sampling_layout as layout
+
+# The interpreter has no libdevice: there the estimate takes the exact logs (the draw's
+# logic, its fallback included, is the same).
+FAST_LOGS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+LN2 = tl.constexpr(0.6931471805599453)
+
+F_TEMPERATURE = tl.constexpr(layout.F_TEMPERATURE)
+FLAG_PENALTY = tl.constexpr(layout.FLAG_PENALTY)
+FLAG_BAN = tl.constexpr(layout.FLAG_BAN)
+I_FLAGS = tl.constexpr(layout.I_FLAGS)
 
 
 @triton.jit
@@ -27,15 +42,76 @@ def _mix32(x):
 
 
 @triton.jit
-def gumbel(seed, pos, offs):
-    """Gumbel(0, 1) noise for tokens offs of a request at output position pos: a 64-bit key
-    per (seed, position), then a 32-bit hash per token (a third of the 64-bit one's integer
+def _noise_bits(seed, pos, offs):
+    """23 random bits for tokens offs of a request at output position pos: a 64-bit key per
+    (seed, position), then a 32-bit hash per token (a third of the 64-bit one's integer
     work, which a flat row pays over its whole vocabulary)."""
     key = _mix64(seed.to(tl.uint64, bitcast=True) + pos.to(tl.uint64) * 0x9E3779B97F4A7C15)
     key32 = (key ^ (key >> 32)).to(tl.uint32)
     bits = _mix32((key32 + ((offs + 1).to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
-    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return bits >> 9
+
+
+@triton.jit
+def gumbel(seed, pos, offs):
+    """Gumbel(0, 1) noise for tokens offs of a request at output position pos."""
+    u = (_noise_bits(seed, pos, offs).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _log(x):
+    if FAST_LOGS:
+        return libdevice.fast_log2f(x) * LN2
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _gumbel_estimate(k):
+    """gumbel's noise for 23 bits k, within 1e-5, at a third of its arithmetic (fast logs).
+    Where u = (k + 0.5) / 2^23 is near 1, -log(u) comes from its series in w = 1 - u (exact
+    in float32): the fast log's absolute error would swamp it there."""
+    u = (k.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    w = ((8388607 - k).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    series = w * (1.0 + w * (0.5 + w * (1.0 / 3.0 + w * 0.25)))  # rel. error < w^4 / 5
+    e = tl.where(w < 0.0625, series, -_log(u))
+    return -_log(e)
+
+
+@triton.jit
+def gumbel_max(x, keep, seed, pos, offs):
+    """(max, first index of it) over the tile of x + gumbel(seed, pos, offs) where keep (else
+    -inf), bit for bit, at the cost of the estimate: the lanes whose estimated score lies
+    within a bound of the estimated best are the only ones that can hold the exact best;
+    where that is one lane (nearly always) its exact score is all that is computed, else
+    every lane's is."""
+    valid = keep & (x > float("-inf"))
+    guess = tl.where(valid, x + _gumbel_estimate(_noise_bits(seed, pos, offs)), float("-inf"))
+    top = tl.max(guess, axis=0)
+    # The estimate's own error (1e-5) and each sum's rounding (half an ulp of the score);
+    # the bound takes 100 times that.
+    slack = 1e-3 + tl.abs(top) * (1.0 / 1048576.0)
+    close = tl.sum((guess >= top - slack).to(tl.int32), axis=0)
+    lane = tl.argmax(guess, axis=0)
+    if (close == 1) & (top > float("-inf")):
+        at = tl.arange(0, x.shape[0]) == lane
+        token = tl.sum(tl.where(at, offs, 0), axis=0)
+        best = tl.sum(tl.where(at, x, 0.0), axis=0) + gumbel(seed, pos, token)
+    else:
+        score = tl.where(valid, x + gumbel(seed, pos, offs), float("-inf"))
+        best = tl.max(score, axis=0)
+        lane = tl.argmax(score, axis=0)
+    return best, lane
+
+
+@triton.jit
+def z_is_logits(fp, ip):
+    """Whether the processed logits z of a slot (its fparams and iparams rows at fp, ip) are
+    its logits bit for bit: temperature 1 (x / 1 is exact), no penalties, no bans. A pass
+    that only reads z can read such a row's logits, and the pass before need not write it."""
+    plain = (tl.load(ip + I_FLAGS) & (FLAG_PENALTY | FLAG_BAN)) == 0
+    return plain & (tl.load(fp + F_TEMPERATURE) == 1.0)
 
 
 @triton.jit

@@ -32,13 +32,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token
+from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, record_token, z_is_logits
+from nanoqwen.kernels.triton.pdl import pdl_available
 
 I_SEED = tl.constexpr(layout.I_SEED)
 NUM_I = tl.constexpr(layout.NUM_I)
+NUM_F = tl.constexpr(layout.NUM_F)
 ROUNDS = 5  # measure, advance, measure, advance, measure (then the walk)
 PROGRAMS = 512  # programs a round at most: four per SM of an H100/H200
 WALK_BLOCK = tl.constexpr(1024)  # values the walk loads at a time (2,048 spill)
@@ -87,15 +90,22 @@ def _walk(z_row, vocab, v, bound, lo, m, seed, pos, BLOCK: tl.constexpr):
 def _round_kernel(
     z_ptr, vocab, num_tiles, rows, part_max_ptr, pending_in_ptr, pending_out_ptr, tokens_ptr,
     bound_ptr, tau_ptr, m_ptr, target_ptr, slots_ptr, iparams_ptr, out_pos_ptr, counts_ptr,
-    maybe_seen_ptr, mass_ptr, gval_ptr, gidx_ptr, count_ptr,
+    maybe_seen_ptr, mass_ptr, gval_ptr, gidx_ptr, count_ptr, logits_ptr, logits_stride,
+    fparams_ptr,
     FINAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, PLAIN_FROM_LOGITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One round for each open row (pending_in: 0 decided, else its state): MEASURE its
     candidate's mass above (exponentials only), or ADVANCE past a passed candidate (the
     noise, for the tiles above it). The program that completes a row's count of tiles
     decides; with FINAL it walks on alone until a candidate is kept. A mass that is not
-    below the target (NaN included) passes the candidate."""
+    below the target (NaN included) passes the candidate. With PLAIN_FROM_LOGITS, a row whose
+    z is its logits (draw.z_is_logits) is read from the logits (z was not written there).
+    With PDL (pdl.py) the round behind may launch at once, and this one waits for the one in
+    front before its first read: every input here is an earlier kernel's output."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     r = tl.arange(0, ROWS)
     states = tl.load(pending_in_ptr + r, mask=r < rows, other=0)
@@ -117,6 +127,7 @@ def _round_kernel(
     slot = tl.zeros((), tl.int64)
     seed = tl.zeros((), tl.int64)
     pos = tl.zeros((), tl.int64)
+    z_row = z_ptr
     run_start = pid * chunk
     run_end = tl.minimum(run_start + chunk, total)
     for item in range(run_start, run_end):
@@ -127,14 +138,17 @@ def _round_kernel(
             row = tl.sum(tl.where(is_open & (rank == k), r, 0), axis=0).to(tl.int64)
             state = tl.load(pending_in_ptr + row)
             token = tl.load(tokens_ptr + row)
-            v = tl.load(z_ptr + row * vocab + token)
             bound = tl.load(bound_ptr + row)
             lo = tl.load(tau_ptr + row)
             m = tl.load(m_ptr + row)
             slot = tl.load(slots_ptr + row)
             seed = tl.load(iparams_ptr + slot * NUM_I + I_SEED)
             pos = tl.load(out_pos_ptr + slot)
-        z_row = z_ptr + row * vocab
+            z_row = z_ptr + row * vocab
+            if PLAIN_FROM_LOGITS:  # noqa: SIM102 (a compile-time guard)
+                if z_is_logits(fparams_ptr + slot * NUM_F, iparams_ptr + slot * NUM_I):
+                    z_row = logits_ptr + row * logits_stride
+            v = tl.load(z_row + token)
         part = row * num_tiles + tile
         mass = 0.0
         best = float("-inf")
@@ -208,13 +222,14 @@ def _decide(
 
 def draw_open_rows(
     z: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor, bound, tau, m, target, slots,
-    state, part_max: torch.Tensor, tile: int,
+    state, part_max: torch.Tensor, tile: int, logits: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """tokens: [rows] int64, each open row's first candidate (the Gumbel-max over z >= tau);
     pending: [rows] int32, 1 for an open row; bound (top-k's threshold), tau (the draw's
     lower threshold without top-p), m (the row max), target (top_p times the top-k
-    survivors' mass): [rows] float32; part_max: [rows, tiles], each tile's max of z. Decides
-    and records the open rows' tokens (pending is left as scratch)."""
+    survivors' mass): [rows] float32; part_max: [rows, tiles], each tile's max of z; logits:
+    where given, the rows whose z is their logits are read there (z does not hold them).
+    Decides and records the open rows' tokens (pending is left as scratch)."""
     rows, vocab = z.shape
     tiles = part_max.shape[1]
     programs = max(1, min(PROGRAMS, rows * tiles))
@@ -222,12 +237,15 @@ def draw_open_rows(
     gval = torch.empty(rows, tiles, dtype=torch.float32, device=z.device)
     gidx = torch.empty(rows, tiles, dtype=torch.int32, device=z.device)
     count = zeroed_counters(z.device, rows, "nucleus draw rows")
+    pdl = pdl_available(z.device)
     states = (pending, torch.empty_like(pending))
     for r in range(ROUNDS):
         _round_kernel[(programs,)](
             z, vocab, tiles, rows, part_max, states[r % 2], states[(r + 1) % 2], tokens, bound,
             tau, m, target, slots, state.iparams, state.out_pos, state.counts, state.maybe_seen,
-            mass, gval, gidx, count, FINAL=r == ROUNDS - 1, BLOCK=tile,
-            ROWS=triton.next_power_of_2(rows),
-            TILES=triton.next_power_of_2(tiles), NUM_PROGRAMS=programs, num_warps=4,
+            mass, gval, gidx, count, z if logits is None else logits,
+            vocab if logits is None else logits.stride(0), state.fparams,
+            FINAL=r == ROUNDS - 1, BLOCK=tile, ROWS=triton.next_power_of_2(rows),
+            TILES=triton.next_power_of_2(tiles), NUM_PROGRAMS=programs,
+            PLAIN_FROM_LOGITS=logits is not None, PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip

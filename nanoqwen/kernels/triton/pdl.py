@@ -13,8 +13,10 @@ stores anything has waited, so a finished kernel implies that everything in fron
 finished too; kernels launched without it (cuBLAS, torch) wait for everything in front of
 them as usual, and CUDA graphs capture the dependency as it is.
 
-Only single-row launches use it (batches above one are not measured). Most kernels let the
-one behind them launch (gdc_launch_dependents) at their start; a streamed GEMV whose grid is
+Only single-row launches use it (batches above one are not measured), and the sampler's
+top-p rounds (nucleus_draw.py) at any batch: five launches of one kernel in a row, each
+waiting on the one before. Most kernels let the one behind them launch
+(gdc_launch_dependents) at their start; a streamed GEMV whose grid is
 more than one wave (7B's gate_up) only once its programs are past their loops, so that the
 waiting programs do not hold SMs its later programs need. The int4 GEMV launches normally:
 as a dependent it made 7B int4's step 2.425 -> 3.687 ms letting the next kernel launch at its
@@ -38,9 +40,12 @@ def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on device may launch as programmatic dependents at all."""
+    return ENABLED and device.type == "cuda" and _capable(device)
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether a kernel over t, a single row (one token, or one sequence's), launches as a
     programmatic dependent."""
-    if not ENABLED or t.device.type != "cuda" or t.shape[0] != 1:
-        return False
-    return _capable(t.device)
+    return t.shape[0] == 1 and pdl_available(t.device)

@@ -18,18 +18,28 @@ import triton.language as tl
 
 from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import last_to_arrive, zeroed_counters
-from nanoqwen.kernels.triton.draw import first_max, gumbel, in_vocab, maybe_seen, record_token
+from nanoqwen.kernels.triton.draw import (
+    first_max,
+    gumbel_max,
+    in_vocab,
+    maybe_seen,
+    record_token,
+    z_is_logits,
+)
 
 TILE = 2048  # vocabulary entries per program
 
 # Which rows the first pass draws for (its SAMPLE): none; every row (no filter in the batch);
 # the rows no filter threshold can cut (no top-k, no min-p: a top-p alone is decided after
-# the draw, nucleus_draw.py), whose draw then needs no second pass over z.
-DRAW_NONE, DRAW_ALL, DRAW_UNCUT = 0, 1, 2
+# the draw, nucleus_draw.py), whose draw then needs no second pass over z; every row of a
+# batch that no threshold cuts, its top-p rows left open for nucleus_draw.py.
+DRAW_NONE, DRAW_ALL, DRAW_UNCUT, DRAW_NUCLEUS = 0, 1, 2, 3
 _ALL, _UNCUT = tl.constexpr(DRAW_ALL), tl.constexpr(DRAW_UNCUT)
+_NUCLEUS = tl.constexpr(DRAW_NUCLEUS)
 
 # The tables' layout (sampling_layout.py) as compile-time constants.
 F_TEMPERATURE = tl.constexpr(layout.F_TEMPERATURE)
+F_TOP_P = tl.constexpr(layout.F_TOP_P)
 F_REPETITION = tl.constexpr(layout.F_REPETITION)
 F_PRESENCE = tl.constexpr(layout.F_PRESENCE)
 F_FREQUENCY = tl.constexpr(layout.F_FREQUENCY)
@@ -51,14 +61,17 @@ def _prepare_kernel(
     prompt_mask_ptr, counts_ptr, maybe_seen_ptr, ban_mask_ptr,
     part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
     vocab, num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, row_count_ptr,
-    WRITE_Z: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    pending_ptr, target_ptr,
+    WRITE_Z: tl.constexpr, PLAIN_Z: tl.constexpr, SAMPLE: tl.constexpr,
+    DRAW_EVERY_ROW: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
     CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
     per-tile partials: max, sum of exp(z - max), first argmax; for the rows SAMPLE names
     (DRAW_*) the Gumbel argmax of z + noise (a draw with no filter threshold). The row's last
     tile program to finish reduces the row (_reduce_row: FIRST, and with DRAW_ALL the draw and
-    its record)."""
+    its record; with DRAW_NUCLEUS a top-p row's draw is left open instead). Without PLAIN_Z,
+    z is not written for rows whose z is their logits (draw.z_is_logits)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -84,15 +97,16 @@ def _prepare_kernel(
         banned = tl.load(ban_mask_ptr + table, mask=inside, other=0) != 0
         x = tl.where(banned, float("-inf"), x)
     x = x / tl.load(fp + F_TEMPERATURE)
-    if WRITE_Z:
-        tl.store(z_ptr + row * vocab + offs, x, mask=inside)
+    if WRITE_Z:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
+        if PLAIN_Z or not z_is_logits(fp, ip):
+            tl.store(z_ptr + row * vocab + offs, x, mask=inside)
     part = row * num_tiles + tile
     tile_max = tl.max(x, axis=0)
     tl.store(part_max_ptr + part, tile_max)
     total = tl.sum(tl.exp(x - tile_max), axis=0)
     tl.store(part_sum_ptr + part, tl.where(tile_max == float("-inf"), 0.0, total))
     tl.store(part_arg_ptr + part, tile * BLOCK + tl.argmax(x, axis=0))
-    if SAMPLE == _ALL:
+    if DRAW_EVERY_ROW:
         _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
                     part_gval_ptr, part_gidx_ptr)  # fmt: skip
     elif SAMPLE == _UNCUT:  # noqa: SIM102 (a compile-time guard: Triton's `and` would not be)
@@ -100,13 +114,21 @@ def _prepare_kernel(
             _store_draw(x, inside, flags, ip, out_pos_ptr, slot, offs, part, tile * BLOCK,
                         part_gval_ptr, part_gidx_ptr)  # fmt: skip
     if last_to_arrive(row_count_ptr + row, num_tiles):
-        _reduce_row(
+        open_row = False
+        if SAMPLE == _NUCLEUS:
+            open_row = tl.load(fp + F_TOP_P) < 1.0  # (greedy rows hold 1)
+            tl.store(pending_ptr + row, open_row.to(tl.int32))
+        s = _reduce_row(
             row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr,
-            iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, tokens_ptr, vocab, True,
-            SAMPLE == _ALL,
-            SAMPLE == _ALL, TILES, CANDIDATES, False,
+            iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, open_row, vocab, True,
+            DRAW_EVERY_ROW, DRAW_EVERY_ROW, TILES, CANDIDATES,
         )  # fmt: skip
+        if SAMPLE == _NUCLEUS:
+            # nucleus_draw.py's inputs: no threshold below top-p's (bound -inf, read as both
+            # its bound and its tau), and the mass top-p keeps of the row's.
+            tl.store(bound_ptr + row, float("-inf"))
+            tl.store(target_ptr + row, tl.load(fp + F_TOP_P) * s)
 
 
 @triton.jit
@@ -119,10 +141,9 @@ def _cut(fp, ip, vocab):
 def _store_draw(x, keep, flags, ip, out_pos_ptr, slot, offs, part, first, gval_ptr, gidx_ptr):
     """The tile's Gumbel-max candidate among `keep` (none for greedy rows)."""
     if (flags & FLAG_GREEDY) == 0:
-        score = x + gumbel(tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
-        score = tl.where(keep & (x > float("-inf")), score, float("-inf"))
-        tl.store(gval_ptr + part, tl.max(score, axis=0))
-        tl.store(gidx_ptr + part, first + tl.argmax(score, axis=0))
+        best, lane = gumbel_max(x, keep, tl.load(ip + I_SEED), tl.load(out_pos_ptr + slot), offs)
+        tl.store(gval_ptr + part, best)
+        tl.store(gidx_ptr + part, first + lane)
     else:
         tl.store(gval_ptr + part, float("-inf"))
         tl.store(gidx_ptr + part, first)
@@ -160,8 +181,8 @@ def _sample_kernel(
         _reduce_row(
             row, part_max_ptr, part_max_ptr, part_max_ptr, part_gval_ptr, part_gidx_ptr,
             num_tiles, part_max_ptr, part_max_ptr, greedy_ptr, part_max_ptr, tokens_ptr,
-            slots_ptr, iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr, pending_ptr, vocab,
-            False, True, True, TILES, 0, True,
+            slots_ptr, iparams_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr,
+            tl.load(pending_ptr + row) != 0, vocab, False, True, True, TILES, 0,
         )  # fmt: skip
 
 
@@ -169,20 +190,21 @@ def _sample_kernel(
 def _reduce_row(
     row, part_max_ptr, part_sum_ptr, part_arg_ptr, part_gval_ptr, part_gidx_ptr, num_tiles,
     m_ptr, s_ptr, greedy_ptr, bound_ptr, tokens_ptr, slots_ptr, iparams_ptr, counts_ptr,
-    maybe_seen_ptr, out_pos_ptr, pending_ptr, vocab,
+    maybe_seen_ptr, out_pos_ptr, open_row, vocab,
     FIRST: tl.constexpr, SAMPLED: tl.constexpr, RECORD: tl.constexpr, TILES: tl.constexpr,
-    CANDIDATES: tl.constexpr, PENDING: tl.constexpr,
+    CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """One row, over its tile partials (stored by other programs of this launch: the loads
     skip L1): FIRST: max, sum of exp and greedy token, and with CANDIDATES the row's bound
     for them (sampling_thresholds._candidates_kernel); SAMPLED: the draw; RECORD: the row's
-    token (greedy or drawn) stored and counted as the slot's output. With PENDING, a row
-    whose top-p boundary is still open gets its draw stored as the first candidate of
-    nucleus_draw.py, which records the row's token."""
+    token (greedy or drawn) stored and counted as the slot's output, except where open_row
+    (its top-p boundary still open): its draw is stored as the first candidate of
+    nucleus_draw.py, which records the row's token. Returns FIRST's sum of exp (else 0)."""
     idx = tl.arange(0, TILES)
     parts = row * num_tiles + idx
     inside = idx < num_tiles
     token = tl.zeros((), tl.int32)
+    s = tl.zeros((), tl.float32)
     if FIRST:
         pmax = tl.load(part_max_ptr + parts, mask=inside, other=float("-inf"),
                        cache_modifier=".cg")  # fmt: skip
@@ -190,7 +212,8 @@ def _reduce_row(
         m, greedy = first_max(pmax, arg, idx, num_tiles)
         psum = tl.load(part_sum_ptr + parts, mask=inside, other=0.0, cache_modifier=".cg")
         tl.store(m_ptr + row, m)
-        tl.store(s_ptr + row, tl.sum(psum * tl.exp(pmax - m), axis=0))
+        s = tl.sum(psum * tl.exp(pmax - m), axis=0)
+        tl.store(s_ptr + row, s)
         tl.store(greedy_ptr + row, greedy)
         token = greedy
         if CANDIDATES > 0:
@@ -215,15 +238,12 @@ def _reduce_row(
             _, drawn = first_max(gval, gidx, idx, num_tiles)
             greedy_row = (tl.load(iparams_ptr + slot * NUM_I + I_FLAGS) & FLAG_GREEDY) != 0
             token = tl.where(greedy_row, token, drawn)
-        if PENDING:  # noqa: SIM108 (a compile-time choice, which Triton's ternary is not)
-            open_row = tl.load(pending_ptr + row) != 0
-        else:
-            open_row = False
         if open_row:
             tl.store(tokens_ptr + row, in_vocab(token, vocab).to(tl.int64))
         else:
             record_token(token, row, slot, tokens_ptr, counts_ptr, maybe_seen_ptr, out_pos_ptr,
                          vocab)  # fmt: skip
+    return s
 
 
 class _Partials:
@@ -244,21 +264,26 @@ class _Partials:
 
 
 def _prepare(
-    logits, slots, state, z, parts: _Partials, sample: int, tokens=None, candidates: int = 0
-) -> None:
+    logits, slots, state, z, parts: _Partials, sample: int, tokens=None, candidates: int = 0,
+    open_rows=None, plain_z: bool = True,
+) -> None:  # fmt: skip
     """The prepare pass, each row then reduced by its last tile program: FIRST (the row's
     max, sum, greedy token and, with candidates, their bound), and with DRAW_ALL the draw
-    and its record into tokens."""
+    and its record into tokens; with DRAW_NUCLEUS, open_rows (pending, target) are written
+    too (the bound into parts.bound). plain_z False: z holds only the rows whose z is not
+    their logits (draw.z_is_logits)."""
     rows, vocab = logits.shape
+    pending, target = (parts.greedy, parts.s) if open_rows is None else open_rows
     _prepare_kernel[(rows, parts.tiles)](
         logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
         state.iparams, state.out_pos, state.prompt_mask, state.counts, state.maybe_seen,
         state.ban_mask,
         parts.max, parts.sum, parts.arg, parts.gval, parts.gidx, vocab, parts.tiles, parts.m,
         parts.s, parts.greedy, parts.bound, parts.m if tokens is None else tokens,
-        zeroed_counters(logits.device, rows, "sampler prepare rows"), WRITE_Z=z is not None,
-        SAMPLE=sample, BLOCK=parts.tile, TILES=triton.next_power_of_2(parts.tiles),
-        CANDIDATES=candidates, num_warps=4,
+        zeroed_counters(logits.device, rows, "sampler prepare rows"), pending, target,
+        WRITE_Z=z is not None, PLAIN_Z=plain_z, SAMPLE=sample,
+        DRAW_EVERY_ROW=sample in (DRAW_ALL, DRAW_NUCLEUS), BLOCK=parts.tile,
+        TILES=triton.next_power_of_2(parts.tiles), CANDIDATES=candidates, num_warps=4,
     )  # fmt: skip
 
 
@@ -307,4 +332,26 @@ def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: in
     )  # fmt: skip
     draw_open_rows(z, tokens, open_rows.pending, open_rows.bound, tau, parts.m,
                    open_rows.target, slots, state, parts.max, parts.tile)  # fmt: skip
+    return tokens
+
+
+def nucleus_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor:
+    """Tokens for a batch whose filtering rows use top-p alone (no top-k, no min-p): the first
+    pass draws every row, records the rows without top-p and leaves each top-p row's draw as
+    the first candidate of nucleus_draw.py, with no candidates, thresholds or second draw."""
+    from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
+
+    rows, vocab = logits.shape
+    device = logits.device
+    parts = _Partials(rows, vocab, device)
+    z = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    pending = torch.empty(rows, dtype=torch.int32, device=device)
+    target = torch.empty(rows, dtype=torch.float32, device=device)
+    # The rounds read a row whose z is its logits there: at temperature 1 (what OpenAI
+    # clients send by default) z is not written at all.
+    _prepare(logits, slots, state, z, parts, sample=DRAW_NUCLEUS, tokens=tokens,
+             open_rows=(pending, target), plain_z=False)  # fmt: skip
+    draw_open_rows(z, tokens, pending, parts.bound, parts.bound, parts.m, target, slots, state,
+                   parts.max, parts.tile, logits=logits)  # fmt: skip
     return tokens

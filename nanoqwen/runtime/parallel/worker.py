@@ -27,6 +27,7 @@ from nanoqwen.runtime.parallel.group import (
 )
 from nanoqwen.runtime.parallel.message import Field, Op, StepChannel, decode_copies, step_of
 from nanoqwen.runtime.parallel.rank_errors import report_error
+from nanoqwen.runtime.sampling.filter_stage import FilterStage
 
 SYNC_DEBUG_ENV = "NANOQWEN_WORKER_SYNC_DEBUG"
 
@@ -71,10 +72,13 @@ class WorkerRunner:
             for direction, a, b in decode_copies(extra[n:]):
                 (self.host.copy_out if direction == 0 else self.host.copy_in)(a, b)
             if h[Field.OP] == Op.GRAPH:
+                stage = FilterStage(h[Field.GRAPH_FILTERING])
                 key = (
-                    h[Field.GRAPH_BS], h[Field.GRAPH_VARIANT], bool(h[Field.GRAPH_FILTERING]),
+                    h[Field.GRAPH_BS],
+                    h[Field.GRAPH_VARIANT],
+                    stage,
                     bool(h[Field.GRAPH_CASCADE]),
-                )  # fmt: skip
+                )
                 self.graphs.replay(key)  # its first kernel receives rank 0's inputs
             elif h[Field.OP] == Op.PREFILL_GRAPH:
                 key = (h[Field.GRAPH_BS], h[Field.GRAPH_VARIANT], bool(h[Field.GRAPH_FILTERING]))

@@ -24,6 +24,7 @@ from nanoqwen.kernels.sampling_layout import (
     I_SEED,
     I_TOP_K,
 )
+from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.sampling.noise import gumbel
 from nanoqwen.runtime.sampling.state import SamplingState
 
@@ -161,7 +162,9 @@ class TritonPasses:
 
         self.kernels = sample
 
-    def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
+    def step(self, logits, slots, state, filtering: int, candidates: int) -> torch.Tensor:
+        if filtering == FilterStage.NUCLEUS:
+            return self.kernels.nucleus_step(logits, slots, state)
         if filtering:
             return self.kernels.filter_step(logits, slots, state, candidates)
         return self.kernels.plain_step(logits, slots, state)
@@ -181,7 +184,7 @@ class NativePasses:
             native.PENALTIES * state.any_penalties
             | native.BANS * state.any_bans
             | native.SAMPLED * state.any_sampled
-            | native.FILTERING * filtering
+            | native.FILTERING * bool(filtering)
         )
 
     def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:

@@ -16,7 +16,9 @@ Per row (the semantics of reference.py, HF's order):
    without it (kernels/triton/nucleus_draw.py): the draw over the other filters' tokens is
    kept while the mass above it stays under top_p, else the next candidate above it is
    tried, which picks the same token as the threshold would.
-Batches with no filtering row skip step 2 and draw in the same pass as step 1.
+Batches with no filtering row skip step 2 and draw in the same pass as step 1; batches whose
+filtering rows use top-p alone (what most OpenAI clients send) skip it too, and their top-p
+rows are drawn without the threshold (FilterStage.NUCLEUS).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from nanoqwen.kernels.cpu.sample import MAX_CANDIDATES, sampling_kernels
+from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.sampling.passes import NativePasses, TorchPasses, TritonPasses
 from nanoqwen.runtime.sampling.state import SamplingState
 from nanoqwen.runtime.sequence import Sequence
@@ -68,14 +71,17 @@ class Sampler:
         return [self.state.slot(s) for s in seqs]
 
     @property
-    def filtering(self) -> bool:
-        """Whether the next step needs the filter stage (a held slot uses top-k/p, min-p)."""
-        return self.state.any_filters
+    def filtering(self) -> FilterStage:
+        """The filter stage the next step needs, from what the held slots use."""
+        if not self.state.any_filters:
+            return FilterStage.NONE
+        return FilterStage.FULL if self.state.any_cuts else FilterStage.NUCLEUS
 
     # ---- one step ---------------------------------------------------------------------------
-    def __call__(self, logits: torch.Tensor, slots: torch.Tensor, filtering: bool) -> torch.Tensor:
-        """logits: [rows, vocab] float32, slots: [rows] int64 -> next tokens [rows] int64.
-        The tokens also count as outputs of their slots (penalties, positions)."""
+    def __call__(self, logits: torch.Tensor, slots: torch.Tensor, filtering: int) -> torch.Tensor:
+        """logits: [rows, vocab] float32, slots: [rows] int64 -> next tokens [rows] int64,
+        with the passes of filtering (a FilterStage, or a bool: FULL or NONE). The tokens
+        also count as outputs of their slots (penalties, positions)."""
         return self.passes.step(logits, slots, self.state, filtering, CANDIDATES)
 
     def filtered_logits(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ class SlotSettings:
     """What the host remembers of a slot: which per-step options it turns on."""
 
     filters: bool  # top-k, top-p or min-p on a sampled row
+    cuts: bool  # top-k or min-p on a sampled row (a threshold the draw needs first)
     logprobs: int | None
     penalties: bool
     bans: bool
@@ -90,6 +91,10 @@ class SamplingState:
         return self._needs["filters"] > 0
 
     @property
+    def any_cuts(self) -> bool:
+        return self._needs["cuts"] > 0
+
+    @property
     def any_penalties(self) -> bool:
         return self._needs["penalties"] > 0
 
@@ -107,7 +112,7 @@ class SamplingState:
         return max(self._logprobs) if self._logprobs else None
 
     def _count(self, settings: SlotSettings, sign: int) -> None:
-        for name in ("filters", "penalties", "bans", "sampled"):
+        for name in ("filters", "cuts", "penalties", "bans", "sampled"):
             self._needs[name] += sign * getattr(settings, name)
         if settings.logprobs is not None:
             self._logprobs[settings.logprobs] += sign
@@ -224,7 +229,8 @@ class SamplingState:
             | (FLAG_PENALTY if p.needs_penalties else 0)
             | (FLAG_BAN if bans else 0)
         )
-        return SlotSettings(filters, p.logprobs, p.needs_penalties, bans, not greedy)
+        cuts = filters and (top_k < self.vocab or p.min_p > 0.0)
+        return SlotSettings(filters, cuts, p.logprobs, p.needs_penalties, bans, not greedy)
 
     def release(self, seq: Sequence) -> None:
         slot = self._slot_of.pop(seq.seq_id, None)

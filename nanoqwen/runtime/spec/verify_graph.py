@@ -158,7 +158,7 @@ class VerifyGraphRunner:
         proposals: list[list[int]],
         slots_of: list[list[int]],
         sampler_slots: list[int],
-        filtering: bool,
+        filtering: int,
     ) -> tuple[int, bool]:
         """Writes the verify step into the graphs' buffer and sends it; returns the key of
         the graph to replay. slots_of: each sequence's KV slots for its 1 + p real rows."""
@@ -182,7 +182,7 @@ class VerifyGraphRunner:
         self._fill_padding(h, n, bs)
         h.cu_k[1 : bs + 1] = np.cumsum(h.ctx[:bs])
         self.buffer.send()
-        return bs, filtering
+        return bs, bool(filtering)  # FULL's graph samples a NUCLEUS batch too
 
     def replay(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the graph of key; returns its [bs * width, vocab] logits and its

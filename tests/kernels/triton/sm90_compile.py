@@ -125,13 +125,19 @@ def sampler_cases():
     prepare = dict(logits_ptr=F32, logits_stride="i32", z_ptr=F32, prompt_mask_ptr="*i1",
                    counts_ptr=I32, maybe_seen_ptr=I32, ban_mask_ptr="*i1", m_ptr=F32,
                    s_ptr=F32, greedy_ptr=I32, bound_ptr=F32, tokens_ptr=I64, row_count_ptr=I32,
-                   **state, **parts)  # fmt: skip
-    # A filtering step's (z, the candidates' bound) and a plain step's (the draw, recorded).
-    for write_z, cands, draw in ((True, CAP, sample.DRAW_UNCUT), (False, 0, sample.DRAW_ALL)):
-        flags = dict(WRITE_Z=write_z, SAMPLE=draw, BLOCK=sample.TILE, TILES=pow2,
+                   pending_ptr=I32, target_ptr=F32, **state, **parts)  # fmt: skip
+    # A filtering step's (z, the candidates' bound), a plain step's (the draw, recorded) and
+    # a top-p-alone step's (z and every draw, the top-p rows' left open).
+    for label, write_z, cands, draw in (
+        ("", True, CAP, sample.DRAW_UNCUT),
+        (" plain", False, 0, sample.DRAW_ALL),
+        (" nucleus", True, 0, sample.DRAW_NUCLEUS),
+    ):
+        every = draw in (sample.DRAW_ALL, sample.DRAW_NUCLEUS)
+        flags = dict(WRITE_Z=write_z, PLAIN_Z=draw != sample.DRAW_NUCLEUS, SAMPLE=draw,
+                     DRAW_EVERY_ROW=every, BLOCK=sample.TILE, TILES=pow2,
                      CANDIDATES=cands)  # fmt: skip
-        label = "sampler prepare" + ("" if write_z else " plain")
-        yield label, sample._prepare_kernel, prepare, flags, 4, 3
+        yield "sampler prepare" + label, sample._prepare_kernel, prepare, flags, 4, 3
     draw = dict(z_ptr=F32, tau_ptr=F32, greedy_ptr=I32, tokens_ptr=I64, counts_ptr=I32,
                 maybe_seen_ptr=I32, pending_ptr=I32, row_count_ptr=I32, **state,
                 **parts)  # fmt: skip
@@ -168,11 +174,13 @@ def sampler_cases():
     draw = dict(z_ptr=F32, vocab="i32", num_tiles="i32", rows="i32", part_max_ptr=F32,
                 pending_in_ptr=I32, pending_out_ptr=I32, tokens_ptr=I64, bound_ptr=F32,
                 tau_ptr=F32, m_ptr=F32, target_ptr=F32, counts_ptr=I32, maybe_seen_ptr=I32,
-                mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, **state)  # fmt: skip
+                mass_ptr=F32, gval_ptr=F32, gidx_ptr=I32, count_ptr=I32, logits_ptr=F32,
+                logits_stride="i32", **state)  # fmt: skip
+    # A NUCLEUS step's rounds (plain rows read from the logits) at batch 1 and 64.
     for final, rows in itertools.product((False, True), (1, 64)):
         programs = min(nd.PROGRAMS, rows * triton.cdiv(vocab, sample.TILE))
         flags = dict(FINAL=final, BLOCK=sample.TILE, ROWS=rows, TILES=pow2,
-                     NUM_PROGRAMS=programs)  # fmt: skip
+                     NUM_PROGRAMS=programs, PLAIN_FROM_LOGITS=True, PDL=True)  # fmt: skip
         label = f"sampler nucleus draw round final={final} rows={rows}"
         yield label, nd._round_kernel, draw, flags, 4, 3
 
