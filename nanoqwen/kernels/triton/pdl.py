@@ -14,14 +14,14 @@ finished too; kernels launched without it (cuBLAS, torch) wait for everything in
 them as usual, and CUDA graphs capture the dependency as it is.
 
 Only single-row launches use it (batches above one are not measured), and the sampler's
-top-p rounds (nucleus_draw.py) at any batch: five launches of one kernel in a row, each
+top-p rounds (nucleus_draw.py) at any batch: ROUNDS launches of one kernel in a row, each
 waiting on the one before. Most kernels let the one behind them launch
-(gdc_launch_dependents) at their start; a streamed GEMV whose grid is
-more than one wave (7B's gate_up) only once its programs are past their loops, so that the
-waiting programs do not hold SMs its later programs need. The int4 GEMV launches normally:
-as a dependent it made 7B int4's step 2.425 -> 3.687 ms letting the next kernel launch at its
-start, and 2.459 -> 2.774 ms letting it launch at the end of its loops (with the add+RMSNorm
-in its prologue and more splits; H200, 2026-12-05).
+(gdc_launch_dependents) at their start; a streamed GEMV whose grid is more than one wave
+(7B's gate_up) only once its programs are past their loops, so that the waiting programs do
+not hold SMs its later programs need. The int4 GEMV launches normally: as a dependent it
+made 7B int4's step 2.425 -> 3.687 ms letting the next kernel launch at its start, and
+2.459 -> 2.774 ms letting it launch at the end of its loops (with the add+RMSNorm in its
+prologue and more splits; H200, 2026-12-05).
 NANOQWEN_PDL=0 turns it off (A/B runs, bisecting a suspected race).
 """
 

@@ -26,6 +26,8 @@ from nanoqwen.kernels.triton.draw import (
     record_token,
     z_is_logits,
 )
+from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
+from nanoqwen.kernels.triton.sampling_thresholds import thresholds
 
 TILE = 2048  # vocabulary entries per program
 
@@ -303,8 +305,6 @@ def filter_thresholds(
     """The processed logits z, each row's threshold tau (top-k, top-p and min-p keep
     z >= tau), the partials (with the draws of the rows `draw` names) and the rows left open
     (sampling_thresholds.thresholds; with exact, none)."""
-    from nanoqwen.kernels.triton.sampling_thresholds import thresholds
-
     rows, vocab = logits.shape
     parts = _Partials(rows, vocab, logits.device, candidates)
     z = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
@@ -316,8 +316,6 @@ def filter_thresholds(
 def filter_step(logits: torch.Tensor, slots: torch.Tensor, state, candidates: int):
     """Tokens with top-k/top-p/min-p: thresholds from the candidates, then a draw over z; rows
     whose top-p boundary lies below every candidate are drawn without it (nucleus_draw.py)."""
-    from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
-
     z, tau, parts, open_rows = filter_thresholds(
         logits, slots, state, candidates, exact=False, draw=DRAW_UNCUT
     )
@@ -339,8 +337,6 @@ def nucleus_step(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tens
     """Tokens for a batch whose filtering rows use top-p alone (no top-k, no min-p): the first
     pass draws every row, records the rows without top-p and leaves each top-p row's draw as
     the first candidate of nucleus_draw.py, with no candidates, thresholds or second draw."""
-    from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
-
     rows, vocab = logits.shape
     device = logits.device
     parts = _Partials(rows, vocab, device)
