@@ -52,7 +52,7 @@ XL_BATCH, XL_TILE, XL_WARPS = 512, 128, 4
 FP8_LARGE_TILE = 128
 # Triton keeps one buffer of keys and one of values up to 4 stages: a tile's copy goes out
 # after the dots of the one before, so the other programs on the SM hide its latency. Two
-# buffers (5 stages) were slower at 7B, bfloat16 and float8 alike (BENCHMARKS.md).
+# buffers (5 stages) made 7B's 64 x 8K defaults slower, bfloat16 and float8 (BENCHMARKS.md).
 NUM_STAGES = 2
 MAX_SPLITS = 16
 # Programs per launch worth filling at small batch: about two per SM of an H100/H200.
