@@ -84,7 +84,7 @@ class TorchPasses:
         noise = gumbel(state.iparams[slots, I_SEED], state.out_pos[slots], z.shape[1])
         return (z + noise).argmax(dim=1)
 
-    def step(self, logits, slots, state: SamplingState, filtering: bool, candidates: int):
+    def step(self, logits, slots, state: SamplingState, filtering: int, candidates: int):
         greedy_rows = (state.iparams[slots, I_FLAGS] & FLAG_GREEDY) != 0
         if filtering:
             out = self.prepare(logits, slots, state, write_z=True, sample=False)
@@ -179,7 +179,7 @@ class NativePasses:
     torch ops took 3.7 ms a row of 151,936 logits with the CLI's default settings."""
 
     @staticmethod
-    def _options(state: SamplingState, filtering: bool) -> int:
+    def _options(state: SamplingState, filtering: int) -> int:
         return (
             native.PENALTIES * state.any_penalties
             | native.BANS * state.any_bans
@@ -187,7 +187,7 @@ class NativePasses:
             | native.FILTERING * bool(filtering)
         )
 
-    def step(self, logits, slots, state, filtering: bool, candidates: int) -> torch.Tensor:
+    def step(self, logits, slots, state, filtering: int, candidates: int) -> torch.Tensor:
         tokens = torch.empty(logits.shape[0], dtype=torch.int64)
         options = self._options(state, filtering) | native.RECORD
         native.sample_rows(logits, slots, state, options, candidates, tokens=tokens)

@@ -213,7 +213,9 @@ class SamplingState:
             seq.sampling_seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
         greedy = p.greedy
         top_k = self.vocab if p.top_k == -1 else min(p.top_k, self.vocab)
-        filters = not greedy and (top_k < self.vocab or p.top_p < 1.0 or p.min_p > 0.0)
+        # Top-k and min-p cut before the draw (a threshold first); top-p alone need not.
+        cuts = not greedy and (top_k < self.vocab or p.min_p > 0.0)
+        filters = cuts or (not greedy and p.top_p < 1.0)
         bans = p.min_tokens > 0 and bool(self._banned(seq))
         f[F_TEMPERATURE] = 1.0 if greedy else p.temperature
         f[F_TOP_P] = p.top_p if filters else 1.0
@@ -229,7 +231,6 @@ class SamplingState:
             | (FLAG_PENALTY if p.needs_penalties else 0)
             | (FLAG_BAN if bans else 0)
         )
-        cuts = filters and (top_k < self.vocab or p.min_p > 0.0)
         return SlotSettings(filters, cuts, p.logprobs, p.needs_penalties, bans, not greedy)
 
     def release(self, seq: Sequence) -> None:
