@@ -59,6 +59,10 @@
 #       call: 0.5B batch 1 and 64 greedy / the CLI's sampling / top-p alone, 7B batch 1 bf16
 #       and int4 (group 128); AB_PARTS picks some of "small 7b int4 mid" (default the first
 #       three; mid: 0.5B batch 8 and 32 greedy, which must not get slower).
+#   fp8-kernel [DIR ...]
+#       the decode kernel alone at 64 x 8K as launched, bf16 and float8 cache, 0.5B and 7B
+#       (tools/kernel_bench.py --fp8-default), for each DIR's nanoqwen/ (as batch1 takes
+#       them) and then the checkout, in one call.
 #   sampling [DIR ...]
 #       the sampler against greedy decoding: the latency bench at 0.5B, batch 1 and 64,
 #       greedy / the CLI's sampling / top-p alone, first for each DIR's nanoqwen/ (as batch1
@@ -68,7 +72,7 @@
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|ab|sampling|int4|stream [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|ab|sampling|int4|stream|fp8-kernel [ARGS...]" >&2
   exit 2
 }
 
@@ -437,6 +441,11 @@ stream() {
     | tee "$OUT/stream_profile_7b.log"
 }
 
+fp8_kernel() {
+  gpu_env optional
+  in_trees fp8_kernel "$@" -- python3 "$PWD/tools/kernel_bench.py" --fp8-default
+}
+
 int4() {
   gpu_env optional
   python3 tools/quant_kernel_bench.py --shapes 7B --sections stack,mma --formats q4g128o \
@@ -459,5 +468,6 @@ case $mode in
   sampling) sampling "$@" ;;
   int4) int4 "$@" ;;
   stream) stream "$@" ;;
+  fp8-kernel) fp8_kernel "$@" ;;
   *) usage ;;
 esac

@@ -5,7 +5,8 @@ counts, next to flash_attn_with_kvcache as the flash-attn backend calls it. The 
 read 20 times, so small contexts sit in L2: compare kernels here, and confirm a choice with
 tools/profile_decode.py, which times the kernels inside the real decode graph.
 
-Usage: python tools/kernel_bench.py [--shapes 0.5B,7B] [--large | --balance | --fp8]
+Usage: python tools/kernel_bench.py [--shapes 0.5B,7B] [--large | --balance | --fp8 |
+--fp8-default]
 """
 
 from __future__ import annotations
@@ -118,33 +119,58 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
     )
 
 
+class LongContextStep:
+    """One decode step of bs sequences of ctx cached tokens each, their blocks shuffled
+    over the pool: the inputs of the decode kernel, and caches to read."""
+
+    def __init__(self, shape: str, bs: int, ctx: int) -> None:
+        cfg = shape_config(shape)
+        h, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )  # fmt: skip
+        dev = self.dev = torch.device("cuda")
+        self.gen = torch.Generator(device=dev).manual_seed(0)
+        self.rotary = RotaryEmbedding(self.head_dim, 40960, cfg.rope_theta, dev)
+        width = -(-ctx // PAGE)
+        self.blocks = bs * width + 1
+        perm = torch.randperm(self.blocks - 1, device=dev, generator=self.gen)
+        self.tables = perm.to(torch.int32).view(bs, width)
+        width_qkv = (h + 2 * self.kv_heads) * self.head_dim
+        self.qkv = torch.randn(bs, width_qkv, device=dev, dtype=torch.bfloat16, generator=self.gen)
+        self.ctx = torch.full((bs,), ctx, device=dev, dtype=torch.int32)
+        self.pos = (self.ctx - 1).long()
+        block = self.tables[torch.arange(bs, device=dev), self.pos // PAGE].long()
+        self.slots = block * PAGE + self.pos % PAGE
+
+    def cache(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.blocks, PAGE, self.kv_heads, self.head_dim)
+        k, v = (torch.randn(shape, device=self.dev, generator=self.gen) for _ in range(2))
+        return k.to(dtype), v.to(dtype)
+
+    def kv_bytes(self, cache: torch.Tensor) -> int:
+        """The K and V bytes the step reads."""
+        return int(self.ctx.sum()) * self.kv_heads * self.head_dim * 2 * cache.element_size()
+
+    def attend(self, k: torch.Tensor, v: torch.Tensor, num_splits: int = 0) -> torch.Tensor:
+        return da.decode_attention(
+            self.qkv, self.pos, self.slots, self.ctx, self.tables, self.rotary.cos_half,
+            self.rotary.sin_half, k, v, self.head_dim**-0.5, num_splits=num_splits,
+        )  # fmt: skip
+
+
 def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
     """The Triton decode kernel over a bfloat16 and a float8 cache of bs sequences of ctx
     tokens, over tile sizes, warps and split counts: a float8 tile of the same keys
     moves half the bytes, so its best tile, split count or depth may differ."""
-    cfg = shape_config(shape)
-    h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    dev = torch.device("cuda")
-    rotary = RotaryEmbedding(d, 40960, cfg.rope_theta, dev)
-    width = -(-ctx // PAGE)
-    blocks = bs * width + 1
-    tables = torch.randperm(blocks - 1, device=dev).to(torch.int32).view(bs, width)
-    qkv = torch.randn(bs, (h + 2 * kvh) * d, device=dev, dtype=torch.bfloat16)
-    ctx_t = torch.full((bs,), ctx, device=dev, dtype=torch.int32)
-    pos = (ctx_t - 1).long()
-    slots = tables[torch.arange(bs, device=dev), pos // PAGE].long() * PAGE + pos % PAGE
+    step = LongContextStep(shape, bs, ctx)
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        k_cache = torch.randn(blocks, PAGE, kvh, d, device=dev).to(kv_dtype)
-        v_cache = torch.randn(blocks, PAGE, kvh, d, device=dev).to(kv_dtype)
-        kv_bytes = bs * ctx * kvh * d * 2 * k_cache.element_size()
+        k_cache, v_cache = step.cache(kv_dtype)
+        kv_bytes = step.kv_bytes(k_cache)
         row = {}
         for tile, warps, splits in itertools.product((64, 128, 256), (1, 2, 4), (0, 1, 2, 4, 8)):
 
             def tr(s=splits, k=k_cache, v=v_cache):
-                da.decode_attention(
-                    qkv, pos, slots, ctx_t, tables, rotary.cos_half, rotary.sin_half,
-                    k, v, d**-0.5, num_splits=s,
-                )  # fmt: skip
+                step.attend(k, v, num_splits=s)
 
             try:
                 with forced(tile, warps, da.NUM_STAGES):
@@ -152,7 +178,7 @@ def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
                 row[f"tile={tile} warps={warps} splits={splits or 'default'}"] = us
             except Exception as e:  # out of shared memory or registers
                 print(f"  tile={tile} warps={warps}: {type(e).__name__}")
-        default = da.tile_config(bs, kvh, d, kv_dtype == torch.float8_e4m3fn, PAGE)
+        default = da.tile_config(bs, step.kv_heads, step.head_dim, kv_dtype.itemsize == 1, PAGE)
         best = sorted((v, k) for k, v in row.items())[:4]
         print(
             f"{shape} bs {bs} ctx {ctx} {str(kv_dtype).removeprefix('torch.')} "
@@ -164,14 +190,44 @@ def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
         )
 
 
+def fp8_default(shape: str, bs: int, ctx: int) -> None:
+    """The decode kernel as launched (its default tile, warps and splits) over a bfloat16 and
+    a float8 cache of the same keys and values, three timings each, and how far the float8
+    cache's output lies from the bfloat16 one's: the figure an A/B of trees compares
+    (`tools/gpu.sh fp8-kernel DIR...`)."""
+    step = LongContextStep(shape, bs, ctx)
+    k16, v16 = step.cache(torch.bfloat16)
+    outs = {}
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        k, v = k16.to(kv_dtype), v16.to(kv_dtype)
+        outs[kv_dtype] = step.attend(k, v).float()
+        runs = [graph_us(lambda k=k, v=v: step.attend(k, v)) for _ in range(3)]
+        median = sorted(runs)[1]
+        print(
+            f"{shape} bs {bs} ctx {ctx} {str(kv_dtype).removeprefix('torch.')}: "
+            f"{median:.1f} µs ({step.kv_bytes(k) / median / 1e6:.2f} TB/s; runs "
+            + ", ".join(f"{u:.1f}" for u in runs)
+            + ")",
+            flush=True,
+        )
+    gap = (outs[torch.float8_e4m3fn] - outs[torch.bfloat16]).abs().max().item()
+    print(f"{shape} bs {bs} ctx {ctx}: max |float8 - bfloat16| output {gap:.4f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="0.5B,7B")
     p.add_argument("--large", action="store_true", help="large decode batches, swept")
     p.add_argument("--balance", action="store_true", help="split counts and launch order")
     p.add_argument("--fp8", action="store_true", help="bf16 vs float8 cache, 64 x 8K")
+    p.add_argument(
+        "--fp8-default", action="store_true", help="bf16 vs float8 cache, 64 x 8K, as launched"
+    )
     args = p.parse_args()
     for shape in args.shapes.split(","):
+        if args.fp8_default:
+            fp8_default(shape, 64, 8192)
+            continue
         if args.fp8:
             fp8_sweep(shape, 64, 8192)
             continue
