@@ -37,6 +37,49 @@ def forced(tile: int, warps: int, stages: int):
         da.tile_config, da.NUM_STAGES = saved
 
 
+class DecodeStep:
+    """One decode step of sequences with these context lengths (new token included), their
+    blocks shuffled over the pool: the decode kernel's inputs, and caches for it to read."""
+
+    def __init__(self, shape: str, lens: torch.Tensor) -> None:
+        cfg = shape_config(shape)
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )  # fmt: skip
+        bs = len(lens)
+        dev = self.dev = torch.device("cuda")
+        self.gen = torch.Generator(device=dev).manual_seed(0)
+        self.rotary = RotaryEmbedding(self.head_dim, 40960, cfg.rope_theta, dev)
+        self.tokens = int(lens.sum())
+        width = -(-int(lens.max()) // PAGE)
+        self.blocks = bs * width + 1
+        perm = torch.randperm(self.blocks - 1, device=dev, generator=self.gen)
+        self.tables = perm.to(torch.int32).view(bs, width)
+        width_qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.qkv = torch.randn(bs, width_qkv, device=dev, dtype=torch.bfloat16, generator=self.gen)
+        self.ctx = lens.to(device=dev, dtype=torch.int32)
+        self.pos = (self.ctx - 1).long()
+        block = self.tables[torch.arange(bs, device=dev), self.pos // PAGE].long()
+        self.slots = block * PAGE + self.pos % PAGE
+
+    def cache(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.blocks, PAGE, self.kv_heads, self.head_dim)
+        k, v = (torch.randn(shape, device=self.dev, generator=self.gen) for _ in range(2))
+        return k.to(dtype), v.to(dtype)
+
+    def kv_bytes(self, cache: torch.Tensor) -> int:
+        """The K and V bytes the step reads: what a memory-bound kernel's time is measured
+        against."""
+        return self.tokens * self.kv_heads * self.head_dim * 2 * cache.element_size()
+
+    def attend(self, k, v, num_splits: int = 0, order=None) -> torch.Tensor:
+        return da.decode_attention(
+            self.qkv, self.pos, self.slots, self.ctx, self.tables, self.rotary.cos_half,
+            self.rotary.sin_half, k, v, self.head_dim**-0.5, num_splits=num_splits,
+            order=order,
+        )  # fmt: skip
+
+
 def attention(shape: str, batch_sizes, contexts, sweep: bool, balance: bool = False) -> None:
     for bs, ctx in itertools.product(batch_sizes, contexts):
         attention_case(shape, bs, ctx, sweep, balance)
@@ -47,44 +90,28 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
     spread), else all equal."""
     from flash_attn import flash_attn_with_kvcache
 
-    cfg = shape_config(shape)
-    h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    rotary = RotaryEmbedding(d, 40960, cfg.rope_theta, dev)
     gen = torch.Generator(device="cpu").manual_seed(0)
     lens = torch.randint(100, 2049, (bs,), generator=gen) if ctx == 0 else torch.full((bs,), ctx)
-    width = -(-int(lens.max()) // PAGE)
-    blocks = bs * width + 1
-    k_cache = torch.randn(blocks, PAGE, kvh, d, device=dev, dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(blocks - 1, device=dev).to(torch.int32).view(bs, width)
-    qkv = torch.randn(bs, (h + 2 * kvh) * d, device=dev, dtype=dtype)
-    ctx_t = lens.to(device=dev, dtype=torch.int32)
-    pos = (ctx_t - 1).long()
-    rows = torch.arange(bs, device=dev)
-    slots = tables[rows, pos // PAGE].long() * PAGE + pos % PAGE
-    q = qkv[:, : h * d].reshape(bs, 1, h, d)
+    step = DecodeStep(shape, lens)
+    k_cache, v_cache = step.cache(torch.bfloat16)
+    h, d, width = step.heads, step.head_dim, step.tables.shape[1]
+    q = step.qkv[:, : h * d].reshape(bs, 1, h, d)
     # The flash-attn backend's decode: RoPE and the K/V write done (rope_and_store), then
     # attention alone over a table as wide as the model's (the graph's).
-    fa_tables = torch.zeros(bs, max(width, 16), dtype=torch.int32, device=dev)
-    fa_tables[:, :width] = tables
+    fa_tables = torch.zeros(bs, max(width, 16), dtype=torch.int32, device=step.dev)
+    fa_tables[:, :width] = step.tables
 
     def fa(splits):
         flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=ctx_t, block_table=fa_tables,
+            q, k_cache, v_cache, cache_seqlens=step.ctx, block_table=fa_tables,
             softmax_scale=d**-0.5, causal=True, num_splits=splits,
         )  # fmt: skip
 
     def tr(splits=0, order=None):
-        da.decode_attention(
-            qkv, pos, slots, ctx_t, tables, rotary.cos_half, rotary.sin_half,
-            k_cache, v_cache, d**-0.5, num_splits=splits, order=order,
-        )  # fmt: skip
+        step.attend(k_cache, v_cache, num_splits=splits, order=order)
 
-    longest_first = ctx_t.argsort(descending=True).to(torch.int32)
-
-    # KV bytes read per call: what a memory-bound kernel's time is measured against
-    kv_bytes = int(lens.sum()) * kvh * d * 2 * k_cache.element_size()
+    longest_first = step.ctx.argsort(descending=True).to(torch.int32)
+    kv_bytes = step.kv_bytes(k_cache)
     row = {f"flash splits={s}": graph_us(lambda s=s: fa(s)) for s in (0, 1, 2, 3, 4)}
     row["triton default"] = graph_us(tr)
     if balance:  # split counts, and the longest contexts launched first
@@ -119,50 +146,11 @@ def attention_case(shape: str, bs: int, ctx: int, sweep: bool, balance: bool) ->
     )
 
 
-class LongContextStep:
-    """One decode step of bs sequences of ctx cached tokens each, their blocks shuffled
-    over the pool: the inputs of the decode kernel, and caches to read."""
-
-    def __init__(self, shape: str, bs: int, ctx: int) -> None:
-        cfg = shape_config(shape)
-        h, self.kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        )  # fmt: skip
-        dev = self.dev = torch.device("cuda")
-        self.gen = torch.Generator(device=dev).manual_seed(0)
-        self.rotary = RotaryEmbedding(self.head_dim, 40960, cfg.rope_theta, dev)
-        width = -(-ctx // PAGE)
-        self.blocks = bs * width + 1
-        perm = torch.randperm(self.blocks - 1, device=dev, generator=self.gen)
-        self.tables = perm.to(torch.int32).view(bs, width)
-        width_qkv = (h + 2 * self.kv_heads) * self.head_dim
-        self.qkv = torch.randn(bs, width_qkv, device=dev, dtype=torch.bfloat16, generator=self.gen)
-        self.ctx = torch.full((bs,), ctx, device=dev, dtype=torch.int32)
-        self.pos = (self.ctx - 1).long()
-        block = self.tables[torch.arange(bs, device=dev), self.pos // PAGE].long()
-        self.slots = block * PAGE + self.pos % PAGE
-
-    def cache(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.blocks, PAGE, self.kv_heads, self.head_dim)
-        k, v = (torch.randn(shape, device=self.dev, generator=self.gen) for _ in range(2))
-        return k.to(dtype), v.to(dtype)
-
-    def kv_bytes(self, cache: torch.Tensor) -> int:
-        """The K and V bytes the step reads."""
-        return int(self.ctx.sum()) * self.kv_heads * self.head_dim * 2 * cache.element_size()
-
-    def attend(self, k: torch.Tensor, v: torch.Tensor, num_splits: int = 0) -> torch.Tensor:
-        return da.decode_attention(
-            self.qkv, self.pos, self.slots, self.ctx, self.tables, self.rotary.cos_half,
-            self.rotary.sin_half, k, v, self.head_dim**-0.5, num_splits=num_splits,
-        )  # fmt: skip
-
-
 def fp8_sweep(shape: str, bs: int, ctx: int) -> None:
     """The Triton decode kernel over a bfloat16 and a float8 cache of bs sequences of ctx
     tokens, over tile sizes, warps and split counts: a float8 tile of the same keys
     moves half the bytes, so its best tile, split count or depth may differ."""
-    step = LongContextStep(shape, bs, ctx)
+    step = DecodeStep(shape, torch.full((bs,), ctx))
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         k_cache, v_cache = step.cache(kv_dtype)
         kv_bytes = step.kv_bytes(k_cache)
@@ -195,7 +183,7 @@ def fp8_default(shape: str, bs: int, ctx: int) -> None:
     a float8 cache of the same keys and values, three timings each, and how far the float8
     cache's output lies from the bfloat16 one's: the figure an A/B of trees compares
     (`tools/gpu.sh fp8-kernel DIR...`)."""
-    step = LongContextStep(shape, bs, ctx)
+    step = DecodeStep(shape, torch.full((bs,), ctx))
     k16, v16 = step.cache(torch.bfloat16)
     outs = {}
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
