@@ -96,8 +96,7 @@ def _k4_superblocks(blocks: np.ndarray) -> np.ndarray:
     """_k4_blocks' inverse."""
     n, nb, _ = blocks.shape
     b = blocks.reshape(n, nb // 8, 4, 2, 16)
-    first = (b[:, :, :, 0] & 0x0F) | (b[:, :, :, 1] << 4)  # bytes 32c + l, l < 16
-    second = (b[:, :, :, 0] >> 4) | (b[:, :, :, 1] & 0xF0)  # l >= 16
+    first, second = _swap(b[:, :, :, 0], b[:, :, :, 1], 4, 0x0F)  # bytes 32c + l, l < / >= 16
     return np.ascontiguousarray(np.stack([first, second], axis=3).reshape(n, nb // 8, 128))
 
 
