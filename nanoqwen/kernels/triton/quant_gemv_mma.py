@@ -32,6 +32,10 @@ float32 sums and counts itself in with an atomic add; the last of a block to arr
 splits' sums in split order (the same result whatever the arrival order), then the bias and
 SiLU·up, so no kernel of its own reduces them. The default is one split: those three split
 to about 512 programs made 7B int4's step 2.500 ms against 2.455 (H200, 2026-12-05).
+
+At one row on sm_90 it launches as a programmatic dependent (pdl.py): its launch overlaps
+the kernel in front, and the kernel behind launches early too (EARLY_PROGRAMS_PER_SM).
+7B int4's step against launching normally: 2.603 -> 2.455 ms (H100, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -41,12 +45,20 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
+from nanoqwen.kernels.triton.pdl import use_pdl
+from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group, sm_count
 from nanoqwen.kernels.triton.split_sums import finish_split, split_columns, split_span
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
+# Under PDL a grid of at most this many programs an SM (7B's o_proj and down_proj, 224)
+# lets the kernel behind launch at its start; a larger one (qkv 288, gate_up 592) only once
+# its loops are done, so that the programs waiting behind it do not hold the SMs its later
+# programs need (letting every grid's dependents launch at its start made the step 52%
+# slower: pdl.py).
+EARLY_PROGRAMS_PER_SM = 2
 
 # Outputs $0..$7 are value slots 0..7 of the word in $8. (a & b) | c is LOP3 immediate 0xea.
 _UNPACK_PTX = """{{
@@ -181,18 +193,24 @@ def _mma_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, N, K, KW, G, chunk,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
-    SPLITS: tl.constexpr, ASM: tl.constexpr,
+    SPLITS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With SPLITS > 1, program (pid, s) takes panels [s *
     chunk, (s + 1) * chunk); part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N
-    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows. Launched normally
-    (pdl.py says why)."""
+    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows. With PDL it waits for
+    x before its first load, and lets the kernel behind launch at its start (EARLY) or
+    once its loops are done."""
+    if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
+        if EARLY:
+            gdc_launch_dependents()
     block = tl.program_id(0)
     rows = block * BN + tl.arange(0, BN)
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
     p_begin, p_end = split_span(KW // 16, chunk, SPLITS)
+    if PDL:
+        gdc_wait()  # x is the kernel in front's output
     y = _row_dot(
         x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, GROUP, HAS_OFFSET, BN,
         BP, STAGES, ASM,
@@ -203,6 +221,9 @@ def _mma_gemv_kernel(
             x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, GROUP,
             HAS_OFFSET, BN, BP, STAGES, ASM,
         )  # fmt: skip
+    if PDL:  # noqa: SIM102 (compile-time guards)
+        if not EARLY:
+            gdc_launch_dependents()
     finish_split(part_ptr, counts_ptr, b_ptr, y_ptr, block, tl.program_id(1), rows, r_mask, y,
                  up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
 
@@ -218,9 +239,11 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     """Launch parameters from the shape alone (so CUDA graphs can capture the kernel)."""
     # From tools/quant_kernel_bench.py's sweep on the H200 (Qwen2.5 0.5B and 7B shapes):
     # 16 rows keep >= 1.7 programs an SM below 16K rows, where more rows a step pay; long
-    # rows (K >= N) like a fourth stage in flight.
+    # rows (K >= N) like a fourth stage in flight, and rows four times as long as the
+    # weight is tall (down_proj) 8 panels a step: 7B's step 2.603 -> 2.518 ms (H100).
     rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
-    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3)
+    panels = 8 if k >= 4 * n else 4
+    return MmaGemvConfig(rows=rows, panels=panels, num_stages=4 if k >= n else 3)
 
 
 def launch_mma_gemv(
@@ -236,12 +259,15 @@ def launch_mma_gemv(
     if splits > 1:
         part = torch.empty(splits, w.out_features, dtype=torch.float32, device=x.device)
         counts = zeroed_counters(x.device, blocks, "int4 gemv splits")
+    pdl = use_pdl(x)
+    early = pdl and blocks * splits <= EARLY_PROGRAMS_PER_SM * sm_count(x.device)
     _mma_gemv_kernel[(blocks, splits)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
         w.scales if bias is None else bias, y, part, counts, n, w.in_features,
         w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
-        ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
+        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, launch_pdl=pdl,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return y
