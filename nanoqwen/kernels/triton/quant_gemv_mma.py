@@ -35,7 +35,8 @@ to about 512 programs made 7B int4's step 2.500 ms against 2.455 (H200, 2026-12-
 
 At one row on sm_90 it launches as a programmatic dependent (pdl.py): its launch overlaps
 the kernel in front, and the kernel behind launches early too (EARLY_PROGRAMS_PER_SM).
-7B int4's step against launching normally: 2.603 -> 2.455 ms (H100, 2026-12-05).
+7B int4's step against launching normally: 2.603 -> 2.455 ms (H100, 2026-12-05). The first
+step's weights then load before the wait for x (first_step_ahead; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -141,48 +142,72 @@ def _dot(w, x, acc):
 
 
 @triton.jit
-def _row_dot(
-    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end,
+def _step_words(qw_ptr, rows64, KW, p0, BP: tl.constexpr):
+    """The packed words of rows64 in the loop step's panels [p0, p0 + BP): [BP, BN, 16]. The
+    last step's panels past the end read the last panel again (their x is zeroed), so no
+    load needs a mask (a split's range is whole steps but for the last split's)."""
+    P: tl.constexpr = 16  # PANEL
+    pc = tl.minimum(p0 + tl.arange(0, BP), KW // P - 1)
+    lane = tl.arange(0, P)
+    return tl.load(
+        qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
+    )
+
+
+@triton.jit
+def _step(
+    acc, words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p0, p_end,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
-    """float32 dot products of x with the dequantized weight rows `rows` (in bounds) over
-    panels [p_begin, p_end): [BN]."""
+    """acc plus one loop step's products: the words of panels [p0, p0 + BP) times x."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     P: tl.constexpr = 16  # PANEL
+    panel = p0 + tl.arange(0, BP)
+    p_ok = panel < p_end
+    pc = tl.minimum(panel, KW // P - 1)
+    low, high = _unpack(words, dtype, ASM)
+    # The panel's x in one contiguous (cp.async) load, permuted in registers to the dots'
+    # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
+    cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
+    x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+    x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
+    x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
+    part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
+    part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
+    g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
+    acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
+    if HAS_OFFSET:
+        # offset * (the panel's x sum), the sum from the tensor cores too (a dot with
+        # ones): it lands in acc's own layout, with no reduction across threads.
+        # (built by joins like the weights, so Triton gives both dots one x layout)
+        one = tl.full([BP, BN, P], 1.0, dtype)
+        ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
+        x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
+        acc += x_sum * tl.load(o_ptr + g_off).to(tl.float32)[:, :, None]
+    return acc
+
+
+@triton.jit
+def _row_dot(
+    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end, first_words,
+    GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr,
+):  # fmt: skip
+    """float32 dot products of x with the dequantized weight rows `rows` (in bounds) over
+    panels [p_begin, p_end): [BN]. AHEAD: first_words holds the first step's words, loaded
+    by the caller (before its wait for x)."""
     rows64 = rows.to(tl.int64)
-    pb = tl.arange(0, BP)
-    lane = tl.arange(0, P)
-    panels = KW // P
     acc = tl.zeros([BP, BN, 16], tl.float32)
-    for p0 in tl.range(p_begin, p_end, BP, num_stages=STAGES):
-        panel = p0 + pb
-        p_ok = panel < p_end
-        # The last step's panels past the end read the last panel again, with x zeroed, so
-        # no load needs a mask (a split's range is whole steps but for the last split's).
-        pc = tl.minimum(panel, panels - 1)
-        words = tl.load(
-            qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
-        )
-        low, high = _unpack(words, dtype, ASM)
-        # The panel's x in one contiguous (cp.async) load, permuted in registers to the dots'
-        # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
-        cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
-        x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-        x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
-        x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
-        part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
-        part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
-        g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
-        acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
-        if HAS_OFFSET:
-            # offset * (the panel's x sum), the sum from the tensor cores too (a dot with
-            # ones): it lands in acc's own layout, with no reduction across threads.
-            # (built by joins like the weights, so Triton gives both dots one x layout)
-            one = tl.full([BP, BN, P], 1.0, dtype)
-            ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
-            x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
-            acc += x_sum * tl.load(o_ptr + g_off).to(tl.float32)[:, :, None]
+    start = p_begin
+    if AHEAD:
+        acc = _step(acc, first_words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p_begin, p_end,
+                    GROUP, HAS_OFFSET, BN, BP, ASM)  # fmt: skip
+        start += BP
+    for p0 in tl.range(start, p_end, BP, num_stages=STAGES):
+        words = _step_words(qw_ptr, rows64, KW, p0, BP)
+        acc = _step(acc, words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p0, p_end, GROUP,
+                    HAS_OFFSET, BN, BP, ASM)  # fmt: skip
     # Every column of the product is the same sum: take column 0 (no rounding) of each step.
     first = tl.arange(0, 16)[None, None, :] == 0
     return tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
@@ -194,6 +219,7 @@ def _mma_gemv_kernel(
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
     SPLITS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With SPLITS > 1, program (pid, s) takes panels [s *
@@ -209,17 +235,25 @@ def _mma_gemv_kernel(
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
     p_begin, p_end = split_span(KW // 16, chunk, SPLITS)
+    # Weights never change: the first step's words are loaded while the kernel in front
+    # finishes.
+    first = tl.zeros([BP, BN, 16], tl.int32)
+    first_up = first
+    if AHEAD:
+        first = _step_words(qw_ptr, safe.to(tl.int64), KW, p_begin, BP)
+        if SILU_MUL:
+            first_up = _step_words(qw_ptr, (safe + N).to(tl.int64), KW, p_begin, BP)
     if PDL:
         gdc_wait()  # x is the kernel in front's output
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, GROUP, HAS_OFFSET, BN,
-        BP, STAGES, ASM,
+        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, first, GROUP,
+        HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
     )  # fmt: skip
     up = y
     if SILU_MUL:
         up = _row_dot(
-            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, GROUP,
-            HAS_OFFSET, BN, BP, STAGES, ASM,
+            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, first_up, GROUP,
+            HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
         )  # fmt: skip
     if PDL:  # noqa: SIM102 (compile-time guards)
         if not EARLY:
@@ -246,6 +280,14 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     return MmaGemvConfig(rows=rows, panels=panels, num_stages=4 if k >= n else 3)
 
 
+def first_step_ahead(pdl: bool, silu_mul: bool) -> bool:
+    """Whether a launch loads its first step's weights before the loop: where it can start
+    before the wait for x (tests set it without the wait). Not for gate_up: its gate and up
+    words held across the wait take it from 162 to 192 registers a thread (sm_90), 3
+    programs an SM to 2."""
+    return pdl and not silu_mul
+
+
 def launch_mma_gemv(
     x: torch.Tensor, w, bias: torch.Tensor | None, silu_mul: bool, config: MmaGemvConfig | None
 ) -> torch.Tensor:
@@ -267,7 +309,8 @@ def launch_mma_gemv(
         w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
-        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, launch_pdl=pdl,
+        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=first_step_ahead(pdl, silu_mul),
+        launch_pdl=pdl,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return y

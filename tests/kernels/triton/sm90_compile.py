@@ -286,7 +286,7 @@ def quant_cases():
             )
             flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
                          BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True,
-                         PDL=True, EARLY=early)  # fmt: skip
+                         PDL=True, EARLY=early, AHEAD=not silu)  # fmt: skip
             label = f"int4 gemv 7B {name}" + (f" splits {splits}" if splits != cfg.splits else "")
             yield label, q._mma_gemv_kernel, types, flags, cfg.num_warps, 3
 

@@ -155,3 +155,34 @@ def test_mlp_runs_one_row_of_a_quantized_gate_up_through_the_fused_gemv(launches
     assert launches == [True]  # the fused GEMV, not quant_linear then SiLU·up
     gate, up = reference(x, dequantize(gate_up.weight).double()).float().chunk(2, dim=-1)
     torch.testing.assert_close(fused, mlp.down_proj(F.silu(gate) * up), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        MmaGemvConfig(16, 1),
+        MmaGemvConfig(32, 2),
+        MmaGemvConfig(16, 8),
+        MmaGemvConfig(16, 1, splits=3),
+        MmaGemvConfig(32, 2, splits=2),
+    ],  # fmt: skip
+    ids=["default", "16x1", "32x2", "16x8", "16x1-3splits", "32x2-2splits"],
+)
+def test_first_step_loaded_ahead_gives_the_same_bits(config, monkeypatch):
+    """On a GPU that launches it as a programmatic dependent, the first step's weights are
+    loaded before the loop (and the wait for x): here without the wait, bit for bit the
+    in-loop result, over 5 panels (a partial last step at 2 and 4 panels a step)."""
+    packed, w = make_weight(2 * N, 640, 128, True, seed=7)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 640, generator=gen)
+    bias = torch.randn(2 * N, generator=gen)
+    results = []
+    for ahead in (False, True):
+        monkeypatch.setattr(quant_gemv_mma, "first_step_ahead", lambda pdl, silu, a=ahead: a)
+        results.append(
+            (quant_linear(x, packed, bias, config=config), quant_linear_silu_mul(x, packed, config))
+        )
+    (linear, fused), (linear_ahead, fused_ahead) = results
+    torch.testing.assert_close(linear.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
+    assert torch.equal(linear_ahead, linear) and torch.equal(fused_ahead, fused)
