@@ -303,14 +303,14 @@ def launch_mma_gemv(
         counts = zeroed_counters(x.device, blocks, "int4 gemv splits")
     pdl = use_pdl(x)
     early = pdl and blocks * splits <= EARLY_PROGRAMS_PER_SM * sm_count(x.device)
+    ahead = first_step_ahead(pdl, silu_mul)
     _mma_gemv_kernel[(blocks, splits)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
         w.scales if bias is None else bias, y, part, counts, n, w.in_features,
         w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
-        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=first_step_ahead(pdl, silu_mul),
-        launch_pdl=pdl,
+        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=ahead, launch_pdl=pdl,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return y
