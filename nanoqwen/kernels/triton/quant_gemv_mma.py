@@ -6,23 +6,27 @@ runs out of instruction issue long before HBM bandwidth. Here the multiply-adds 
 tensor cores, which have plenty to spare at one token: a program dequantizes a [rows, 128]
 tile of one panel (one group of 128 columns) to x's dtype and lets tl.dot multiply it with
 x broadcast to 16 columns (mma's smallest N; the duplicate columns cost nothing, as the
-compiler keeps one copy of identical mma instructions). Values stay exact: the codes 0..15 are
-exact in bf16/fp16, products of two 16-bit floats are exact in float32 and the tensor cores
-accumulate in float32; each group's sum is then scaled once, in float32, as before.
+compiler keeps one copy of identical mma instructions).
 
 Dequantizing is the "magic number" conversion of Marlin-class kernels, two values per
 instruction: a word's nibbles j and j + 4 sit in its low and high 16-bit halves, so one LOP3
-makes (0x4300 | q_j, 0x4300 | q_j+4) = (128 + q_j, 128 + q_j+4) in bf16 and one packed FMA
-takes 128 away (0x6400, 1024 in fp16). With three shifts that is 11 instructions for a word's
-8 values (inline PTX; Triton's interpreter runs a plain shift-and-mask version instead).
+makes (0x4300 | q_j, 0x4300 | q_j+4) = (128 + q_j, 128 + q_j+4) in bf16 (0x6400, 1024 in
+fp16). The 128 stays in: the dots sum (128 + q) x, and each group's sum gives back 128 times
+the panel's x sum along with its offset (scale * code + offset = scale * (128 + code) +
+(offset - 128 * scale)), once a group and row instead of a packed FMA every two weights. With
+three shifts that is 7 instructions for a word's 8 values (inline PTX; Triton's interpreter
+runs a plain shift-and-mask version that adds the same 128). 128 + q is exact in bf16 and
+1024 + q in fp16, products of two 16-bit floats are exact in float32 and the tensor cores
+accumulate in float32, so a group's sum is off by about 2^-17 of its sum of |x| (2^-14 in
+fp16), far below the output's rounding.
 The K order inside a panel is the unpacking order, not the column order, and x (one
 contiguous load a panel) is permuted in registers to match: a word's values go to two dots
 of 64 (`low` and `high`), four consecutive K positions each, which is the tensor-core
 operand's own register layout (kWidth 4), so the packed words go from shared memory straight
-to registers in that layout and nothing is staged in bf16. A group's offset multiplies the
-panel's x sum, which a second dot (with ones) puts straight into the accumulator's layout.
-Compiled for sm_90, a weight costs ~3.2 instructions at 16 rows x 4 panels a step, ~2.4 at
-32 and ~2.1 at 64 (+0.2-0.4 with offsets; tools/quant_gemv_sass.py). A program handles
+to registers in that layout and nothing is staged in bf16. The panel's x sum comes from a
+second dot (with ones), straight in the accumulator's layout. Compiled for sm_90, a weight
+costs ~3.7 instructions at 16 rows x 4 panels a step, ~2.5 at 32 and ~2.0 at 64 (groups of
+128 with offsets; tools/quant_gemv_sass.py). A program handles
 `rows` output rows and `panels` panels a step (a batch dimension, one per warp), summed over
 the batch at the end.
 
@@ -61,11 +65,10 @@ MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this k
 # slower: pdl.py).
 EARLY_PROGRAMS_PER_SM = 2
 
-# Outputs $0..$7 are value slots 0..7 of the word in $8. (a & b) | c is LOP3 immediate 0xea.
+# Outputs $0..$7 are value slots 0..7 of the word in $8, as CODE_BIAS + code. (a & b) | c is
+# LOP3 immediate 0xea.
 _UNPACK_PTX = """{{
-.reg .b32 t<4>, s<3>, one, bias;
-mov.b32 one, {one};
-mov.b32 bias, {bias};
+.reg .b32 t<4>, s<3>;
 lop3.b32 t0, $8, 0x000F000F, {magic}, 0xea;
 shr.u32 s0, $8, 4;
 lop3.b32 t1, s0, 0x000F000F, {magic}, 0xea;
@@ -73,22 +76,14 @@ shr.u32 s1, $8, 8;
 lop3.b32 t2, s1, 0x000F000F, {magic}, 0xea;
 shr.u32 s2, $8, 12;
 lop3.b32 t3, s2, 0x000F000F, {magic}, 0xea;
-fma.rn.{ty}x2 t0, t0, one, bias;
-fma.rn.{ty}x2 t1, t1, one, bias;
-fma.rn.{ty}x2 t2, t2, one, bias;
-fma.rn.{ty}x2 t3, t3, one, bias;
 mov.b32 {{$0, $4}}, t0;
 mov.b32 {{$1, $5}}, t1;
 mov.b32 {{$2, $6}}, t2;
 mov.b32 {{$3, $7}}, t3;
 }}"""
-# magic: the float whose mantissa the code is OR-ed into (ulp 1); bias: minus that float.
-UNPACK_BF16 = tl.constexpr(
-    _UNPACK_PTX.format(ty="bf16", magic="0x43004300", one="0x3F803F80", bias="0xC300C300")
-)
-UNPACK_F16 = tl.constexpr(
-    _UNPACK_PTX.format(ty="f16", magic="0x64006400", one="0x3C003C00", bias="0xE400E400")
-)
+# magic: a pair of the float whose mantissa the code is OR-ed into (ulp 1), CODE_BIAS.
+UNPACK_BF16 = tl.constexpr(_UNPACK_PTX.format(magic="0x43004300"))
+UNPACK_F16 = tl.constexpr(_UNPACK_PTX.format(magic="0x64006400"))
 
 
 @dataclass(frozen=True)
@@ -101,9 +96,20 @@ class MmaGemvConfig:
 
 
 @triton.jit
+def _code_bias(dtype: tl.constexpr):
+    """What an unpacked code carries on top of its value: the magic float (128 in bfloat16,
+    1024 in float16, where the code fills the last bits of its mantissa; 128 for the
+    interpreter's float32)."""
+    bias = 128.0
+    if dtype == tl.float16:
+        bias = 1024.0
+    return bias
+
+
+@triton.jit
 def _unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
-    """int32 words [...] -> their 8 int4 values in dtype as two [..., 4] halves, `low`
-    (value slots 0, 4, 1, 5) and `high` (2, 6, 3, 7)."""
+    """int32 words [...] -> their 8 int4 codes plus _code_bias(dtype) in dtype as two
+    [..., 4] halves, `low` (value slots 0, 4, 1, 5) and `high` (2, 6, 3, 7)."""
     if ASM:
         if dtype == tl.bfloat16:
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
@@ -116,14 +122,15 @@ def _unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
                 dtype=(tl.float16,) * 8, is_pure=True, pack=1,
             )  # fmt: skip
     else:
-        v0 = (words & 15).to(dtype)
-        v1 = ((words >> 4) & 15).to(dtype)
-        v2 = ((words >> 8) & 15).to(dtype)
-        v3 = ((words >> 12) & 15).to(dtype)
-        v4 = ((words >> 16) & 15).to(dtype)
-        v5 = ((words >> 20) & 15).to(dtype)
-        v6 = ((words >> 24) & 15).to(dtype)
-        v7 = ((words >> 28) & 15).to(dtype)
+        bias = _code_bias(dtype)
+        v0 = ((words & 15).to(tl.float32) + bias).to(dtype)
+        v1 = (((words >> 4) & 15).to(tl.float32) + bias).to(dtype)
+        v2 = (((words >> 8) & 15).to(tl.float32) + bias).to(dtype)
+        v3 = (((words >> 12) & 15).to(tl.float32) + bias).to(dtype)
+        v4 = (((words >> 16) & 15).to(tl.float32) + bias).to(dtype)
+        v5 = (((words >> 20) & 15).to(tl.float32) + bias).to(dtype)
+        v6 = (((words >> 24) & 15).to(tl.float32) + bias).to(dtype)
+        v7 = (((words >> 28) & 15).to(tl.float32) + bias).to(dtype)
     # The last join pairs slot j with j + 4, the two halves of one PTX register; four values
     # a thread in K is what the dot's operand layout holds (kWidth 4), so Triton converts
     # the packed words to it (in shared memory, 4 bytes for 8 values) and no bf16 moves.
@@ -175,16 +182,19 @@ def _step(
     x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
     part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
     part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
+    # The codes carry _code_bias: each group's sum takes bias times the panel's x sum back
+    # out with its offset, weight = scale * code + offset. The x sum comes from the tensor
+    # cores too (a dot with ones), in acc's own layout, with no reduction across threads;
+    # the ones are built by joins like the weights, so Triton gives both dots one x layout.
+    one = tl.full([BP, BN, P], 1.0, dtype)
+    ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
+    x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
     g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
-    acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
+    scale = tl.load(s_ptr + g_off).to(tl.float32)
+    offset = -_code_bias(dtype) * scale
     if HAS_OFFSET:
-        # offset * (the panel's x sum), the sum from the tensor cores too (a dot with
-        # ones): it lands in acc's own layout, with no reduction across threads.
-        # (built by joins like the weights, so Triton gives both dots one x layout)
-        one = tl.full([BP, BN, P], 1.0, dtype)
-        ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
-        x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
-        acc += x_sum * tl.load(o_ptr + g_off).to(tl.float32)[:, :, None]
+        offset += tl.load(o_ptr + g_off).to(tl.float32)
+    acc += part * scale[:, :, None] + x_sum * offset[:, :, None]
     return acc
 
 

@@ -23,6 +23,10 @@ from nanoqwen.kernels.triton.quant_matmul import (  # noqa: E402
 )
 
 N = 37  # a partial block of output rows at 16 and 32 rows a program
+# Tolerances: the codes reach the dots as 128 + code (the magic float they unpack into), so a
+# group's float32 sum is ~100x what the codes alone give, and the correction that takes it
+# back out leaves ~1e-5 of a row's sum of |x| times its scale: SiLU·up's products need 1e-4
+# relative where codes summed alone would pass at 1e-5.
 
 
 def make_weight(n: int, k: int, group: int, offset: bool, seed: int = 0):
@@ -90,7 +94,7 @@ def test_fused_gate_up_equals_silu_of_gate_times_up(launches):
     gate, up = reference(x, w).float().chunk(2, dim=-1)
     y = quant_linear_silu_mul(x, packed)
     assert launches == [True]
-    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("splits", [2, 5])
@@ -109,7 +113,7 @@ def test_split_panels_sum_in_one_launch_and_leave_the_counters_zero(splits, laun
     assert torch.equal(quant_linear(x, packed, bias, config=config), y)
     fused = quant_linear_silu_mul(x, packed, config=config)
     gate, up = reference(x, w).float().chunk(2, dim=-1)
-    torch.testing.assert_close(fused, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, F.silu(gate) * up, rtol=1e-4, atol=1e-4)
     assert launches == [False, False, True]
     assert not zeroed_counters(x.device, 1, "int4 gemv splits").any()
 
@@ -154,7 +158,7 @@ def test_mlp_runs_one_row_of_a_quantized_gate_up_through_the_fused_gemv(launches
     fused = mlp(x)
     assert launches == [True]  # the fused GEMV, not quant_linear then SiLU·up
     gate, up = reference(x, dequantize(gate_up.weight).double()).float().chunk(2, dim=-1)
-    torch.testing.assert_close(fused, mlp.down_proj(F.silu(gate) * up), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, mlp.down_proj(F.silu(gate) * up), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
