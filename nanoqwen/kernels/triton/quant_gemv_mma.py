@@ -93,6 +93,9 @@ class MmaGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     splits: int = 1  # programs a block of rows' panels are divided among
+    # A thread's registers at most (ptxas' maxnreg), or the compiler's choice: at 128, four
+    # programs of four warps fit an SM's 64K registers.
+    max_registers: int | None = None
 
 
 @triton.jit
@@ -321,6 +324,6 @@ def launch_mma_gemv(
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
         ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=ahead, launch_pdl=pdl,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )  # fmt: skip
     return y

@@ -75,8 +75,18 @@ SHAPES = [(384, 128), (512, 256), (320, 320), (640, 128)]
         MmaGemvConfig(64, 4, num_warps=8),
         MmaGemvConfig(16, 1, splits=3),
         MmaGemvConfig(32, 2, splits=2),
+        MmaGemvConfig(32, 4, max_registers=128),
     ],
-    ids=["default", "16x1", "32x2", "16x4", "64x4-8warps", "16x1-3splits", "32x2-2splits"],
+    ids=[
+        "default",
+        "16x1",
+        "32x2",
+        "16x4",
+        "64x4-8warps",
+        "16x1-3splits",
+        "32x2-2splits",
+        "32x4-128regs",
+    ],
 )
 def test_one_row_equals_the_dequantized_product(k, group, offset, config, launches):
     packed, w = make_weight(N, k, group, offset, seed=k + group)
