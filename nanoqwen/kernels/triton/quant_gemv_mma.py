@@ -65,8 +65,8 @@ MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this k
 # slower: pdl.py).
 EARLY_PROGRAMS_PER_SM = 2
 
-# Outputs $0..$7 are value slots 0..7 of the word in $8, as CODE_BIAS + code. (a & b) | c is
-# LOP3 immediate 0xea.
+# Outputs $0..$7 are value slots 0..7 of the word in $8, each code plus the magic float
+# (_code_bias). (a & b) | c is LOP3 immediate 0xea.
 _UNPACK_PTX = """{{
 .reg .b32 t<4>, s<3>;
 lop3.b32 t0, $8, 0x000F000F, {magic}, 0xea;
@@ -81,7 +81,7 @@ mov.b32 {{$1, $5}}, t1;
 mov.b32 {{$2, $6}}, t2;
 mov.b32 {{$3, $7}}, t3;
 }}"""
-# magic: a pair of the float whose mantissa the code is OR-ed into (ulp 1), CODE_BIAS.
+# magic: two of the float whose mantissa a code is OR-ed into (its ulp is 1).
 UNPACK_BF16 = tl.constexpr(_UNPACK_PTX.format(magic="0x43004300"))
 UNPACK_F16 = tl.constexpr(_UNPACK_PTX.format(magic="0x64006400"))
 
