@@ -290,7 +290,10 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     # weight is tall (down_proj) 8 panels a step: 7B's step 2.603 -> 2.518 ms (H100).
     rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
     panels = 8 if k >= 4 * n else 4
-    return MmaGemvConfig(rows=rows, panels=panels, num_stages=4 if k >= n else 3)
+    # Tall weights (7B's gate_up, 592 programs of 32 rows) have more programs than an SM
+    # holds: capped at 128 registers (130 uncapped, sm_90), four share an SM instead of three.
+    cap = 128 if rows == 32 else None
+    return MmaGemvConfig(rows, panels, num_stages=4 if k >= n else 3, max_registers=cap)
 
 
 def first_step_ahead(pdl: bool, silu_mul: bool) -> bool:
