@@ -90,7 +90,7 @@ def main() -> None:
             const = {
                 "GROUP": 128, "HAS_OFFSET": offset, "HAS_BIAS": False, "SILU_MUL": False,
                 "BN": rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "SPLITS": 1,
-                "ASM": True,
+                "ASM": True, "PDL": True, "EARLY": False, "AHEAD": True,
             }  # fmt: skip
             k = compile_sm90(quant_gemv_mma._mma_gemv_kernel, const, cfg.num_warps, cfg.num_stages)
             per_thread = rows * cfg.panels * 128 // (32 * cfg.num_warps)

@@ -270,6 +270,7 @@ def mma_sweep(model: str, shape: Shape, fmt: str) -> None:
     # The panels split over programs first (short, wide weights), then rows x panels.
     splits = itertools.product((2, 3, 4, 6, 8), (3, 4))
     grid = [default] + [dataclasses.replace(default, splits=k, num_stages=st) for k, st in splits]
+    grid += [dataclasses.replace(default, max_registers=r) for r in (128, 96)]
     grid += [
         MmaGemvConfig(r, p, p, st)  # a warp a panel
         for r, p, st in itertools.product((16, 32, 64, 128), (4, 8), (3, 4))
@@ -329,7 +330,8 @@ def report_sweep(kind, model, shape, fmt, m, times, default, nbytes) -> None:
 def _short(cfg) -> str:
     if isinstance(cfg, MmaGemvConfig):
         split = f"k{cfg.splits}" if cfg.splits > 1 else ""
-        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}{split}"
+        cap = f"n{cfg.max_registers}" if cfg.max_registers else ""
+        return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}{split}{cap}"
     if isinstance(cfg, GemvConfig):
         return f"r{cfg.rows}p{cfg.panels}w{cfg.num_warps}st{cfg.num_stages}"
     return f"m{cfg.block_m}n{cfg.block_n}s{cfg.split_k}w{cfg.num_warps}st{cfg.num_stages}"

@@ -18,10 +18,11 @@ top-p rounds (nucleus_draw.py) at any batch: ROUNDS launches of one kernel in a 
 waiting on the one before. Most kernels let the one behind them launch
 (gdc_launch_dependents) at their start; a streamed GEMV whose grid is more than one wave
 (7B's gate_up) only once its programs are past their loops, so that the waiting programs do
-not hold SMs its later programs need. The int4 GEMV launches normally: as a dependent it
-made 7B int4's step 2.425 -> 3.687 ms letting the next kernel launch at its start, and
-2.459 -> 2.774 ms letting it launch at the end of its loops (with the add+RMSNorm in its
-prologue and more splits; H200, 2026-12-05).
+not hold SMs its later programs need. The int4 GEMV does the same by its grid's size: at
+most two programs an SM (7B's o_proj and down_proj) lets the next kernel launch at its
+start, a larger grid (qkv, gate_up) at the end of its loops; 7B int4's step 2.603 -> 2.455
+ms (H100, 2026-12-05). Letting every int4 grid's next kernel launch at its start had made
+it 2.425 -> 3.687 ms (H200).
 NANOQWEN_PDL=0 turns it off (A/B runs, bisecting a suspected race).
 """
 

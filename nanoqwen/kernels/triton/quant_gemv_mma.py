@@ -6,23 +6,27 @@ runs out of instruction issue long before HBM bandwidth. Here the multiply-adds 
 tensor cores, which have plenty to spare at one token: a program dequantizes a [rows, 128]
 tile of one panel (one group of 128 columns) to x's dtype and lets tl.dot multiply it with
 x broadcast to 16 columns (mma's smallest N; the duplicate columns cost nothing, as the
-compiler keeps one copy of identical mma instructions). Values stay exact: the codes 0..15 are
-exact in bf16/fp16, products of two 16-bit floats are exact in float32 and the tensor cores
-accumulate in float32; each group's sum is then scaled once, in float32, as before.
+compiler keeps one copy of identical mma instructions).
 
 Dequantizing is the "magic number" conversion of Marlin-class kernels, two values per
 instruction: a word's nibbles j and j + 4 sit in its low and high 16-bit halves, so one LOP3
-makes (0x4300 | q_j, 0x4300 | q_j+4) = (128 + q_j, 128 + q_j+4) in bf16 and one packed FMA
-takes 128 away (0x6400, 1024 in fp16). With three shifts that is 11 instructions for a word's
-8 values (inline PTX; Triton's interpreter runs a plain shift-and-mask version instead).
+makes (0x4300 | q_j, 0x4300 | q_j+4) = (128 + q_j, 128 + q_j+4) in bf16 (0x6400, 1024 in
+fp16). The 128 stays in: the dots sum (128 + q) x, and each group's sum gives back 128 times
+the panel's x sum along with its offset (scale * code + offset = scale * (128 + code) +
+(offset - 128 * scale)), once a group and row instead of a packed FMA every two weights. With
+three shifts that is 7 instructions for a word's 8 values (inline PTX; Triton's interpreter
+runs a plain shift-and-mask version that adds the same 128). 128 + q is exact in bf16 and
+1024 + q in fp16, products of two 16-bit floats are exact in float32 and the tensor cores
+accumulate in float32, so a group's sum is off by about 2^-17 of its sum of |x| (2^-14 in
+fp16), far below the output's rounding.
 The K order inside a panel is the unpacking order, not the column order, and x (one
 contiguous load a panel) is permuted in registers to match: a word's values go to two dots
 of 64 (`low` and `high`), four consecutive K positions each, which is the tensor-core
 operand's own register layout (kWidth 4), so the packed words go from shared memory straight
-to registers in that layout and nothing is staged in bf16. A group's offset multiplies the
-panel's x sum, which a second dot (with ones) puts straight into the accumulator's layout.
-Compiled for sm_90, a weight costs ~3.2 instructions at 16 rows x 4 panels a step, ~2.4 at
-32 and ~2.1 at 64 (+0.2-0.4 with offsets; tools/quant_gemv_sass.py). A program handles
+to registers in that layout and nothing is staged in bf16. The panel's x sum comes from a
+second dot (with ones), straight in the accumulator's layout. Compiled for sm_90, a weight
+costs ~3.7 instructions at 16 rows x 4 panels a step, ~2.5 at 32 and ~2.0 at 64 (groups of
+128 with offsets; tools/quant_gemv_sass.py). A program handles
 `rows` output rows and `panels` panels a step (a batch dimension, one per warp), summed over
 the batch at the end.
 
@@ -32,6 +36,11 @@ float32 sums and counts itself in with an atomic add; the last of a block to arr
 splits' sums in split order (the same result whatever the arrival order), then the bias and
 SiLU·up, so no kernel of its own reduces them. The default is one split: those three split
 to about 512 programs made 7B int4's step 2.500 ms against 2.455 (H200, 2026-12-05).
+
+At one row on sm_90 it launches as a programmatic dependent (pdl.py): its launch overlaps
+the kernel in front, and the kernel behind launches early too (EARLY_PROGRAMS_PER_SM).
+7B int4's step against launching normally: 2.603 -> 2.455 ms (H100, 2026-12-05). The first
+step's weights then load before the wait for x (first_step_ahead; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -41,18 +50,25 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group
+from nanoqwen.kernels.triton.pdl import use_pdl
+from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group, sm_count
 from nanoqwen.kernels.triton.split_sums import finish_split, split_columns, split_span
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
+# Under PDL a grid of at most this many programs an SM (7B's o_proj and down_proj, 224)
+# lets the kernel behind launch at its start; a larger one (qkv 288, gate_up 592) only once
+# its loops are done, so that the programs waiting behind it do not hold the SMs its later
+# programs need (letting every grid's dependents launch at its start made the step 52%
+# slower: pdl.py).
+EARLY_PROGRAMS_PER_SM = 2
 
-# Outputs $0..$7 are value slots 0..7 of the word in $8. (a & b) | c is LOP3 immediate 0xea.
+# Outputs $0..$7 are value slots 0..7 of the word in $8, each code plus the magic float
+# (_code_bias). (a & b) | c is LOP3 immediate 0xea.
 _UNPACK_PTX = """{{
-.reg .b32 t<4>, s<3>, one, bias;
-mov.b32 one, {one};
-mov.b32 bias, {bias};
+.reg .b32 t<4>, s<3>;
 lop3.b32 t0, $8, 0x000F000F, {magic}, 0xea;
 shr.u32 s0, $8, 4;
 lop3.b32 t1, s0, 0x000F000F, {magic}, 0xea;
@@ -60,22 +76,14 @@ shr.u32 s1, $8, 8;
 lop3.b32 t2, s1, 0x000F000F, {magic}, 0xea;
 shr.u32 s2, $8, 12;
 lop3.b32 t3, s2, 0x000F000F, {magic}, 0xea;
-fma.rn.{ty}x2 t0, t0, one, bias;
-fma.rn.{ty}x2 t1, t1, one, bias;
-fma.rn.{ty}x2 t2, t2, one, bias;
-fma.rn.{ty}x2 t3, t3, one, bias;
 mov.b32 {{$0, $4}}, t0;
 mov.b32 {{$1, $5}}, t1;
 mov.b32 {{$2, $6}}, t2;
 mov.b32 {{$3, $7}}, t3;
 }}"""
-# magic: the float whose mantissa the code is OR-ed into (ulp 1); bias: minus that float.
-UNPACK_BF16 = tl.constexpr(
-    _UNPACK_PTX.format(ty="bf16", magic="0x43004300", one="0x3F803F80", bias="0xC300C300")
-)
-UNPACK_F16 = tl.constexpr(
-    _UNPACK_PTX.format(ty="f16", magic="0x64006400", one="0x3C003C00", bias="0xE400E400")
-)
+# magic: two of the float whose mantissa a code is OR-ed into (its ulp is 1).
+UNPACK_BF16 = tl.constexpr(_UNPACK_PTX.format(magic="0x43004300"))
+UNPACK_F16 = tl.constexpr(_UNPACK_PTX.format(magic="0x64006400"))
 
 
 @dataclass(frozen=True)
@@ -85,12 +93,26 @@ class MmaGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     splits: int = 1  # programs a block of rows' panels are divided among
+    # A thread's registers at most (ptxas' maxnreg), or the compiler's choice: at 128, four
+    # programs of four warps fit an SM's 64K registers.
+    max_registers: int | None = None
+
+
+@triton.jit
+def _code_bias(dtype: tl.constexpr):
+    """What an unpacked code carries on top of its value: the magic float (128 in bfloat16,
+    1024 in float16, where the code fills the last bits of its mantissa; 128 for the
+    interpreter's float32)."""
+    bias = 128.0
+    if dtype == tl.float16:
+        bias = 1024.0
+    return bias
 
 
 @triton.jit
 def _unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
-    """int32 words [...] -> their 8 int4 values in dtype as two [..., 4] halves, `low`
-    (value slots 0, 4, 1, 5) and `high` (2, 6, 3, 7)."""
+    """int32 words [...] -> their 8 int4 codes plus _code_bias(dtype) in dtype as two
+    [..., 4] halves, `low` (value slots 0, 4, 1, 5) and `high` (2, 6, 3, 7)."""
     if ASM:
         if dtype == tl.bfloat16:
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
@@ -103,14 +125,15 @@ def _unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
                 dtype=(tl.float16,) * 8, is_pure=True, pack=1,
             )  # fmt: skip
     else:
-        v0 = (words & 15).to(dtype)
-        v1 = ((words >> 4) & 15).to(dtype)
-        v2 = ((words >> 8) & 15).to(dtype)
-        v3 = ((words >> 12) & 15).to(dtype)
-        v4 = ((words >> 16) & 15).to(dtype)
-        v5 = ((words >> 20) & 15).to(dtype)
-        v6 = ((words >> 24) & 15).to(dtype)
-        v7 = ((words >> 28) & 15).to(dtype)
+        bias = _code_bias(dtype)
+        v0 = ((words & 15).to(tl.float32) + bias).to(dtype)
+        v1 = (((words >> 4) & 15).to(tl.float32) + bias).to(dtype)
+        v2 = (((words >> 8) & 15).to(tl.float32) + bias).to(dtype)
+        v3 = (((words >> 12) & 15).to(tl.float32) + bias).to(dtype)
+        v4 = (((words >> 16) & 15).to(tl.float32) + bias).to(dtype)
+        v5 = (((words >> 20) & 15).to(tl.float32) + bias).to(dtype)
+        v6 = (((words >> 24) & 15).to(tl.float32) + bias).to(dtype)
+        v7 = (((words >> 28) & 15).to(tl.float32) + bias).to(dtype)
     # The last join pairs slot j with j + 4, the two halves of one PTX register; four values
     # a thread in K is what the dot's operand layout holds (kWidth 4), so Triton converts
     # the packed words to it (in shared memory, 4 bytes for 8 values) and no bf16 moves.
@@ -129,48 +152,75 @@ def _dot(w, x, acc):
 
 
 @triton.jit
-def _row_dot(
-    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end,
+def _step_words(qw_ptr, rows64, KW, p0, BP: tl.constexpr):
+    """The packed words of rows64 in the loop step's panels [p0, p0 + BP): [BP, BN, 16]. The
+    last step's panels past the end read the last panel again (their x is zeroed), so no
+    load needs a mask (a split's range is whole steps but for the last split's)."""
+    P: tl.constexpr = 16  # PANEL
+    pc = tl.minimum(p0 + tl.arange(0, BP), KW // P - 1)
+    lane = tl.arange(0, P)
+    return tl.load(
+        qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
+    )
+
+
+@triton.jit
+def _step(
+    acc, words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p0, p_end,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
-    """float32 dot products of x with the dequantized weight rows `rows` (in bounds) over
-    panels [p_begin, p_end): [BN]."""
+    """acc plus one loop step's products: the words of panels [p0, p0 + BP) times x."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     P: tl.constexpr = 16  # PANEL
+    panel = p0 + tl.arange(0, BP)
+    p_ok = panel < p_end
+    pc = tl.minimum(panel, KW // P - 1)
+    low, high = _unpack(words, dtype, ASM)
+    # The panel's x in one contiguous (cp.async) load, permuted in registers to the dots'
+    # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
+    cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
+    x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
+    x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
+    x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
+    part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
+    part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
+    # The codes carry _code_bias: each group's sum takes bias times the panel's x sum back
+    # out with its offset, weight = scale * code + offset. The x sum comes from the tensor
+    # cores too (a dot with ones), in acc's own layout, with no reduction across threads;
+    # the ones are built by joins like the weights, so Triton gives both dots one x layout.
+    one = tl.full([BP, BN, P], 1.0, dtype)
+    ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
+    x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
+    g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
+    scale = tl.load(s_ptr + g_off).to(tl.float32)
+    offset = -_code_bias(dtype) * scale
+    if HAS_OFFSET:
+        offset += tl.load(o_ptr + g_off).to(tl.float32)
+    acc += part * scale[:, :, None] + x_sum * offset[:, :, None]
+    return acc
+
+
+@triton.jit
+def _row_dot(
+    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end, first_words,
+    GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr,
+):  # fmt: skip
+    """float32 dot products of x with the dequantized weight rows `rows` (in bounds) over
+    panels [p_begin, p_end): [BN]. AHEAD: first_words holds the first step's words, loaded
+    by the caller (before its wait for x)."""
     rows64 = rows.to(tl.int64)
-    pb = tl.arange(0, BP)
-    lane = tl.arange(0, P)
-    panels = KW // P
     acc = tl.zeros([BP, BN, 16], tl.float32)
-    for p0 in tl.range(p_begin, p_end, BP, num_stages=STAGES):
-        panel = p0 + pb
-        p_ok = panel < p_end
-        # The last step's panels past the end read the last panel again, with x zeroed, so
-        # no load needs a mask (a split's range is whole steps but for the last split's).
-        pc = tl.minimum(panel, panels - 1)
-        words = tl.load(
-            qw_ptr + rows64[None, :, None] * KW + (pc[:, None] * P + lane[None, :])[:, None, :]
-        )
-        low, high = _unpack(words, dtype, ASM)
-        # The panel's x in one contiguous (cp.async) load, permuted in registers to the dots'
-        # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
-        cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
-        x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-        x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
-        x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
-        part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
-        part = _dot(tl.reshape(high, [BP, BN, 4 * P]), x_high, part)
-        g_off = rows64[None, :] * G + (pc * (8 * P) // GROUP)[:, None]
-        acc += part * tl.load(s_ptr + g_off).to(tl.float32)[:, :, None]
-        if HAS_OFFSET:
-            # offset * (the panel's x sum), the sum from the tensor cores too (a dot with
-            # ones): it lands in acc's own layout, with no reduction across threads.
-            # (built by joins like the weights, so Triton gives both dots one x layout)
-            one = tl.full([BP, BN, P], 1.0, dtype)
-            ones = tl.reshape(tl.join(tl.join(one, one), tl.join(one, one)), [BP, BN, 4 * P])
-            x_sum = _dot(ones, x_high, _dot(ones, x_low, None))
-            acc += x_sum * tl.load(o_ptr + g_off).to(tl.float32)[:, :, None]
+    start = p_begin
+    if AHEAD:
+        acc = _step(acc, first_words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p_begin, p_end,
+                    GROUP, HAS_OFFSET, BN, BP, ASM)  # fmt: skip
+        start += BP
+    for p0 in tl.range(start, p_end, BP, num_stages=STAGES):
+        words = _step_words(qw_ptr, rows64, KW, p0, BP)
+        acc = _step(acc, words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p0, p_end, GROUP,
+                    HAS_OFFSET, BN, BP, ASM)  # fmt: skip
     # Every column of the product is the same sum: take column 0 (no rounding) of each step.
     first = tl.arange(0, 16)[None, None, :] == 0
     return tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
@@ -181,28 +231,46 @@ def _mma_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, N, K, KW, G, chunk,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
-    SPLITS: tl.constexpr, ASM: tl.constexpr,
+    SPLITS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With SPLITS > 1, program (pid, s) takes panels [s *
     chunk, (s + 1) * chunk); part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N
-    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows. Launched normally
-    (pdl.py says why)."""
+    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows. With PDL it waits for
+    x before its first load, and lets the kernel behind launch at its start (EARLY) or
+    once its loops are done."""
+    if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
+        if EARLY:
+            gdc_launch_dependents()
     block = tl.program_id(0)
     rows = block * BN + tl.arange(0, BN)
     r_mask = rows < N
     safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
     p_begin, p_end = split_span(KW // 16, chunk, SPLITS)
+    # Weights never change: the first step's words are loaded while the kernel in front
+    # finishes.
+    first = tl.zeros([BP, BN, 16], tl.int32)
+    first_up = first
+    if AHEAD:
+        first = _step_words(qw_ptr, safe.to(tl.int64), KW, p_begin, BP)
+        if SILU_MUL:
+            first_up = _step_words(qw_ptr, (safe + N).to(tl.int64), KW, p_begin, BP)
+    if PDL:
+        gdc_wait()  # x is the kernel in front's output
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, GROUP, HAS_OFFSET, BN,
-        BP, STAGES, ASM,
+        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, first, GROUP,
+        HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
     )  # fmt: skip
     up = y
     if SILU_MUL:
         up = _row_dot(
-            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, GROUP,
-            HAS_OFFSET, BN, BP, STAGES, ASM,
+            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, first_up, GROUP,
+            HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
         )  # fmt: skip
+    if PDL:  # noqa: SIM102 (compile-time guards)
+        if not EARLY:
+            gdc_launch_dependents()
     finish_split(part_ptr, counts_ptr, b_ptr, y_ptr, block, tl.program_id(1), rows, r_mask, y,
                  up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
 
@@ -218,9 +286,22 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     """Launch parameters from the shape alone (so CUDA graphs can capture the kernel)."""
     # From tools/quant_kernel_bench.py's sweep on the H200 (Qwen2.5 0.5B and 7B shapes):
     # 16 rows keep >= 1.7 programs an SM below 16K rows, where more rows a step pay; long
-    # rows (K >= N) like a fourth stage in flight.
+    # rows (K >= N) like a fourth stage in flight, and rows four times as long as the
+    # weight is tall (down_proj) 8 panels a step: 7B's step 2.603 -> 2.518 ms (H100).
     rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
-    return MmaGemvConfig(rows=rows, panels=4, num_stages=4 if k >= n else 3)
+    panels = 8 if k >= 4 * n else 4
+    # Tall weights (7B's gate_up, 592 programs of 32 rows) have more programs than an SM
+    # holds: capped at 128 registers (130 uncapped, sm_90), four share an SM instead of three.
+    cap = 128 if rows == 32 else None
+    return MmaGemvConfig(rows, panels, num_stages=4 if k >= n else 3, max_registers=cap)
+
+
+def first_step_ahead(pdl: bool, silu_mul: bool) -> bool:
+    """Whether a launch loads its first step's weights before the loop: where it can start
+    before the wait for x (tests set it without the wait). Not for gate_up: its gate and up
+    words held across the wait take it from 162 to 192 registers a thread (sm_90), 3
+    programs an SM to 2."""
+    return pdl and not silu_mul
 
 
 def launch_mma_gemv(
@@ -236,12 +317,16 @@ def launch_mma_gemv(
     if splits > 1:
         part = torch.empty(splits, w.out_features, dtype=torch.float32, device=x.device)
         counts = zeroed_counters(x.device, blocks, "int4 gemv splits")
+    pdl = use_pdl(x)
+    early = pdl and blocks * splits <= EARLY_PROGRAMS_PER_SM * sm_count(x.device)
+    ahead = first_step_ahead(pdl, silu_mul)
     _mma_gemv_kernel[(blocks, splits)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
         w.scales if bias is None else bias, y, part, counts, n, w.in_features,
         w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
-        ASM=x.device.type == "cuda", num_warps=cfg.num_warps,
+        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=ahead, launch_pdl=pdl,
+        num_warps=cfg.num_warps, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )  # fmt: skip
     return y

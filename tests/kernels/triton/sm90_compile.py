@@ -279,8 +279,14 @@ def quant_cases():
     ):  # fmt: skip
         cfg = q.mma_gemv_config(n, k)
         for splits in sorted({cfg.splits, 2, 4}):
+            # As launched at one row on sm_90 (quant_gemv_mma.launch_mma_gemv).
+            early = (
+                triton.cdiv(n // 2 if silu else n, cfg.rows) * splits
+                <= q.EARLY_PROGRAMS_PER_SM * 132
+            )
             flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
-                         BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True)  # fmt: skip
+                         BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True,
+                         PDL=True, EARLY=early, AHEAD=not silu)  # fmt: skip
             label = f"int4 gemv 7B {name}" + (f" splits {splits}" if splits != cfg.splits else "")
             yield label, q._mma_gemv_kernel, types, flags, cfg.num_warps, 3
 
