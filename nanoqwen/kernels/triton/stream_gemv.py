@@ -14,7 +14,8 @@ projections: 4.193 against 4.357 ms (H200, 2026-12-05).
 
 As in gemv.py: the bias or SiLU·up in the epilogue, the add+RMSNorm in front in the prologue
 (NORM: every program normalizes the row for itself), and launched as a programmatic dependent
-at one row on sm_90, with the first tile copied before the wait.
+at one row on sm_90, with the first tiles copied before the wait (StreamGemvConfig.ahead:
+two against one took 7B's step 5.540 -> 5.381 ms, H100, 2026-12-05, one call, graph replay).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class StreamGemvConfig:
     splits: int = 1  # programs a block of rows' columns are divided among
     num_stages: int = 4
     num_warps: int = 4
+    # tiles copied before the wait for x under PDL (at most three: _stream_gemv_kernel holds
+    # them in registers; three took 7B's projections to 80-168 registers and cost time)
+    ahead: int = 2
 
 
 def stream_gemv_config(n: int, k: int) -> StreamGemvConfig:
@@ -52,6 +56,42 @@ def stream_gemv_config(n: int, k: int) -> StreamGemvConfig:
     blocks = triton.cdiv(n, 16)
     splits = max(1, min(8, triton.cdiv(TARGET_PROGRAMS, blocks), triton.cdiv(k, 2 * 256)))
     return StreamGemvConfig(splits=splits)
+
+
+@triton.jit
+def _tile(w_desc, r0, N, k0, SILU_MUL: tl.constexpr):
+    """The weight tile at columns k0 (and with SILU_MUL its up rows' tile)."""
+    w = w_desc.load([r0, k0])
+    u = w
+    if SILU_MUL:
+        u = w_desc.load([N + r0, k0])
+    return w, u
+
+
+@triton.jit
+def _take(
+    acc,
+    acc_up,
+    w,
+    u,
+    x_ptr,
+    res_ptr,
+    nw_ptr,
+    k0,
+    K,
+    rstd,
+    NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BK: tl.constexpr,
+    dtype: tl.constexpr,
+):
+    cols = k0 + tl.arange(0, BK)
+    x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, rstd, NORM, HAS_RES, dtype)
+    acc += w.to(tl.float32) * x
+    if SILU_MUL:
+        acc_up += u.to(tl.float32) * x
+    return acc, acc_up
 
 
 @triton.jit
@@ -77,12 +117,14 @@ def _stream_gemv_kernel(
     rows = r0 + tl.arange(0, BN)
     r_mask = rows < N
     k_begin, k_end = split_span(K, chunk, SPLITS)
-    if AHEAD:
-        # Weights never change: the first tile is copied while the kernel in front finishes.
-        w_first = w_desc.load([r0, k_begin])
-        up_first = w_first
-        if SILU_MUL:
-            up_first = w_desc.load([N + r0, k_begin])
+    # Weights never change: the first AHEAD tiles are copied while the kernel in front
+    # finishes, held in registers until x arrives.
+    if AHEAD >= 1:
+        w0, u0 = _tile(w_desc, r0, N, k_begin, SILU_MUL)
+    if AHEAD >= 2:
+        w1, u1 = _tile(w_desc, r0, N, k_begin + BK, SILU_MUL)
+    if AHEAD >= 3:
+        w2, u2 = _tile(w_desc, r0, N, k_begin + 2 * BK, SILU_MUL)
     if PDL:
         gdc_wait()
     rstd = 0.0
@@ -92,12 +134,17 @@ def _stream_gemv_kernel(
     acc = tl.zeros([BN, BK], tl.float32)
     acc_up = tl.zeros([BN, BK], tl.float32)
     start = k_begin
-    if AHEAD:
-        cols = k_begin + tl.arange(0, BK)
-        x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, rstd, NORM, HAS_RES, dtype)
-        acc += w_first.to(tl.float32) * x
-        if SILU_MUL:
-            acc_up += up_first.to(tl.float32) * x
+    if AHEAD >= 1:
+        acc, acc_up = _take(acc, acc_up, w0, u0, x_ptr, res_ptr, nw_ptr, start, K, rstd, NORM,
+                            HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+        start += BK
+    if AHEAD >= 2:
+        acc, acc_up = _take(acc, acc_up, w1, u1, x_ptr, res_ptr, nw_ptr, start, K, rstd, NORM,
+                            HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+        start += BK
+    if AHEAD >= 3:
+        acc, acc_up = _take(acc, acc_up, w2, u2, x_ptr, res_ptr, nw_ptr, start, K, rstd, NORM,
+                            HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     for k0 in tl.range(start, k_end, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
@@ -121,10 +168,10 @@ def one_wave(cfg: StreamGemvConfig, silu_mul: bool, itemsize: int, device) -> in
     return min(8, SMEM_PER_SM // smem) * sm_count(device)
 
 
-def first_tile_ahead(pdl: bool) -> bool:
-    """Whether a launch copies its first tile before the loop: where it can start before the
-    wait for x (tests set it without the wait)."""
-    return pdl
+def tiles_ahead(cfg: StreamGemvConfig, pdl: bool, chunk: int) -> int:
+    """Tiles a launch copies before the loop: where they can start before the wait for x
+    (tests set it without the wait), and no more than a split's columns hold."""
+    return min(cfg.ahead, chunk // cfg.cols) if pdl else 0
 
 
 def stream_gemv(
@@ -159,7 +206,7 @@ def stream_gemv(
         x, desc, x if bias is None else bias, y, x if res is None else res.contiguous(), nw,
         total, part, counts, n, k, chunk, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=res is not None, BN=cfg.rows, BK=cfg.cols,
-        SPLITS=splits, STAGES=cfg.num_stages, AHEAD=first_tile_ahead(pdl), PDL=pdl,
+        SPLITS=splits, STAGES=cfg.num_stages, AHEAD=tiles_ahead(cfg, pdl, chunk), PDL=pdl,
         EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),
         launch_pdl=pdl,
         num_warps=cfg.num_warps,

@@ -97,11 +97,13 @@ def stream_gemv_cases():
                      b_ptr=BF16, y_ptr=y, res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16,
                      part_ptr=F32, counts_ptr=I32, N="i32:16", K="i32:16", chunk="i32:16",
                      eps="fp32")  # fmt: skip
+        chunk = sg.split_columns(k, cfg.cols, cfg.splits)[0]
         for pdl in (False, True):
             # gate_up's 1,184 programs and the lm_head's 9,500 run in waves: they let the
             # kernel behind launch late
             flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BN=cfg.rows,
-                         BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages, AHEAD=pdl,
+                         BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages,
+                         AHEAD=sg.tiles_ahead(cfg, pdl, chunk),
                          PDL=pdl, EARLY=not silu and "lm_head" not in name)  # fmt: skip
             label = "stream gemv " + ("" if name.startswith("0.5B") else "7B ") + name
             label += " +pdl" if pdl else ""

@@ -27,11 +27,12 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=[False, True], ids=["in-loop", "first-tile-ahead"])
+@pytest.fixture(params=[0, 1, 3], ids=["in-loop", "first-tile-ahead", "3-tiles-ahead"])
 def ahead(request, monkeypatch):
-    """On a GPU that launches it as a programmatic dependent, the first tile is copied
+    """On a GPU that launches it as a programmatic dependent, the first tiles are copied
     before the loop (and the wait): the same here, without the wait."""
-    monkeypatch.setattr(sg, "first_tile_ahead", lambda pdl: request.param)
+    tiles = request.param
+    monkeypatch.setattr(sg, "tiles_ahead", lambda cfg, pdl, chunk: min(tiles, chunk // cfg.cols))
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
