@@ -1,0 +1,98 @@
+"""The streamed GEMV's launch settings (kernels/triton/stream_gemv.py) tried in the whole
+batch-1 decode step: for each setting the batch-1 graph is captured again and replayed (CUDA
+events), the settings taking turns for --rounds rounds in one process, so that each
+setting's figure is comparable with the others'. Random weights of a real shape.
+
+A setting is `name` (the defaults) or `name:proj=rows,splits,stages,ahead;...` over the
+projections qkv, o, gate_up, down and lm_head; a projection it does not name keeps its
+default.
+
+Usage (device): python3 tools/stream_config_ab.py --shape 7B \\
+    'default|st3:qkv=16,2,3,2;gate_up=16,1,3,2|ahead1:qkv=16,2,4,1'
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.kernels.triton import stream_gemv as sg
+
+
+def projection_shapes(config) -> dict[str, tuple[int, int]]:
+    """(n, k) as stream_gemv_config sees each projection (gate_up: the gate rows)."""
+    hidden, inter, head = config.hidden_size, config.intermediate_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    return {
+        "qkv": ((heads + 2 * kv) * head, hidden),
+        "o": (hidden, heads * head),
+        "gate_up": (inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (config.vocab_size, hidden),
+    }
+
+
+def parse(spec: str, shapes: dict[str, tuple[int, int]]) -> list[tuple[str, dict]]:
+    settings = []
+    for item in filter(None, (x.strip() for x in spec.split("|"))):
+        name, _, body = item.partition(":")
+        chosen = {}
+        for part in filter(None, body.split(";")):
+            proj, values = part.split("=")
+            rows, splits, stages, ahead = (int(v) for v in values.split(","))
+            chosen[shapes[proj]] = sg.StreamGemvConfig(
+                rows=rows, splits=splits, num_stages=stages, ahead=ahead
+            )
+        settings.append((name, chosen))
+    return settings
+
+
+def replay_ms(graph, n: int = 300) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(20):
+        graph.replay()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("settings")
+    p.add_argument("--shape", default="7B")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    args = p.parse_args()
+    llm = LLM(random_shape=args.shape, device="cuda", dtype="bfloat16", max_num_seqs=4,
+              num_kv_blocks=64, progress=False)  # fmt: skip
+    settings = parse(args.settings, projection_shapes(llm.config))
+    greedy = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    llm._add([7] * args.prompt_len, greedy, False)
+    while llm.scheduler.waiting:
+        llm.step()
+    for _ in range(5):
+        llm.step()
+    graphs = llm.runner.graphs
+    key = graphs.key_for(1, args.prompt_len + 6, llm.runner.sampler.filtering)
+    default = sg.stream_gemv_config
+    times: dict[str, list[float]] = {name: [] for name, _ in settings}
+    for r in range(args.rounds):
+        for name, chosen in settings:
+            sg.stream_gemv_config = lambda n, k, c=chosen: c.get((n, k)) or default(n, k)
+            with torch.inference_mode():
+                graphs._capture(key)
+            torch.cuda.synchronize()
+            times[name].append(replay_ms(graphs.graphs[key][0]))
+            print(f"round {r} {name}: {times[name][-1]:.4f} ms", flush=True)
+    sg.stream_gemv_config = default
+    for name, t in times.items():
+        print(f"{name:>12}: " + " / ".join(f"{x:.4f}" for x in t) + f"  (min {min(t):.4f} ms)")
+
+
+if __name__ == "__main__":
+    main()
