@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from profile_decode import replay_ms
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.kernels.triton import stream_gemv as sg
@@ -49,18 +50,6 @@ def parse(spec: str, shapes: dict[str, tuple[int, int]]) -> list[tuple[str, dict
     return settings
 
 
-def replay_ms(graph, n: int = 300) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(20):
-        graph.replay()
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("settings")
@@ -87,7 +76,7 @@ def main() -> None:
             with torch.inference_mode():
                 graphs._capture(key)
             torch.cuda.synchronize()
-            times[name].append(replay_ms(graphs.graphs[key][0]))
+            times[name].append(replay_ms(graphs.graphs[key][0], 300))
             print(f"round {r} {name}: {times[name][-1]:.4f} ms", flush=True)
     sg.stream_gemv_config = default
     for name, t in times.items():
