@@ -4,8 +4,9 @@ events), the settings taking turns for --rounds rounds in one process, so that e
 setting's figure is comparable with the others'. Random weights of a real shape.
 
 A setting is `name` (the defaults) or `name:proj=rows,splits,stages,ahead;...` over the
-projections qkv, o, gate_up, down and lm_head; a projection it does not name keeps its
-default.
+projections qkv, o, gate_up, down and lm_head, each optionally followed by other
+StreamGemvConfig fields as `,field:value` (integers); a projection it does not name keeps
+its default.
 
 Usage (device): python3 tools/stream_config_ab.py --shape 7B \\
     'default|st3:qkv=16,2,3,2;gate_up=16,1,3,2|ahead1:qkv=16,2,4,1'
@@ -42,9 +43,14 @@ def parse(spec: str, shapes: dict[str, tuple[int, int]]) -> list[tuple[str, dict
         chosen = {}
         for part in filter(None, body.split(";")):
             proj, values = part.split("=")
-            rows, splits, stages, ahead = (int(v) for v in values.split(","))
+            rows, splits, stages, ahead, *extra = values.split(",")
+            fields = {k: int(v) for k, v in (x.split(":") for x in extra)}
             chosen[shapes[proj]] = sg.StreamGemvConfig(
-                rows=rows, splits=splits, num_stages=stages, ahead=ahead
+                rows=int(rows),
+                splits=int(splits),
+                num_stages=int(stages),
+                ahead=int(ahead),
+                **fields,
             )
         settings.append((name, chosen))
     return settings
