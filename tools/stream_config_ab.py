@@ -76,14 +76,21 @@ def main() -> None:
     key = graphs.key_for(1, args.prompt_len + 6, llm.runner.sampler.filtering)
     default = sg.stream_gemv_config
     times: dict[str, list[float]] = {name: [] for name, _ in settings}
+    first = None  # the first setting's logits, which the others' are checked against
     for r in range(args.rounds):
         for name, chosen in settings:
             sg.stream_gemv_config = lambda n, k, c=chosen: c.get((n, k)) or default(n, k)
             with torch.inference_mode():
                 graphs._capture(key)
-            torch.cuda.synchronize()
-            times[name].append(replay_ms(graphs.graphs[key][0], 300))
-            print(f"round {r} {name}: {times[name][-1]:.4f} ms", flush=True)
+            graph, logits, _ = graphs.graphs[key]
+            times[name].append(replay_ms(graph, 300))
+            logits = logits.float().clone()
+            first = logits if first is None else first
+            gap = (logits - first).abs().max().item()
+            same = logits.argmax(-1).equal(first.argmax(-1))
+            print(f"round {r} {name}: {times[name][-1]:.4f} ms (logits max |diff| {gap:.3g} "
+                  f"against {settings[0][0]}, argmax {'same' if same else 'DIFFERS'})",
+                  flush=True)  # fmt: skip
     sg.stream_gemv_config = default
     for name, t in times.items():
         print(f"{name:>12}: " + " / ".join(f"{x:.4f}" for x in t) + f"  (min {min(t):.4f} ms)")
