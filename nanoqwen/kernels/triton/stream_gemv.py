@@ -69,23 +69,10 @@ def _tile(w_desc, r0, N, k0, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _take(
-    acc,
-    acc_up,
-    w,
-    u,
-    x_ptr,
-    res_ptr,
-    nw_ptr,
-    k0,
-    K,
-    rstd,
-    NORM: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    BK: tl.constexpr,
-    dtype: tl.constexpr,
-):
+def _take(acc, acc_up, w, u, x_ptr, res_ptr, nw_ptr, k0, K, rstd, NORM: tl.constexpr,
+          HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BK: tl.constexpr,
+          dtype: tl.constexpr):  # fmt: skip
+    """acc (and acc_up) plus a tile copied ahead (w, u) times the input at columns k0."""
     cols = k0 + tl.arange(0, BK)
     x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, rstd, NORM, HAS_RES, dtype)
     acc += w.to(tl.float32) * x

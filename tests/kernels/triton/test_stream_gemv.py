@@ -5,6 +5,7 @@ rows, columns split over programs, the bias, SiLU·up and the add+RMSNorm in fro
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,12 +28,16 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=[0, 1, 3], ids=["in-loop", "first-tile-ahead", "3-tiles-ahead"])
+@pytest.fixture(params=[0, 2, 3], ids=["in-loop", "2-tiles-ahead", "3-tiles-ahead"])
 def ahead(request, monkeypatch):
     """On a GPU that launches it as a programmatic dependent, the first tiles are copied
-    before the loop (and the wait): the same here, without the wait."""
-    tiles = request.param
-    monkeypatch.setattr(sg, "tiles_ahead", lambda cfg, pdl, chunk: min(tiles, chunk // cfg.cols))
+    before the loop (and the wait), as many as a split holds: the same here, without the
+    wait."""
+    as_launched = sg.tiles_ahead
+    monkeypatch.setattr(
+        sg, "tiles_ahead",
+        lambda cfg, pdl, chunk: as_launched(replace(cfg, ahead=request.param), True, chunk),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
