@@ -302,8 +302,8 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
 def first_step_ahead(pdl: bool, silu_mul: bool) -> bool:
     """Whether a launch loads its first step's weights before the loop: where it can start
     before the wait for x (tests set it without the wait). Not for gate_up: its gate and up
-    words held across the wait take it from 162 to 192 registers a thread (sm_90), 3
-    programs an SM to 2."""
+    words held across the wait take it from 130 to 210 registers a thread (sm_90, before
+    the 128 cap), 3 programs an SM to 2."""
     return pdl and not silu_mul
 
 
