@@ -28,7 +28,7 @@ class LayerOps:
     norm_gemv: Callable | None = None
     norm_gemv_silu_mul: Callable | None = None
     # one row's final add+RMSNorm and the lm_head after it, float32 logits:
-    # (x, residual or None, norm weight, eps, lm_head weight) -> logits [1, vocab]
+    # (x, residual or None, norm weight, eps, lm_head weight, out or None) -> logits [1, vocab]
     norm_logits: Callable | None = None
 
 
@@ -53,9 +53,9 @@ def triton_ops() -> LayerOps:
             return rms_norm(x, weight, eps), x
         return rms_norm(x, weight, eps, residual), residual  # residual summed in place
 
-    def norm_logits(x, residual, norm_weight, eps, weight):
+    def norm_logits(x, residual, norm_weight, eps, weight, out=None):
         norm = (residual, norm_weight, eps)
-        return stream_gemv(x, weight, norm=norm, out_dtype=torch.float32)[0]
+        return stream_gemv(x, weight, norm=norm, out_dtype=torch.float32, out=out)[0]
 
     return LayerOps(
         "triton", add_rms_norm, silu_mul, gemv, gemv_silu_mul, gemv_pays,

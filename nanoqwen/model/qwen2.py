@@ -169,22 +169,32 @@ class Qwen2ForCausalLM(nn.Module):
             x, residual = layer(x, residual, meta)
         return x, residual
 
-    def compute_logits(self, hidden: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """hidden: forward()'s pair, already cut to the rows that need logits."""
+    def compute_logits(
+        self, hidden: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden: forward()'s pair, already cut to the rows that need logits. out: a float32
+        [rows, vocab] tensor the logits are written into (the CUDA graphs' shared output)."""
         x, residual = hidden
         if isinstance(self.lm_head, nn.Module):  # a QuantizedLinear (nanoqwen.quant)
             normed, _ = self.norm(x, residual)
-            return self.lm_head(normed).float()
+            return _as_float32(self.lm_head(normed), out)
         if x.shape[0] == 1 and self.norm_logits is not None:
             # the final add+RMSNorm in the lm_head GEMV's prologue, float32 logits
-            return self.norm_logits(x, residual, self.norm.weight, self.norm.eps, self.lm_head)
+            w = self.norm.weight
+            return self.norm_logits(x, residual, w, self.norm.eps, self.lm_head, out)
         normed, _ = self.norm(x, residual)
         if self.tp is None and normed.is_cuda and normed.dtype != torch.float32:
             # float32 logits straight from the GEMM's float32 sums: no bf16 rounding of the
             # logits (HF's, which moves a logit near 8 by up to 0.03) and no separate cast
             # kernel over a [rows, vocab] tensor.
-            return torch.mm(normed, self.lm_head.t(), out_dtype=torch.float32)
+            if out is None:
+                return torch.mm(normed, self.lm_head.t(), out_dtype=torch.float32)
+            return torch.mm(normed, self.lm_head.t(), out_dtype=torch.float32, out=out)
         logits = torch.nn.functional.linear(normed, self.lm_head)
         if self.tp is not None:
             logits = gather_vocab(logits, self.full_config.vocab_size, self.tp)
-        return logits.float()
+        return _as_float32(logits, out)
+
+
+def _as_float32(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return logits.float() if out is None else out.copy_(logits)

@@ -24,6 +24,7 @@ from nanoqwen.quant.scheme import Scheme, resolve_scheme
 from nanoqwen.runtime.config import EngineConfig
 from nanoqwen.runtime.cuda_graph import CUDAGraphRunner
 from nanoqwen.runtime.device_choice import default_is_quantized, resolve_device, resolve_dtype
+from nanoqwen.runtime.graph_logits import allocate_graph_logits
 from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.kv.host_pool import HostKVCache
@@ -37,7 +38,7 @@ from nanoqwen.runtime.parallel.worker import WorkerRunner
 from nanoqwen.runtime.prefill_graph import PrefillGraphRunner
 from nanoqwen.runtime.sampling.sampler import Sampler
 from nanoqwen.runtime.scheduler import Scheduler, SchedulerConfig
-from nanoqwen.runtime.spec.verify_graph import VerifyGraphRunner
+from nanoqwen.runtime.spec.verify_graph import VerifyGraphRunner, verify_rows
 from nanoqwen.validation import invalid
 from nanoqwen.weights.gguf import GGUFCheckpoint, is_gguf
 from nanoqwen.weights.hub import default_tokenizer_dir, resolve_default_gguf, resolve_model
@@ -177,6 +178,10 @@ def _assemble(
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset(cfg.eos_token_id)
     # Before the KV pool is sized: the sampler's per-slot token tables take memory too.
     sampler = None if worker else Sampler(eos, cfg.vocab_size, max_num_seqs, dev)
+    # And the graphs' one logits output (graph_logits.py), which the KV pool must leave room for.
+    graph_logits = None
+    if dev.type == "cuda" and not c.enforce_eager and backend.graph_variants(cfg.max_positions):
+        graph_logits = allocate_graph_logits(_graph_logit_rows(c), net)
     per_block = KVCache.bytes_per_block(net.config, block_size, kv_dtype)
     if num_kv_blocks is None:
         tokens = min(c.max_num_batched_tokens, max_model_len or cfg.max_positions)
@@ -219,7 +224,8 @@ def _assemble(
     graphs = None
     variants = backend.graph_variants(max_len)
     if dev.type == "cuda" and not c.enforce_eager and variants:
-        graphs = CUDAGraphRunner(max_num_seqs, kv, sampler.state.scratch if sampler else 0)
+        scratch = sampler.state.scratch if sampler else 0
+        graphs = CUDAGraphRunner(max_num_seqs, kv, scratch, graph_logits)
     # The longest chunk there can be; every rank computes the same, so all capture alike.
     longest = min(c.max_num_batched_tokens, max_len)
     prefill_graphs = _prefill_graphs(graphs, backend, kv, longest, max_num_seqs)
@@ -261,7 +267,7 @@ def _prefill_graphs(graphs, backend, kv: KVCache, max_tokens: int, max_num_seqs:
     graphs and the backend can capture a prefill."""
     if graphs is None or not backend.captures_prefill:
         return None
-    return PrefillGraphRunner(max_tokens, max_num_seqs, kv, graphs.sampler_scratch)
+    return PrefillGraphRunner(max_tokens, max_num_seqs, kv, graphs.sampler_scratch, graphs.logits)
 
 
 def _verify_graphs(c: EngineConfig, graphs, backend, kv: KVCache):
@@ -270,7 +276,16 @@ def _verify_graphs(c: EngineConfig, graphs, backend, kv: KVCache):
     if spec is None or graphs is None or not backend.captures_prefill:
         return None
     k = spec.num_speculative_tokens
-    return VerifyGraphRunner(k, c.max_num_seqs, kv, graphs.sampler_scratch)
+    return VerifyGraphRunner(k, c.max_num_seqs, kv, graphs.sampler_scratch, graphs.logits)
+
+
+def _graph_logit_rows(c: EngineConfig) -> int:
+    """The rows of the graphs' shared logits buffer (graph_logits.py): a decode batch's, or
+    a verify graph's when speculation makes those more."""
+    spec = c.speculative_config
+    if spec is None:
+        return c.max_num_seqs
+    return max(c.max_num_seqs, verify_rows(spec.num_speculative_tokens, c.max_num_seqs))
 
 
 def _capture(runner, max_len: int, variants, cascade_from: int | None, progress: bool) -> None:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from nanoqwen.attention.cascade import shared_prefix_blocks
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.graph_capture import capture
+from nanoqwen.runtime.graph_logits import allocate_graph_logits
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.step_buffer import Layout, StepBuffer
@@ -59,10 +60,19 @@ class CUDAGraphRunner:
     sends in one asynchronous copy of the part its graph reads.
     """
 
-    def __init__(self, max_num_seqs: int, kv: KVCache, sampler_scratch: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        kv: KVCache,
+        sampler_scratch: int,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        """logits: the engine's graph output buffer (graph_logits.py), max_num_seqs rows at
+        least; None: one of its own at capture."""
         self.sizes = capture_sizes(max_num_seqs)
         self.kv = kv
         self.sampler_scratch = sampler_scratch  # the sampler slot padding rows use
+        self.logits = logits
         # Keyed by (batch size, variant, filtering, cascade): variant i serves contexts up to
         # variants[i][0]; filtering is the sampler's FilterStage the graph runs (a batch of
         # top-p alone skips the thresholds: every decode batch size has a graph of each),
@@ -151,6 +161,8 @@ class CUDAGraphRunner:
         self._allocate(runner.device, max_model_len, variants)
         self.cascade_from = cascade_from
         self.model, self.sampler = runner.model, runner.sampler
+        if self.logits is None:
+            self.logits = allocate_graph_logits(self.max_bs, runner.model)
         # Largest first: smaller graphs then fit inside the memory pool the largest reserved.
         # Logits-only graphs are captured at their first use (few engines ever need them).
         keys = [
@@ -197,7 +209,8 @@ class CUDAGraphRunner:
         first the broadcast of rank 0's inputs into every rank's buffer."""
         if model.tp is not None:
             model.tp.broadcast(self.inputs(key))
-        return model.compute_logits(model(self.ids[: key[0]], meta))
+        bs = key[0]
+        return model.compute_logits(model(self.ids[:bs], meta), out=self.logits[:bs])
 
     def release(self) -> None:
         """Frees every graph and its memory pool; later steps run eagerly. NCCL cannot

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.graph_capture import capture
+from nanoqwen.runtime.graph_logits import allocate_graph_logits
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.scheduler import Batch
 from nanoqwen.runtime.step_buffer import Layout, StepBuffer
@@ -73,12 +74,20 @@ class PrefillGraphRunner:
     sequences' tokens beside them) without prompt logprobs."""
 
     def __init__(
-        self, max_tokens: int, max_num_seqs: int, kv: KVCache, sampler_scratch: int
+        self,
+        max_tokens: int,
+        max_num_seqs: int,
+        kv: KVCache,
+        sampler_scratch: int,
+        logits: torch.Tensor | None = None,
     ) -> None:
+        """logits: the engine's graph output buffer (graph_logits.py), max_num_seqs rows at
+        least; None: one of its own at capture."""
         self.sizes = buckets(max_tokens)
         self.max_num_seqs = max_num_seqs
         self.kv = kv
         self.sampler_scratch = sampler_scratch
+        self.logits = logits
         # (bucket, logit rows, filtering) -> (graph, logits, tokens)
         self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.meta: dict[int, AttentionMetadata] = {}
@@ -188,6 +197,9 @@ class PrefillGraphRunner:
         """The buffers and each bucket's metadata, which every graph reads."""
         self.model, self.sampler = runner.model, runner.sampler
         self._allocate(runner.device, max_model_len)
+        if self.logits is None:
+            rows = self.capacity(self.rows) - 1
+            self.logits = allocate_graph_logits(rows, runner.model)
         self.meta = {bucket: self._static_meta(bucket) for bucket in self.sizes}
 
     def keys(self) -> list[tuple[int, int, bool]]:
@@ -227,7 +239,7 @@ class PrefillGraphRunner:
         meta.shared.clear()  # what the first layer derives from this step's rows
         x, residual = model(self.fields.ids[:bucket], meta)
         at = self.fields.logit_rows[:rows]
-        logits = model.compute_logits((x[at], residual[at]))
+        logits = model.compute_logits((x[at], residual[at]), out=self.logits[:rows])
         if sampler is None:
             return logits, None
         return logits, sampler(logits, self.fields.sampler_slots[:rows], filtering)

@@ -171,15 +171,17 @@ def stream_gemv(
     norm: tuple | None = None,
     config: StreamGemvConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ):
     """x [1, K] times weight [N, K] (+ bias): [1, N] in out_dtype (x's by default; float32
-    logits straight from the float32 sums); with silu_mul, weight = [W_gate; W_up] and the
-    result silu(gate) * up, [1, N // 2]. norm: (residual or None, norm weight, eps) for the
-    add+RMSNorm in front, and then (y, x + residual) is returned."""
+    logits straight from the float32 sums), written into out when given (contiguous, of that
+    shape and dtype); with silu_mul, weight = [W_gate; W_up] and the result silu(gate) * up,
+    [1, N // 2]. norm: (residual or None, norm weight, eps) for the add+RMSNorm in front, and
+    then (y, x + residual) is returned."""
     rows_w, k = weight.shape
     n = rows_w // 2 if silu_mul else rows_w
     cfg = config or stream_gemv_config(n, k)
-    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     pdl = use_pdl(x)
     blocks = triton.cdiv(n, cfg.rows)
     chunk, splits = split_columns(k, cfg.cols, cfg.splits)

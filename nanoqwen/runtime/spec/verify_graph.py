@@ -25,12 +25,24 @@ from tqdm import tqdm
 from nanoqwen.attention.metadata import AttentionMetadata
 from nanoqwen.runtime.cuda_graph import capture_sizes
 from nanoqwen.runtime.graph_capture import capture
+from nanoqwen.runtime.graph_logits import allocate_graph_logits
 from nanoqwen.runtime.kv.cache import KVCache
 from nanoqwen.runtime.sequence import Sequence
 from nanoqwen.runtime.step_buffer import Layout, StepBuffer
 
 # Above this many rows the GPU's work outlasts the CPU's launches, and eager costs little.
 MAX_ROWS = 128
+
+
+def verify_sizes(k: int, max_num_seqs: int) -> list[int]:
+    """The batch sizes captured for k proposals: decode's, while their rows fit MAX_ROWS."""
+    width = k + 1
+    return [s for s in capture_sizes(max_num_seqs) if s == 1 or s * width <= MAX_ROWS]
+
+
+def verify_rows(k: int, max_num_seqs: int) -> int:
+    """The rows of the largest verify graph."""
+    return verify_sizes(k, max_num_seqs)[-1] * (k + 1)
 
 
 def verify_layout(bs: int, width: int, table_width: int) -> Layout:
@@ -44,11 +56,21 @@ def verify_layout(bs: int, width: int, table_width: int) -> Layout:
 
 
 class VerifyGraphRunner:
-    def __init__(self, k: int, max_num_seqs: int, kv: KVCache, sampler_scratch: int) -> None:
-        self.width = width = k + 1
-        self.sizes = [s for s in capture_sizes(max_num_seqs) if s == 1 or s * width <= MAX_ROWS]
+    def __init__(
+        self,
+        k: int,
+        max_num_seqs: int,
+        kv: KVCache,
+        sampler_scratch: int,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        """logits: the engine's graph output buffer (graph_logits.py), at least
+        verify_rows(k, max_num_seqs) rows; None: one of its own at capture."""
+        self.width = k + 1
+        self.sizes = verify_sizes(k, max_num_seqs)
         self.kv = kv
         self.sampler_scratch = sampler_scratch
+        self.logits = logits
         # (batch size, filtering) -> (graph, logits [bs * width, vocab], tokens [width, bs])
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.meta: dict[int, AttentionMetadata] = {}
@@ -100,6 +122,8 @@ class VerifyGraphRunner:
         capture warm-ups run on)."""
         self.model, self.sampler = runner.model, runner.sampler
         self._allocate(runner.device, max_model_len, runner.model.rotary.max_positions)
+        if self.logits is None:
+            self.logits = allocate_graph_logits(self.max_bs * self.width, runner.model)
         for h in self.buffer.host_fields:
             self._fill_padding(h, 0, self.max_bs)
             h.cu_k[:] = np.arange(self.max_bs + 1) * self.width
@@ -126,8 +150,9 @@ class VerifyGraphRunner:
         bs, filtering = key
         model, sampler = self.model, self.sampler
         self.meta[bs].shared.clear()  # what the first layer derives from this step's rows
-        x, residual = model(self.fields.ids[: bs * self.width], self.meta[bs])
-        logits = model.compute_logits((x, residual))
+        rows = bs * self.width
+        x, residual = model(self.fields.ids[:rows], self.meta[bs])
+        logits = model.compute_logits((x, residual), out=self.logits[:rows])
         slots = self.fields.sampler_slots.view(self.width, self.max_bs)[:, :bs]
         # Depth j's rows j, width + j, ...: a strided view, which the sampler reads in place.
         depths = logits.view(bs, self.width, -1)

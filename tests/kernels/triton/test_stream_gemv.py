@@ -103,6 +103,12 @@ def test_float32_output_of_a_half_precision_row_with_the_norm_in_front():
                        out_dtype=torch.float32)  # fmt: skip
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, normed.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+    # Into a row of a larger buffer (the CUDA graphs' shared logits), the rest untouched.
+    buf = torch.full((3, 40), 7.0)
+    into, _ = stream_gemv(x, w, norm=(res, nw, 1e-6), config=CONFIGS["3-splits"],
+                          out_dtype=torch.float32, out=buf[:1])  # fmt: skip
+    assert into.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[0], y[0]) and torch.equal(buf[1:], torch.full((2, 40), 7.0))
 
 
 def test_large_weights_take_the_streamed_kernel(monkeypatch):
