@@ -2,11 +2,12 @@
 
 A captured graph's output stays allocated for as long as the graph lives. With an output of
 its own, each graph (a decode graph per batch size, filter stage, attention variant and
-cascade; a prefill graph per bucket and logit row count; a verify graph per batch size) kept
-a [rows, vocab] float32 tensor: about 8 GiB at 0.5B with max_num_seqs 256, allocated after the
-KV cache had been sized, which ran an 80 GB GPU out of memory. One buffer serves them all,
-since a step replays one graph and queues everything that reads its logits (sampling,
-logprobs) before the engine launches the next step.
+cascade; a prefill graph per bucket and logit row count; a verify graph per batch size) would
+keep a [rows, vocab] float32 tensor: about 8 GiB at 0.5B with max_num_seqs 256, past what the
+KV cache is sized around, enough to run an 80 GB GPU out of memory at the defaults. One
+buffer, allocated before the KV cache is sized, serves them all: a step replays one graph and
+queues everything that reads its logits (sampling, logprobs) before the engine launches the
+next step.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An engine stays inside gpu_memory_utilization once its CUDA graphs are captured and while
-it serves: at 0.5B with 256 sequences, the graphs' logits once took ~8 GiB more than the KV
-cache had been sized around, and an 80 GB GPU ran out of memory on its first batch."""
+it serves: at 0.5B with 256 sequences, a logits output per graph would be ~8 GiB past what the
+KV cache is sized around (runtime/graph_logits.py)."""
 
 from __future__ import annotations
 
