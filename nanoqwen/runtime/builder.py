@@ -223,7 +223,7 @@ def _assemble(
             )
     graphs = None
     variants = backend.graph_variants(max_len)
-    if dev.type == "cuda" and not c.enforce_eager and variants:
+    if graph_logits is not None:  # made wherever graphs are captured
         scratch = sampler.state.scratch if sampler else 0
         graphs = CUDAGraphRunner(max_num_seqs, kv, scratch, graph_logits)
     # The longest chunk there can be; every rank computes the same, so all capture alike.
