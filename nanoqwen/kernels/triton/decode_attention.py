@@ -45,11 +45,14 @@ from nanoqwen.kernels.triton.split_merge import store_split_and_merge
 # head_dim (7B, 64 x 8K: 244 µs against 272 for 128 on four); from there 128 keys on four
 # (0.5B, 256 x U: 46 against 53). A float8 tile is converted before its dots, and 128 keys
 # on a warp per 64 of head_dim do best at any large batch (0.5B, 64 x 8K: 50 µs against 81
-# on four warps).
+# on four warps). A float8 cache of 128-wide heads from LARGE_BATCH to XL_BATCH pairs takes 64
+# keys on one warp over four splits (7B, 64 x 8K on the H200: 144 µs a layer against 157 for
+# 128 keys on two warps over two splits; 64 on one over two 161, over eight 155).
 SMALL_TILE, SMALL_WARPS = 128, 4
 LARGE_BATCH, LARGE_TILE = 128, 64
 XL_BATCH, XL_TILE, XL_WARPS = 512, 128, 4
 FP8_LARGE_TILE = 128
+FP8_WIDE_TILE, FP8_WIDE_SPLITS = 64, 4
 # Triton keeps one buffer of keys and one of values up to 4 stages: a tile's copy goes out
 # after the dots of the one before, so the other programs on the SM hide its latency. Two
 # buffers (5 stages) made 7B's 64 x 8K defaults slower, bfloat16 and float8 (BENCHMARKS.md).
@@ -59,11 +62,17 @@ MAX_SPLITS = 16
 TARGET_PROGRAMS = 256
 
 
+def _fp8_wide(pairs: int, head_dim: int, fp8: bool) -> bool:
+    return fp8 and head_dim > 64 and LARGE_BATCH <= pairs < XL_BATCH
+
+
 def tile_config(batch: int, num_kv_heads: int, head_dim: int, fp8: bool, page: int):
     """(keys a tile, warps a program); a tile never spans two blocks of the cache."""
     pairs = batch * num_kv_heads
     if pairs < LARGE_BATCH:
         tile, warps = SMALL_TILE, SMALL_WARPS
+    elif _fp8_wide(pairs, head_dim, fp8):
+        tile, warps = FP8_WIDE_TILE, 1
     elif fp8:
         tile, warps = FP8_LARGE_TILE, head_dim // 64
     elif pairs < XL_BATCH:
@@ -73,10 +82,13 @@ def tile_config(batch: int, num_kv_heads: int, head_dim: int, fp8: bool, page: i
     return min(tile, page), warps
 
 
-def num_splits_for(batch: int, num_kv_heads: int) -> int:
+def num_splits_for(batch: int, num_kv_heads: int, head_dim: int = 0, fp8: bool = False) -> int:
     """Splits per (sequence, KV head): below LARGE_BATCH pairs enough programs to fill the
-    GPU (at most 16); then 4, 2 from 256 pairs and 1 from 512."""
+    GPU (at most 16); then 4, 2 from 256 pairs and 1 from 512 (a float8 cache of 128-wide
+    heads: 4 up to 512)."""
     pairs = batch * num_kv_heads
+    if _fp8_wide(pairs, head_dim, fp8):
+        return FP8_WIDE_SPLITS
     if pairs >= 512:
         return 1
     if pairs >= 256:
@@ -319,8 +331,9 @@ def decode_attention(
     _, page, kv_heads, head_dim = k_cache.shape
     num_heads = qkv.shape[1] // head_dim - 2 * kv_heads
     group = num_heads // kv_heads
-    splits = num_splits or num_splits_for(seqs, kv_heads)
-    tile, warps = tile_config(seqs, kv_heads, head_dim, k_cache.dtype.itemsize == 1, page)
+    fp8 = k_cache.dtype.itemsize == 1
+    splits = num_splits or num_splits_for(seqs, kv_heads, head_dim, fp8)
+    tile, warps = tile_config(seqs, kv_heads, head_dim, fp8, page)
     pdl = use_pdl(qkv)
     # The first tile's copy before the wait pays at small batch (0.5B batch 1 on the H200,
     # two A/B pairs in one call: 0.593 -> 0.566 and 0.570 -> 0.544 ms a step); a large
