@@ -78,6 +78,27 @@ def test_decode_writes_float8_and_attends_over_it(splits, magnitude, large, monk
         assert k8.float().abs().max() == 448
 
 
+def test_decode_over_float8_with_wide_heads_takes_short_tiles_on_one_warp(monkeypatch):
+    """7B's heads (128 wide) from LARGE_BATCH pairs up: 64 keys a tile on one warp, four
+    splits, the split count and tile the launcher picks itself."""
+    import nanoqwen.kernels.triton.decode_attention as decode
+
+    monkeypatch.setattr(decode, "LARGE_BATCH", 1)
+    heads, kv_heads, head_dim, page = 28, 4, 128, 64
+    lengths = [1, 17, 65, 300]
+    assert decode.tile_config(len(lengths), kv_heads, head_dim, True, page) == (64, 1)
+    assert decode.num_splits_for(len(lengths), kv_heads, head_dim, fp8=True) == 4
+    qkv, k16, v16, meta = _decode_step(lengths, heads, kv_heads, head_dim, page, torch.float16)
+    k8, v8 = fp8(k16), fp8(v16)
+    rotary = RotaryEmbedding(head_dim, 1024, 1e6, "cpu")
+    ref, k_ref, v_ref = reference(qkv, k8, v8, meta, rotary)
+    out = decode_attention(
+        qkv, meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables,
+        rotary.cos_half, rotary.sin_half, k8, v8, 0.125,
+    )  # fmt: skip
+    check(out, ref, k8, v8, k_ref, v_ref)
+
+
 def test_prefill_writes_float8_and_attends_over_it():
     runs = [(0, 5), (30, 9), (100, 3)]  # (cached tokens, new tokens)
     qkv, k16, v16, meta = paged_prefill_step(runs, HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.float16)
