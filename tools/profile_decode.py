@@ -1,6 +1,7 @@
 """Where one decode step's time goes: GPU time of the captured graph vs the CPU around it.
 
 Usage: python tools/profile_decode.py --shape 0.5B [--max-model-len N] [--batch-sizes 1,64]
+    [--quantization int4]
 Prints, per batch size: the whole engine step (median), the graph replay alone (CUDA
 events), the CPU phases of a step, and with --kernels the heaviest kernels of one replay
 and each kernel's share of the replay's critical path (the part a step pays for it when
@@ -20,6 +21,7 @@ import torch
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.bench.workloads import PRESETS
 from nanoqwen.kernels.triton import pdl
+from nanoqwen.quant.scheme import QUANTIZATIONS
 
 
 def median_ms(fn, n: int = 100) -> float:
@@ -79,9 +81,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--kernels", action="store_true", help="print the top kernels of a replay")
     p.add_argument("--sampling", default="greedy", choices=PRESETS, help="bench.py's presets")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     args = p.parse_args()
     llm = LLM(random_shape=args.shape, device="cuda", dtype="bfloat16",
-              max_model_len=args.max_model_len, progress=False)  # fmt: skip
+              max_model_len=args.max_model_len, quantization=args.quantization,
+              progress=False)  # fmt: skip
     graphs = llm.runner.graphs
     print(f"shape {args.shape}, max_model_len {llm.max_model_len}, table width {graphs.width}")
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
