@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[3]
 # kernel's float8 tiles at head dim 128 (7B) on two warps, from 512 (sequence, KV head)
 # pairs, and one 64-bit value of the streamed GEMV's qkv launched normally. A change may
 # lower these, never raise them; spill-free settings exist (four warps, or shorter tiles)
-# and are for tools/kernel_bench.py to weigh. (Compiled without that alignment, the prefill kernel at
-# BLOCK_M 128 seemed to spill too, 80-208 bytes: masked loads that do not vectorize.)
+# and are for tools/kernel_bench.py to weigh. (Compiled without that alignment, the prefill
+# kernel at BLOCK_M 128 seemed to spill too, 80-208 bytes: masked loads that do not
+# vectorize.)
 KNOWN_SPILLS = {
     "decode attention 7B fp8 tile 128 warps 2 splits 1": 152,
     "stream gemv 7B qkv": 8,  # launched without PDL only (NANOQWEN_PDL=0)
