@@ -6,7 +6,7 @@ Prints, per batch size: the whole engine step (median), the graph replay alone (
 events), the CPU phases of a step, and with --kernels the heaviest kernels of one replay
 and each kernel's share of the replay's critical path (the part a step pays for it when
 kernels overlap, as programmatic dependents do at batch 1), with a run of one replay's
-kernels in order.
+kernels in order, and what the device runs between replays in engine steps.
 """
 
 from __future__ import annotations
@@ -73,6 +73,33 @@ def critical_path(prof, replays: int, rows: int = 16) -> str:
     return "\n".join(lines)
 
 
+def outside_graph(prof, graph_kernels: set[str], steps: int) -> str:
+    """What the device runs between replays over `steps` engine steps: every device op that
+    is not one of the graph's kernels (copies, kernels launched one by one), a step's share,
+    and how long the device sat idle (under the profiler, which slows the host)."""
+    events = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.profiler.function_events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not events:
+        return "no device events recorded"
+    ops: dict[str, list[float]] = {}
+    idle, latest = 0.0, events[0][1]
+    for start, end, name in events:
+        idle += max(0.0, start - latest)
+        latest = max(latest, end)
+        if name not in graph_kernels:
+            ops.setdefault(name[:70], []).append(end - start)
+    busy = sum(sum(d) for d in ops.values()) / steps
+    lines = [
+        f"a step outside its graph: device ops {busy:.1f} us, device idle {idle / steps:.1f} us"
+    ]
+    for name, d in sorted(ops.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{sum(d) / steps:9.1f} us {len(d) / steps:5.1f}x  {name}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="0.5B")
@@ -121,6 +148,16 @@ def main() -> None:
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
             print(critical_path(prof, 5))
+            graph_kernels = {
+                e.name
+                for e in prof.profiler.function_events
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            }
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    llm.step()
+                torch.cuda.synchronize()
+            print(outside_graph(prof, graph_kernels, 20))
             if bs == 1 and pdl.ENABLED:
                 print("(batch 1: kernels launched as programmatic dependents count from their "
                       "early start; NANOQWEN_PDL=0 gives each kernel's own time)")  # fmt: skip
