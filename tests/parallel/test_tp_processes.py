@@ -100,8 +100,12 @@ def test_ctrl_c_interrupts_between_steps_and_the_engine_goes_on(tiny_model, tmp_
     script = tmp_path / "main.py"
     script.write_text(
         textwrap.dedent(f"""
+        import signal
         from nanoqwen import LLM, SamplingParams
         if __name__ == "__main__":
+            # Ctrl-C's handling as a terminal's foreground job has it: a suite run as a
+            # background job starts with SIGINT ignored, which this process would inherit.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             llm = LLM({str(tiny_model[0])!r}, tensor_parallel_size=2, progress=False)
             print("pids", *llm.runner.workers.pids, flush=True)
             long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
