@@ -45,15 +45,20 @@ def replay_ms(graph, n: int = 200) -> float:
     return start.elapsed_time(end) / n
 
 
-def critical_path(prof, replays: int, rows: int = 16) -> str:
-    """Each kernel's share of the replays' end-to-end time: how far its end lies past the
-    latest end before it. Kernels that overlap the one in front (programmatic dependents)
-    count only their exposed tail, which is what a step pays for them."""
-    kernels = sorted(
+def device_events(prof) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every device op the profiler recorded, in start order."""
+    return sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.profiler.function_events
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
+
+
+def critical_path(prof, replays: int, rows: int = 16) -> str:
+    """Each kernel's share of the replays' end-to-end time: how far its end lies past the
+    latest end before it. Kernels that overlap the one in front (programmatic dependents)
+    count only their exposed tail, which is what a step pays for them."""
+    kernels = device_events(prof)
     exposed: dict[str, list[float]] = {}
     latest = kernels[0][0] if kernels else 0.0
     sequence = []
@@ -77,11 +82,7 @@ def outside_graph(prof, graph_kernels: set[str], steps: int) -> str:
     """What the device runs between replays over `steps` engine steps: every device op that
     is not one of the graph's kernels (copies, kernels launched one by one), a step's share,
     and how long the device sat idle (under the profiler, which slows the host)."""
-    events = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.profiler.function_events
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    events = device_events(prof)
     if not events:
         return "no device events recorded"
     ops: dict[str, list[float]] = {}
@@ -148,11 +149,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
             print(critical_path(prof, 5))
-            graph_kernels = {
-                e.name
-                for e in prof.profiler.function_events
-                if e.device_type == torch.autograd.DeviceType.CUDA
-            }
+            graph_kernels = {name for _, _, name in device_events(prof)}
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(20):
                     llm.step()
