@@ -17,6 +17,16 @@ from nanoqwen.runtime.sequence import Sequence
 PLACEHOLDER = -1
 
 
+def rows_in_place(ids: list[int], sources: list[int]) -> int:
+    """m > 0 where ids[:m] are all placeholders, each held by its own row of the last step's
+    tokens (sources[i] == i), and no placeholder follows: a batch decoding on as it was, whose
+    ids are the last tokens' first m rows as they lie. Else 0."""
+    m = 0
+    while m < len(ids) and ids[m] == PLACEHOLDER and sources[m] == m:
+        m += 1
+    return m if m and PLACEHOLDER not in ids[m:] else 0
+
+
 @dataclass
 class LaunchedStep:
     seqs: list[Sequence]  # the sequences that receive a token from this step

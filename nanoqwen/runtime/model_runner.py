@@ -19,7 +19,7 @@ from nanoqwen.model.qwen2 import Qwen2ForCausalLM
 from nanoqwen.quant.linear import decode_arithmetic
 from nanoqwen.runtime.kv.block_manager import BlockManager
 from nanoqwen.runtime.kv.cache import KVCache
-from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep
+from nanoqwen.runtime.launched_step import PLACEHOLDER, LaunchedStep, rows_in_place
 from nanoqwen.runtime.sampling.filter_stage import FilterStage
 from nanoqwen.runtime.sampling.logit_bias import biased_logits
 from nanoqwen.runtime.sampling.sampler import Sampler
@@ -84,8 +84,18 @@ class ModelRunner:
         rows = [self._last_rows.get(s.seq_id, 0) for s in seqs]
         return ids, rows, PLACEHOLDER in ids
 
-    def fill_placeholders(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return torch.where(ids == PLACEHOLDER, self._last_tokens[rows], ids)
+    def fill_placeholders(
+        self, ids: torch.Tensor, rows: torch.Tensor, host: tuple[list[int], list[int]] | None
+    ) -> None:
+        """Each PLACEHOLDER in ids (on the device) becomes, in place, the token in its row
+        (rows) of the last launched step's output. host: ids and rows as the host wrote them,
+        when it has them: a batch decoding on in the same order then takes one device copy,
+        where the general case takes a compare, a gather, a select and a copy."""
+        m = rows_in_place(*host) if host is not None else 0
+        if m:
+            ids[:m].copy_(self._last_tokens[:m])
+        else:
+            ids.copy_(torch.where(ids == PLACEHOLDER, self._last_tokens[rows], ids))
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
@@ -114,7 +124,7 @@ class ModelRunner:
         other tensor-parallel ranks, which have no sampled tokens, get them filled)."""
         if inputs.sources is not None:
             f = buffer.fields
-            f.ids.copy_(self.fill_placeholders(f.ids, f.sources))
+            self.fill_placeholders(f.ids, f.sources, (inputs.ids, inputs.sources))
 
     def prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         inputs = self.inputs.prefill(batch)
@@ -166,7 +176,7 @@ class ModelRunner:
         key = self.graphs.prepare(seqs, ids, sources, slots, filtering)
         if pending:
             f = self.graphs.fields
-            f.ids[:n].copy_(self.fill_placeholders(f.ids[:n], f.sources[:n]))
+            self.fill_placeholders(f.ids[:n], f.sources[:n], (ids, sources))
         self._announce_graph(key)
         logits, tokens = self.graphs.replay(key)
         return logits[:n], None if tokens is None else tokens[:n]
@@ -182,7 +192,7 @@ class ModelRunner:
         key = graphs.prepare(batch, bucket, sources if pending else None, slots, filtering)
         if pending:  # running sequences' newest tokens, in flight from the step before
             f, rows = graphs.fields, key[0]
-            f.ids[:rows].copy_(self.fill_placeholders(f.ids[:rows], f.sources[:rows]))
+            self.fill_placeholders(f.ids[:rows], f.sources[:rows], None)
         self._announce_prefill_graph(key)
         logits, tokens = graphs.replay(key)
         n = len(seqs)

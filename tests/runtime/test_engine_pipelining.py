@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.runtime.launched_step import PLACEHOLDER
+from nanoqwen.runtime.launched_step import PLACEHOLDER, rows_in_place
+from nanoqwen.runtime.model_runner import ModelRunner
 
 
 def _llm(tiny_model) -> LLM:
@@ -83,3 +90,50 @@ def test_a_speculative_step_that_proposes_nothing_runs_ahead(tiny_model):
         llm.step()
     plain = _llm(tiny_model).generate([list(range(40, 52))], params)[0].token_ids
     assert seq.output_token_ids == plain
+
+
+def test_rows_in_place_finds_a_batch_decoding_on_in_order():
+    P = PLACEHOLDER
+    assert rows_in_place([P, P, P], [0, 1, 2]) == 3
+    assert rows_in_place([P, P, 0, 0], [0, 1, 0, 0]) == 2  # padding rows after them
+    assert rows_in_place([P, P], [1, 0]) == 0  # the batch's order changed
+    assert rows_in_place([5, P], [0, 1]) == 0  # a token read back before a placeholder
+    assert rows_in_place([P, 5, P], [0, 0, 2]) == 0  # a placeholder after a read-back token
+    assert rows_in_place([5, 6], [0, 0]) == 0
+    assert rows_in_place([], []) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 99)), max_size=8),
+    st.lists(st.integers(0, 99), min_size=8, max_size=8),
+)
+def test_filling_placeholders_in_one_copy_equals_the_general_fill(rows, last):
+    """Whatever the ids and rows, the one-copy path (host lists given) leaves the same ids
+    as the compare-gather-select path."""
+    ids = [PLACEHOLDER if held else token for held, _, token in rows]
+    sources = [source if held else 0 for held, source, _ in rows]
+    runner = SimpleNamespace(_last_tokens=torch.tensor(last))
+    fast, general = torch.tensor(ids, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64)
+    dev_sources = torch.tensor(sources, dtype=torch.int64)
+    ModelRunner.fill_placeholders(runner, fast, dev_sources, (ids, sources))
+    ModelRunner.fill_placeholders(runner, general, dev_sources, None)
+    assert fast.tolist() == general.tolist()
+    assert PLACEHOLDER not in fast.tolist()
+
+
+def test_steady_decode_fills_its_ids_in_one_copy(tiny_model, monkeypatch):
+    import nanoqwen.runtime.model_runner as model_runner
+
+    found = []
+    monkeypatch.setattr(
+        model_runner,
+        "rows_in_place",
+        lambda ids, sources: found.append(rows_in_place(ids, sources)) or found[-1],
+    )
+    llm = _llm(tiny_model)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([[5, 6, 7], [9] * 20], params)
+    assert [len(o.token_ids) for o in out] == [6, 6]
+    # Every decode step after the prefill: both sequences in flight, each in its own row.
+    assert found == [2] * 5
