@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from nanoqwen.kernels import sampling_layout as layout
 from nanoqwen.kernels.triton.counters import last_to_arrive, zeroed_counters
@@ -27,6 +28,7 @@ from nanoqwen.kernels.triton.draw import (
     z_is_logits,
 )
 from nanoqwen.kernels.triton.nucleus_draw import draw_open_rows
+from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.sampling_thresholds import thresholds
 
 TILE = 2048  # vocabulary entries per program
@@ -66,7 +68,7 @@ def _prepare_kernel(
     pending_ptr, target_ptr,
     WRITE_Z: tl.constexpr, PLAIN_Z: tl.constexpr, SAMPLE: tl.constexpr,
     DRAW_EVERY_ROW: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
-    CANDIDATES: tl.constexpr,
+    CANDIDATES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Penalties, min_tokens bans and temperature in one pass (the processed logits z), with
     per-tile partials: max, sum of exp(z - max), first argmax; for the rows SAMPLE names
@@ -74,6 +76,8 @@ def _prepare_kernel(
     tile program to finish reduces the row (_reduce_row: FIRST, and with DRAW_ALL the draw and
     its record; with DRAW_NUCLEUS a top-p row's draw is left open instead). Without PLAIN_Z,
     z is not written for rows whose z is their logits (draw.z_is_logits)."""
+    if PDL:  # launched behind the lm_head: everything here reads or follows its logits
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -276,6 +280,7 @@ def _prepare(
     their logits (draw.z_is_logits)."""
     rows, vocab = logits.shape
     pending, target = (parts.greedy, parts.s) if open_rows is None else open_rows
+    pdl = use_pdl(logits)
     _prepare_kernel[(rows, parts.tiles)](
         logits, logits.stride(0), logits if z is None else z, slots, state.fparams,
         state.iparams, state.out_pos, state.prompt_mask, state.counts, state.maybe_seen,
@@ -285,7 +290,8 @@ def _prepare(
         zeroed_counters(logits.device, rows, "sampler prepare rows"), pending, target,
         WRITE_Z=z is not None, PLAIN_Z=plain_z, SAMPLE=sample,
         DRAW_EVERY_ROW=sample in (DRAW_ALL, DRAW_NUCLEUS), BLOCK=parts.tile,
-        TILES=triton.next_power_of_2(parts.tiles), CANDIDATES=candidates, num_warps=4,
+        TILES=triton.next_power_of_2(parts.tiles), CANDIDATES=candidates, PDL=pdl,
+        launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
 
 
