@@ -136,9 +136,10 @@ def sampler_cases():
         (" nucleus", True, 0, sample.DRAW_NUCLEUS),
     ):
         every = draw in (sample.DRAW_ALL, sample.DRAW_NUCLEUS)
+        # (as batch 1 launches it, a programmatic dependent)
         flags = dict(WRITE_Z=write_z, PLAIN_Z=draw != sample.DRAW_NUCLEUS, SAMPLE=draw,
                      DRAW_EVERY_ROW=every, BLOCK=sample.TILE, TILES=pow2,
-                     CANDIDATES=cands)  # fmt: skip
+                     CANDIDATES=cands, PDL=True)  # fmt: skip
         yield "sampler prepare" + label, sample._prepare_kernel, prepare, flags, 4, 3
     draw = dict(z_ptr=F32, tau_ptr=F32, greedy_ptr=I32, tokens_ptr=I64, counts_ptr=I32,
                 maybe_seen_ptr=I32, pending_ptr=I32, row_count_ptr=I32, **state,
