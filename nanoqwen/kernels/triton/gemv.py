@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
+from nanoqwen.kernels.triton.quant_gemv import sm_count
 from nanoqwen.kernels.triton.silu_mul import _silu_mul
 from nanoqwen.kernels.triton.stream_gemv import stream_gemv
 
@@ -59,18 +60,33 @@ def _warps(n: int, k: int) -> int:
     return 2 if n >= 8192 and k <= 1024 else 4
 
 
+def register_cap(programs: int, warps: int, sms: int) -> int | None:
+    """ptxas' maxnreg that lets every program be resident at once, where registers would
+    otherwise split the grid into waves: a second wave of a launch this short costs its
+    whole latency again. 0.5B's gate_up with the norm in front: 1,216 programs of two warps,
+    ten an SM at most 96 registers (the compiler's choice: 124). None where no cap is needed
+    or none would do (a grid beyond what an SM's threads hold)."""
+    per_sm = triton.cdiv(programs, sms)
+    threads = per_sm * warps * 32
+    if threads > 2048:
+        return None
+    cap = 65536 // threads // 8 * 8  # registers are allocated in eights a thread
+    return cap if cap < 255 else None
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, N, K, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BK0: tl.constexpr, REST: tl.constexpr,
-    PDL: tl.constexpr,
+    NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With NORM, x is first RMSNorm(x + residual) * norm weight
-    as rms_norm.py rounds it (every program normalizes the row for itself; the first also
-    stores x + residual to sum_ptr, the residual stream's next value). The first BK0
-    columns of weights load in one block, under PDL before the wait for x's kernel."""
+    as rms_norm.py rounds it (every program normalizes the row for itself, NORM_CHUNKS =
+    cdiv(K, BK); the first also stores x + residual to sum_ptr, the residual stream's next
+    value). The first BK0 columns of weights load in one block, under PDL before the wait
+    for x's kernel."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if PDL:
         gdc_launch_dependents()
@@ -88,8 +104,10 @@ def _gemv_kernel(
         gdc_wait()
     rstd = 0.0
     if NORM:
-        rstd = row_rstd(x_ptr, res_ptr, sum_ptr, K, eps, tl.program_id(0) == 0, HAS_RES, BK)
-    x0 = gemv_input(x_ptr, res_ptr, nw_ptr, cols0, cols0 < K, rstd, NORM, HAS_RES, dtype)
+        rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
+    first = tl.program_id(0) == 0
+    x0 = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols0, cols0 < K, rstd, first, NORM,
+                    HAS_RES, dtype)  # fmt: skip
     y = tl.sum(w_first.to(tl.float32) * x0, 1)
     y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
     if REST:
@@ -102,7 +120,8 @@ def _gemv_kernel(
             cols = k0 + tl.arange(0, BK)
             c_mask = cols < K
             mask = r_mask[:, None] & c_mask[None, :]
-            x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM, HAS_RES, dtype)
+            x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, c_mask, rstd, first, NORM,
+                           HAS_RES, dtype)  # fmt: skip
             acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
             if SILU_MUL:
                 up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
@@ -136,12 +155,15 @@ def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None):
     x = x.contiguous()
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
     total = torch.empty_like(x) if res is not None else x
-    _gemv_kernel[(triton.cdiv(n, rows),)](
+    programs, warps = triton.cdiv(n, rows), _warps(*weight.shape)
+    cap = register_cap(programs, warps, sm_count(x.device)) if x.is_cuda else None
+    _gemv_kernel[(programs,)](
         x, weight, weight if bias is None else bias, y,
         x if res is None else res.contiguous(), nw, total, n, weight.shape[1], eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
         HAS_RES=res is not None, BN=rows, BK=cols, BK0=first, REST=first < weight.shape[1],
-        PDL=pdl, launch_pdl=pdl, num_warps=_warps(*weight.shape), num_stages=3,
+        NORM_CHUNKS=triton.cdiv(weight.shape[1], cols), PDL=pdl, launch_pdl=pdl,
+        num_warps=warps, num_stages=3, **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
     return y if norm is None else (y, total)
 

@@ -1,7 +1,12 @@
 """The input row of a batch-1 product (gemv.py, stream_gemv.py): x, or with the add+RMSNorm
 in front folded in, RMSNorm(x + residual) * norm weight, rounded as rms_norm.py rounds it.
 Every program normalizes the row for itself (its 1-4K values are a few µs of L2 reads at
-most), so no kernel of its own runs in front."""
+most), so no kernel of its own runs in front.
+
+The sum of squares only loads, over a loop unrolled at compile time: with the store of x +
+residual inside that loop (sm_90 SASS), no chunk's loads could issue before the previous
+chunk's store, and each program of 7B's qkv, gate_up and lm_head waited on 14 L2 round trips
+in a row. The store goes with the product's own pass over the row instead (gemv_input)."""
 
 from __future__ import annotations
 
@@ -21,28 +26,31 @@ def input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def row_rstd(x_ptr, res_ptr, sum_ptr, K, eps, first, HAS_RES: tl.constexpr, BK: tl.constexpr):
-    """1 / RMS of x + residual over its K values; the `first` program also stores x +
-    residual to sum_ptr (the residual stream's next value)."""
+def row_rstd(x_ptr, res_ptr, K, eps, HAS_RES: tl.constexpr, BK: tl.constexpr,
+             CHUNKS: tl.constexpr):  # fmt: skip
+    """1 / RMS of x + residual over its K values, CHUNKS = cdiv(K, BK) chunks: every load can
+    be in flight at once."""
     squares = tl.zeros([BK], tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        c_mask = cols < K
-        v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
-        if HAS_RES:
-            tl.store(sum_ptr + cols, v, mask=c_mask & first)
-        squares += v.to(tl.float32) * v.to(tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols = c * BK + tl.arange(0, BK)
+        v = input_chunk(x_ptr, res_ptr, cols, cols < K, HAS_RES).to(tl.float32)
+        squares += v * v
     return tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
 
 
 @triton.jit
-def gemv_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, rstd, NORM: tl.constexpr,
+def gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, c_mask, rstd, store, NORM: tl.constexpr,
                HAS_RES: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """The product's input at cols, [1, len(cols)] in float32: x, or with NORM the
-    normalized x + residual times the norm weight."""
+    normalized x + residual times the norm weight. Where `store` holds, x + residual at cols
+    is stored to sum_ptr (the residual stream's next value): the launch picks programs whose
+    columns cover the row once."""
     if NORM:
         v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
-        normed = (v.to(tl.float32) * rstd).to(dtype)
+        # loaded before the store, which the compiler keeps every later load behind
         nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
+        if HAS_RES:
+            tl.store(sum_ptr + cols, v, mask=c_mask & store)
+        normed = (v.to(tl.float32) * rstd).to(dtype)
         return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]
     return tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]

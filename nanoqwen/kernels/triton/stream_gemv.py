@@ -71,12 +71,13 @@ def _tile(w_desc, r0, N, k0, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _take(acc, acc_up, w, u, x_ptr, res_ptr, nw_ptr, k0, K, rstd, NORM: tl.constexpr,
-          HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BK: tl.constexpr,
+def _take(acc, acc_up, w, u, x_ptr, res_ptr, nw_ptr, sum_ptr, k0, K, rstd, first,
+          NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BK: tl.constexpr,
           dtype: tl.constexpr):  # fmt: skip
     """acc (and acc_up) plus a tile copied ahead (w, u) times the input at columns k0."""
     cols = k0 + tl.arange(0, BK)
-    x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, rstd, NORM, HAS_RES, dtype)
+    x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, cols < K, rstd, first, NORM, HAS_RES,
+                   dtype)  # fmt: skip
     acc += w.to(tl.float32) * x
     if SILU_MUL:
         acc_up += u.to(tl.float32) * x
@@ -89,14 +90,15 @@ def _stream_gemv_kernel(
     N, K, chunk, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
-    AHEAD: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    AHEAD: tl.constexpr, NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). Program (pid, s) takes columns [s * chunk, (s + 1) *
     chunk), chunk a multiple of BK; with SPLITS > 1, part_ptr holds [SPLITS, rows] float32
     sums (rows: N, or 2N with SILU_MUL) and counts_ptr one zeroed int32 per block of rows.
     Columns past K arrive as zeros (TMA's bounds), and so do rows past the weight's; gate
-    rows past N read up rows, never stored."""
+    rows past N read up rows, never stored. With NORM, the first block's programs store x +
+    residual over their columns, the whole row between them."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty  # the input's rounding (y may be float32)
     if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
         if EARLY:
@@ -118,26 +120,27 @@ def _stream_gemv_kernel(
         gdc_wait()
     rstd = 0.0
     if NORM:
-        first = (block == 0) & (tl.program_id(1) == 0)
-        rstd = row_rstd(x_ptr, res_ptr, sum_ptr, K, eps, first, HAS_RES, BK)
+        rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
+    first = block == 0
     acc = tl.zeros([BN, BK], tl.float32)
     acc_up = tl.zeros([BN, BK], tl.float32)
     start = k_begin
     if AHEAD >= 1:
-        acc, acc_up = _take(acc, acc_up, w0, u0, x_ptr, res_ptr, nw_ptr, start, K, rstd, NORM,
-                            HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+        acc, acc_up = _take(acc, acc_up, w0, u0, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
+                            first, NORM, HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     if AHEAD >= 2:
-        acc, acc_up = _take(acc, acc_up, w1, u1, x_ptr, res_ptr, nw_ptr, start, K, rstd, NORM,
-                            HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+        acc, acc_up = _take(acc, acc_up, w1, u1, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
+                            first, NORM, HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     if AHEAD >= 3:
-        acc, acc_up = _take(acc, acc_up, w2, u2, x_ptr, res_ptr, nw_ptr, start, K, rstd, NORM,
-                            HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+        acc, acc_up = _take(acc, acc_up, w2, u2, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
+                            first, NORM, HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     for k0 in tl.range(start, k_end, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
-        x = gemv_input(x_ptr, res_ptr, nw_ptr, cols, cols < K, rstd, NORM, HAS_RES, dtype)
+        x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, cols < K, rstd, first, NORM,
+                       HAS_RES, dtype)  # fmt: skip
         acc += w_desc.load([r0, k0]).to(tl.float32) * x
         if SILU_MUL:
             acc_up += w_desc.load([N + r0, k0]).to(tl.float32) * x
@@ -197,7 +200,8 @@ def stream_gemv(
         x, desc, x if bias is None else bias, y, x if res is None else res.contiguous(), nw,
         total, part, counts, n, k, chunk, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=res is not None, BN=cfg.rows, BK=cfg.cols,
-        SPLITS=splits, STAGES=cfg.num_stages, AHEAD=tiles_ahead(cfg, pdl, chunk), PDL=pdl,
+        SPLITS=splits, STAGES=cfg.num_stages, AHEAD=tiles_ahead(cfg, pdl, chunk),
+        NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
         EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),
         launch_pdl=pdl,
         num_warps=cfg.num_warps,

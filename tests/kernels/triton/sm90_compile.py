@@ -32,12 +32,15 @@ def resources(cubin: bytes) -> dict[str, int]:
     }
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int) -> dict:
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int,
+                 maxnreg: int | None = None) -> dict:  # fmt: skip
     """compile_kernel's resource use (cuobjdump's REG, STACK, ...)."""
-    return resources(compile_kernel(kernel, types, constexprs, warps, stages).asm["cubin"])
+    cubin = compile_kernel(kernel, types, constexprs, warps, stages, maxnreg).asm["cubin"]
+    return resources(cubin)
 
 
-def compile_kernel(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int):
+def compile_kernel(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int,
+                   maxnreg: int | None = None):  # fmt: skip
     """kernel compiled for sm_90. types: each argument's Triton type; "i32:16" marks an
     integer that is a multiple of 16 at run time. Those and every pointer carry the
     divisibility that Triton's launcher specializes on (every tensor the engine passes is
@@ -53,6 +56,8 @@ def compile_kernel(kernel, types: dict[str, str], constexprs: dict, warps: int, 
     }
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -73,10 +78,13 @@ def gemv_cases():
         ):
             first = gemv._first_block(k, rows * (2 if silu else 1), cols, pdl)
             flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=fused, HAS_RES=res, BN=rows, BK=cols,
-                         BK0=first, REST=first < k, PDL=pdl)  # fmt: skip
+                         BK0=first, REST=first < k, NORM_CHUNKS=triton.cdiv(k, cols),
+                         PDL=pdl)  # fmt: skip
             label = f"gemv {name}" + (" +norm" if fused else "") + (" +residual" if res else "")
             label += " +pdl" if pdl else ""
-            yield label, gemv._gemv_kernel, types, flags, gemv._warps(n, k), 3
+            warps = gemv._warps(n, k)
+            cap = gemv.register_cap(triton.cdiv(n // 2 if silu else n, rows), warps, 132)
+            yield label, gemv._gemv_kernel, types, flags, warps, 3, cap
 
 
 def stream_gemv_cases():
@@ -104,7 +112,7 @@ def stream_gemv_cases():
             flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BN=cfg.rows,
                          BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages,
                          AHEAD=sg.tiles_ahead(cfg, pdl, chunk),
-                         PDL=pdl, EARLY=not silu and "lm_head" not in name)  # fmt: skip
+                         NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl, EARLY=not silu and "lm_head" not in name)  # fmt: skip
             label = "stream gemv " + ("" if name.startswith("0.5B") else "7B ") + name
             label += " +pdl" if pdl else ""
             yield label, sg._stream_gemv_kernel, types, flags, cfg.num_warps, cfg.num_stages
@@ -301,9 +309,10 @@ CASES = (gemv_cases, stream_gemv_cases, sampler_cases, attention_cases, quant_ca
 
 def main() -> None:
     for cases in CASES:
-        for label, kernel, types, constexprs, warps, stages in cases():
+        for label, kernel, types, constexprs, warps, stages, *maxnreg in cases():
             try:
-                result = {"case": label, **compile_sm90(kernel, types, constexprs, warps, stages)}
+                res = compile_sm90(kernel, types, constexprs, warps, stages, *maxnreg)
+                result = {"case": label, **res}
             except Exception as e:  # reported, not raised: the test names the failing case
                 result = {"case": label, "error": f"{type(e).__name__}: {e}"[:2000]}
             print(json.dumps(result), flush=True)

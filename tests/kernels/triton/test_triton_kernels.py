@@ -78,6 +78,15 @@ def test_norm_gemv_equals_add_rms_norm_then_the_projection(n, k, residual, first
     assert torch.equal(new_residual, total)
 
 
+def test_register_cap_keeps_a_short_launch_in_one_wave():
+    """0.5B's gate_up at one row (1,216 programs of two warps on 132 SMs): ten programs an SM
+    fit at 96 registers a thread; launches that fit anyway, or never could, take no cap."""
+    assert gemv_module.register_cap(1216, 2, 132) == 96
+    assert gemv_module.register_cap(448, 4, 132) == 128  # 0.5B's down_proj: 4 an SM
+    assert gemv_module.register_cap(132, 4, 132) is None  # one an SM: any count fits
+    assert gemv_module.register_cap(4864, 4, 132) is None  # 37 an SM: beyond 2,048 threads
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["gemv", "all-streamed"])
 def test_fused_model_generates_what_the_reference_layers_generate(
     tiny_model, streamed, monkeypatch
