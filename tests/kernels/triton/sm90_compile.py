@@ -112,7 +112,8 @@ def stream_gemv_cases():
             flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BN=cfg.rows,
                          BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages,
                          AHEAD=sg.tiles_ahead(cfg, pdl, chunk),
-                         NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl, EARLY=not silu and "lm_head" not in name)  # fmt: skip
+                         NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
+                         EARLY=not silu and "lm_head" not in name)  # fmt: skip
             label = "stream gemv " + ("" if name.startswith("0.5B") else "7B ") + name
             label += " +pdl" if pdl else ""
             yield label, sg._stream_gemv_kernel, types, flags, cfg.num_warps, cfg.num_stages
