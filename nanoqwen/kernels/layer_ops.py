@@ -27,6 +27,9 @@ class LayerOps:
     # (x, residual or None, norm weight, eps, weight[, bias]) -> (output, x + residual)
     norm_gemv: Callable | None = None
     norm_gemv_silu_mul: Callable | None = None
+    # norm_gemv of the first layer, its input read from the embedding table by the GEMV:
+    # (table, ids of one token, norm weight, eps, weight, bias) -> (output, the table's row)
+    embed_norm_gemv: Callable | None = None
     # one row's final add+RMSNorm and the lm_head after it, float32 logits:
     # (x, residual or None, norm weight, eps, lm_head weight, out or None) -> logits [1, vocab]
     norm_logits: Callable | None = None
@@ -38,6 +41,7 @@ TORCH_OPS = LayerOps("torch")
 def triton_ops() -> LayerOps:
     """bf16/fp16 on CUDA: the Triton add+norm, SiLU·up and single-row GEMVs."""
     from nanoqwen.kernels.triton.gemv import (
+        embed_norm_gemv,
         gemv,
         gemv_pays,
         gemv_silu_mul,
@@ -59,7 +63,7 @@ def triton_ops() -> LayerOps:
 
     return LayerOps(
         "triton", add_rms_norm, silu_mul, gemv, gemv_silu_mul, gemv_pays,
-        norm_gemv, norm_gemv_silu_mul, norm_logits,
+        norm_gemv, norm_gemv_silu_mul, embed_norm_gemv, norm_logits,
     )  # fmt: skip
 
 

@@ -51,6 +51,7 @@ class DecoderLayer(nn.Module):
     # None (no such kernels, or norms that sum over tensor-parallel ranks first).
     norm_gemv = None
     norm_gemv_silu_mul = None
+    embed_norm_gemv = None
 
     def __init__(self, cfg: ModelConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
@@ -60,14 +61,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the previous layer's output, not yet added to the residual stream."""
+        """x is the previous layer's output, not yet added to the residual stream; with ids
+        (the first layer), x is the embedding table and the input its rows at ids."""
         attn, mlp = self.self_attn, self.mlp
         dense = getattr(attn.qkv_proj, "gemv", False)
-        fused = self._norm_into(x, residual, self.input_layernorm, attn.qkv_proj, dense, False)
+        norm = self.input_layernorm
+        fused = self._norm_into(x, residual, norm, attn.qkv_proj, dense, False, ids)
         if fused is None:
-            h, residual = self.input_layernorm(x, residual)
+            if ids is not None:
+                x = x[ids]
+            h, residual = norm(x, residual)
             h = attn(h, meta)
         else:
             qkv, residual = fused
@@ -80,12 +89,17 @@ class DecoderLayer(nn.Module):
         act, residual = fused
         return mlp.down_proj(act), residual
 
-    def _norm_into(self, x, residual, norm, proj, dense: bool, silu_mul: bool):
+    def _norm_into(self, x, residual, norm, proj, dense: bool, silu_mul: bool, ids=None):
         """(proj(norm(x + residual)), with silu_mul SiLU·up of it, and x + residual) in one
         launch at one row, on set_ops' dense GEMVs (dense: proj takes them); None where they
-        do not run."""
-        if x.shape[0] != 1 or self.norm_gemv is None or not dense:
+        do not run. ids: x is the embedding table, the input its row at ids."""
+        rows = x.shape[0] if ids is None else ids.shape[0]
+        if rows != 1 or self.norm_gemv is None or not dense:
             return None
+        if ids is not None:
+            if self.embed_norm_gemv is None:
+                return None
+            return self.embed_norm_gemv(x, ids, norm.weight, norm.eps, proj.weight, proj.bias)
         if silu_mul:
             return self.norm_gemv_silu_mul(x, residual, norm.weight, norm.eps, proj.weight)
         return self.norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
@@ -143,6 +157,7 @@ class Qwen2ForCausalLM(nn.Module):
             if isinstance(module, DecoderLayer) and type(module.input_layernorm) is RMSNorm:
                 module.norm_gemv = ops.norm_gemv
                 module.norm_gemv_silu_mul = ops.norm_gemv_silu_mul
+                module.embed_norm_gemv = ops.embed_norm_gemv
         fuses = type(self.norm) is RMSNorm and ops.gemv_pays(self.lm_head)
         self.norm_logits = ops.norm_logits if fuses else None
 
@@ -160,13 +175,18 @@ class Qwen2ForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (last layer output, residual stream) of every token, before the final add
         and norm, so that logits can be computed for only the rows that need them."""
-        if self.tp is None:
-            x = self.embed_tokens[input_ids]
-        else:
+        ids = None
+        if self.tp is not None:
             x = embed_vocab_parallel(self.embed_tokens, input_ids, self.tp)
+        elif isinstance(self.embed_tokens, torch.Tensor):
+            # the first layer gathers its input: at one row its GEMV reads the table itself
+            x, ids = self.embed_tokens, input_ids
+        else:  # a QuantizedEmbedding
+            x = self.embed_tokens[input_ids]
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, meta)
+            x, residual = layer(x, residual, meta, ids)
+            ids = None
         return x, residual
 
     def compute_logits(

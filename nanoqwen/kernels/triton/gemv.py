@@ -76,17 +76,19 @@ def register_cap(programs: int, warps: int, sms: int) -> int | None:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, N, K, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, ids_ptr, N, K, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BK0: tl.constexpr, REST: tl.constexpr,
-    NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+    EMBED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BK0: tl.constexpr,
+    REST: tl.constexpr, NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). With NORM, x is first RMSNorm(x + residual) * norm weight
     as rms_norm.py rounds it (every program normalizes the row for itself, NORM_CHUNKS =
     cdiv(K, BK); the first also stores x + residual to sum_ptr, the residual stream's next
-    value). The first BK0 columns of weights load in one block, under PDL before the wait
-    for x's kernel."""
+    value). With EMBED, x_ptr is the embedding table and x its row at the token id ids_ptr
+    holds (the first layer: no gather in front), stored to sum_ptr as the residual stream.
+    The first BK0 columns of weights load in one block, under PDL before the wait for x's
+    kernel."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if PDL:
         gdc_launch_dependents()
@@ -102,12 +104,14 @@ def _gemv_kernel(
         up_first = tl.load(up_rows + cols0[None, :], mask=mask0, other=0.0)
     if PDL:
         gdc_wait()
+    if EMBED:
+        x_ptr += tl.load(ids_ptr).to(tl.int64) * K
     rstd = 0.0
     if NORM:
         rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
     first = tl.program_id(0) == 0
     x0 = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols0, cols0 < K, rstd, first, NORM,
-                    HAS_RES, dtype)  # fmt: skip
+                    HAS_RES, HAS_RES or EMBED, dtype)  # fmt: skip
     y = tl.sum(w_first.to(tl.float32) * x0, 1)
     y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
     if REST:
@@ -121,7 +125,7 @@ def _gemv_kernel(
             c_mask = cols < K
             mask = r_mask[:, None] & c_mask[None, :]
             x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, c_mask, rstd, first, NORM,
-                           HAS_RES, dtype)  # fmt: skip
+                           HAS_RES, HAS_RES or EMBED, dtype)  # fmt: skip
             acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
             if SILU_MUL:
                 up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
@@ -144,24 +148,27 @@ def _first_block(k: int, rows: int, cols: int, pdl: bool) -> int:
     return max(cols, min(triton.next_power_of_2(k), PREFETCH_ELEMENTS // rows))
 
 
-def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None):
+def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None, ids=None):
     """norm: (residual or None, norm weight, eps), for the RMSNorm prologue; returns
-    (y, x + residual) then, else y."""
+    (y, x + residual) then, else y. ids: x is an embedding table, the input its row at
+    ids[0]."""
     if weight.numel() * weight.element_size() > GEMV_MAX_BYTES:
-        return stream_gemv(x, weight, bias, silu_mul, norm)
+        return stream_gemv(x, weight, bias, silu_mul, norm, ids=ids)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x)
     first = _first_block(weight.shape[1], rows * (2 if silu_mul else 1), cols, pdl)
     x = x.contiguous()
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
-    total = torch.empty_like(x) if res is not None else x
+    stores = res is not None or ids is not None
+    total = x.new_empty(1, weight.shape[1]) if stores else x
     programs, warps = triton.cdiv(n, rows), _warps(*weight.shape)
     cap = register_cap(programs, warps, sm_count(x.device)) if x.is_cuda else None
     _gemv_kernel[(programs,)](
         x, weight, weight if bias is None else bias, y,
-        x if res is None else res.contiguous(), nw, total, n, weight.shape[1], eps,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=res is not None, BN=rows, BK=cols, BK0=first, REST=first < weight.shape[1],
+        x if res is None else res.contiguous(), nw, total, x if ids is None else ids, n,
+        weight.shape[1], eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        NORM=norm is not None, HAS_RES=res is not None, EMBED=ids is not None, BN=rows,
+        BK=cols, BK0=first, REST=first < weight.shape[1],
         NORM_CHUNKS=triton.cdiv(weight.shape[1], cols), PDL=pdl, launch_pdl=pdl,
         num_warps=warps, num_stages=3, **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
@@ -190,6 +197,14 @@ def norm_gemv(x, residual, norm_weight, eps: float, weight, bias=None):
     y, total = _launch(x, weight, bias, n, *_blocks(n, k), silu_mul=False,
                        norm=(residual, norm_weight, eps))  # fmt: skip
     return y, total
+
+
+def embed_norm_gemv(table, ids, norm_weight, eps: float, weight, bias=None):
+    """norm_gemv of the first layer's input, the embedding table's row at ids (one token),
+    read by the GEMV itself: (y, that row)."""
+    n, k = weight.shape
+    return _launch(table, weight, bias, n, *_blocks(n, k), silu_mul=False,
+                   norm=(None, norm_weight, eps), ids=ids)  # fmt: skip
 
 
 def norm_gemv_silu_mul(x, residual, norm_weight, eps: float, gate_up):

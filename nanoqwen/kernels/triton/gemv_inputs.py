@@ -40,16 +40,16 @@ def row_rstd(x_ptr, res_ptr, K, eps, HAS_RES: tl.constexpr, BK: tl.constexpr,
 
 @triton.jit
 def gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, c_mask, rstd, store, NORM: tl.constexpr,
-               HAS_RES: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+               HAS_RES: tl.constexpr, SUM: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """The product's input at cols, [1, len(cols)] in float32: x, or with NORM the
-    normalized x + residual times the norm weight. Where `store` holds, x + residual at cols
-    is stored to sum_ptr (the residual stream's next value): the launch picks programs whose
-    columns cover the row once."""
+    normalized x + residual times the norm weight. With SUM, where `store` holds, x +
+    residual at cols is stored to sum_ptr (the residual stream's next value): the launch
+    picks programs whose columns cover the row once."""
     if NORM:
         v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
         # loaded before the store, which the compiler keeps every later load behind
         nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
-        if HAS_RES:
+        if SUM:
             tl.store(sum_ptr + cols, v, mask=c_mask & store)
         normed = (v.to(tl.float32) * rstd).to(dtype)
         return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]

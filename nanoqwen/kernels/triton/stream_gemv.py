@@ -72,12 +72,12 @@ def _tile(w_desc, r0, N, k0, SILU_MUL: tl.constexpr):
 
 @triton.jit
 def _take(acc, acc_up, w, u, x_ptr, res_ptr, nw_ptr, sum_ptr, k0, K, rstd, first,
-          NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BK: tl.constexpr,
-          dtype: tl.constexpr):  # fmt: skip
+          NORM: tl.constexpr, HAS_RES: tl.constexpr, SUM: tl.constexpr, SILU_MUL: tl.constexpr,
+          BK: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """acc (and acc_up) plus a tile copied ahead (w, u) times the input at columns k0."""
     cols = k0 + tl.arange(0, BK)
     x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, cols < K, rstd, first, NORM, HAS_RES,
-                   dtype)  # fmt: skip
+                   SUM, dtype)  # fmt: skip
     acc += w.to(tl.float32) * x
     if SILU_MUL:
         acc_up += u.to(tl.float32) * x
@@ -86,11 +86,12 @@ def _take(acc, acc_up, w, u, x_ptr, res_ptr, nw_ptr, sum_ptr, k0, K, rstd, first
 
 @triton.jit
 def _stream_gemv_kernel(
-    x_ptr, w_desc, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, part_ptr, counts_ptr,
+    x_ptr, w_desc, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, ids_ptr, part_ptr, counts_ptr,
     N, K, chunk, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
-    AHEAD: tl.constexpr, NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    EMBED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+    STAGES: tl.constexpr, AHEAD: tl.constexpr, NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). Program (pid, s) takes columns [s * chunk, (s + 1) *
@@ -98,7 +99,8 @@ def _stream_gemv_kernel(
     sums (rows: N, or 2N with SILU_MUL) and counts_ptr one zeroed int32 per block of rows.
     Columns past K arrive as zeros (TMA's bounds), and so do rows past the weight's; gate
     rows past N read up rows, never stored. With NORM, the first block's programs store x +
-    residual over their columns, the whole row between them."""
+    residual over their columns, the whole row between them. With EMBED, x_ptr is the
+    embedding table and x its row at the token id ids_ptr holds, stored like x + residual."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty  # the input's rounding (y may be float32)
     if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
         if EARLY:
@@ -118,29 +120,32 @@ def _stream_gemv_kernel(
         w2, u2 = _tile(w_desc, r0, N, k_begin + 2 * BK, SILU_MUL)
     if PDL:
         gdc_wait()
+    if EMBED:
+        x_ptr += tl.load(ids_ptr).to(tl.int64) * K
     rstd = 0.0
     if NORM:
         rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
     first = block == 0
+    SUM: tl.constexpr = HAS_RES or EMBED
     acc = tl.zeros([BN, BK], tl.float32)
     acc_up = tl.zeros([BN, BK], tl.float32)
     start = k_begin
     if AHEAD >= 1:
         acc, acc_up = _take(acc, acc_up, w0, u0, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
-                            first, NORM, HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+                            first, NORM, HAS_RES, SUM, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     if AHEAD >= 2:
         acc, acc_up = _take(acc, acc_up, w1, u1, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
-                            first, NORM, HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+                            first, NORM, HAS_RES, SUM, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     if AHEAD >= 3:
         acc, acc_up = _take(acc, acc_up, w2, u2, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
-                            first, NORM, HAS_RES, SILU_MUL, BK, dtype)  # fmt: skip
+                            first, NORM, HAS_RES, SUM, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     for k0 in tl.range(start, k_end, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
         x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, cols < K, rstd, first, NORM,
-                       HAS_RES, dtype)  # fmt: skip
+                       HAS_RES, SUM, dtype)  # fmt: skip
         acc += w_desc.load([r0, k0]).to(tl.float32) * x
         if SILU_MUL:
             acc_up += w_desc.load([N + r0, k0]).to(tl.float32) * x
@@ -175,12 +180,14 @@ def stream_gemv(
     config: StreamGemvConfig | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
 ):
     """x [1, K] times weight [N, K] (+ bias): [1, N] in out_dtype (x's by default; float32
     logits straight from the float32 sums), written into out when given (contiguous, of that
     shape and dtype); with silu_mul, weight = [W_gate; W_up] and the result silu(gate) * up,
     [1, N // 2]. norm: (residual or None, norm weight, eps) for the add+RMSNorm in front, and
-    then (y, x + residual) is returned."""
+    then (y, x + residual) is returned. ids (with norm): x is an embedding table and the
+    input its row at ids[0]."""
     rows_w, k = weight.shape
     n = rows_w // 2 if silu_mul else rows_w
     cfg = config or stream_gemv_config(n, k)
@@ -194,12 +201,14 @@ def stream_gemv(
         counts = zeroed_counters(x.device, blocks, "stream gemv splits")
     x = x.contiguous()
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
-    total = torch.empty_like(x) if res is not None else x
+    stores = res is not None or ids is not None
+    total = x.new_empty(1, k) if stores else x
     desc = TensorDescriptor.from_tensor(weight, [cfg.rows, cfg.cols])
     _stream_gemv_kernel[(blocks, splits)](
         x, desc, x if bias is None else bias, y, x if res is None else res.contiguous(), nw,
-        total, part, counts, n, k, chunk, eps, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        NORM=norm is not None, HAS_RES=res is not None, BN=cfg.rows, BK=cfg.cols,
+        total, x if ids is None else ids, part, counts, n, k, chunk, eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
+        HAS_RES=res is not None, EMBED=ids is not None, BN=cfg.rows, BK=cfg.cols,
         SPLITS=splits, STAGES=cfg.num_stages, AHEAD=tiles_ahead(cfg, pdl, chunk),
         NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
         EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),

@@ -66,21 +66,23 @@ def gemv_cases():
     from nanoqwen.kernels.triton import gemv
 
     types = dict(x_ptr=BF16, w_ptr=BF16, b_ptr=BF16, y_ptr=BF16, res_ptr=BF16, nw_ptr=BF16,
-                 sum_ptr=BF16, N="i32:16", K="i32:16", eps="fp32")  # fmt: skip
+                 sum_ptr=BF16, ids_ptr=I64, N="i32:16", K="i32:16", eps="fp32")  # fmt: skip
     for name, n, k, bias, silu, norm in (
         ("qkv", 1152, 896, True, False, True), ("o", 896, 896, False, False, False),
         ("gate_up", 9728, 896, False, True, True), ("down", 896, 4864, False, False, False),
     ):  # fmt: skip
         rows, cols = gemv._blocks(n, k)
         rows = max(1, rows // 2) if silu else rows
-        for (fused, res), pdl in itertools.product(
-            {(False, False), (norm, False), (norm, norm)}, (False, True)
-        ):
+        # the first layer's qkv reads its row from the embedding table (EMBED)
+        inputs = {(False, False, False), (norm, False, False), (norm, norm, False)}
+        inputs |= {(True, False, True)} if name == "qkv" else set()
+        for (fused, res, embed), pdl in itertools.product(inputs, (False, True)):
             first = gemv._first_block(k, rows * (2 if silu else 1), cols, pdl)
-            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=fused, HAS_RES=res, BN=rows, BK=cols,
-                         BK0=first, REST=first < k, NORM_CHUNKS=triton.cdiv(k, cols),
-                         PDL=pdl)  # fmt: skip
+            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=fused, HAS_RES=res, EMBED=embed,
+                         BN=rows, BK=cols, BK0=first, REST=first < k,
+                         NORM_CHUNKS=triton.cdiv(k, cols), PDL=pdl)  # fmt: skip
             label = f"gemv {name}" + (" +norm" if fused else "") + (" +residual" if res else "")
+            label += " +embed" if embed else ""
             label += " +pdl" if pdl else ""
             warps = gemv._warps(n, k)
             cap = gemv.register_cap(triton.cdiv(n // 2 if silu else n, rows), warps, 132)
@@ -102,20 +104,22 @@ def stream_gemv_cases():
         cfg = sg.stream_gemv_config(n, k)
         y = F32 if name.endswith("lm_head") else BF16  # float32 logits
         types = dict(x_ptr=BF16, w_desc=f"tensordesc<bf16[{cfg.rows}, {cfg.cols}]>",
-                     b_ptr=BF16, y_ptr=y, res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16,
+                     b_ptr=BF16, y_ptr=y, res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16, ids_ptr=I64,
                      part_ptr=F32, counts_ptr=I32, N="i32:16", K="i32:16", chunk="i32:16",
                      eps="fp32")  # fmt: skip
         chunk = sg.split_columns(k, cfg.cols, cfg.splits)[0]
-        for pdl in (False, True):
+        embeds = (False, True) if name == "qkv" else (False,)  # the first layer's qkv
+        for pdl, embed in itertools.product((False, True), embeds):
             # gate_up's 1,184 programs and the lm_head's 9,500 run in waves: they let the
             # kernel behind launch late
-            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BN=cfg.rows,
+            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm and not embed,
+                         EMBED=embed, BN=cfg.rows,
                          BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages,
                          AHEAD=sg.tiles_ahead(cfg, pdl, chunk),
                          NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
                          EARLY=not silu and "lm_head" not in name)  # fmt: skip
             label = "stream gemv " + ("" if name.startswith("0.5B") else "7B ") + name
-            label += " +pdl" if pdl else ""
+            label += (" +embed" if embed else "") + (" +pdl" if pdl else "")
             yield label, sg._stream_gemv_kernel, types, flags, cfg.num_warps, cfg.num_stages
 
 

@@ -88,6 +88,24 @@ def test_stream_norm_gemv_equals_add_rms_norm_then_the_projection(residual, conf
     assert torch.equal(new_residual, total)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_stream_norm_gemv_reads_the_first_layers_row_from_the_embedding_table(config, ahead):
+    """The first layer at one row: the GEMV takes the embedding table and the token id, and
+    returns the projection of that row normalized, and the row itself (the residual stream)."""
+    vocab, n, k = 11, 37, 708
+    gen = torch.Generator().manual_seed(k)
+    table = torch.randn(vocab, k, generator=gen)
+    nw = torch.rand(k, generator=gen) + 0.5
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    ids = torch.tensor([7])
+    row = table[7:8]
+    normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    y, residual = stream_gemv(table, w, b, norm=(None, nw, 1e-6), config=CONFIGS[config],
+                              ids=ids)  # fmt: skip
+    torch.testing.assert_close(y, F.linear(normed, w, b), rtol=1e-4, atol=1e-3)
+    assert torch.equal(residual, row)
+
+
 def test_float32_output_of_a_half_precision_row_with_the_norm_in_front():
     """float32 logits from a float16 row (the lm_head's case): the normalized row rounds to
     float16 as the separate norm's output would, the sums are not rounded."""

@@ -78,6 +78,21 @@ def test_norm_gemv_equals_add_rms_norm_then_the_projection(n, k, residual, first
     assert torch.equal(new_residual, total)
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_embed_norm_gemv_reads_the_first_layers_row_from_the_embedding_table(n, k, first_block):
+    """The first layer at one row: no gather in front; the GEMV reads the token's row of the
+    table, and returns its projection normalized and the row itself (the residual stream)."""
+    gen = torch.Generator().manual_seed(5 * n + k)
+    table = torch.randn(13, k, generator=gen)
+    nw = torch.rand(k, generator=gen) + 0.5
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    row = table[12:13]
+    normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    y, residual = triton_ops().embed_norm_gemv(table, torch.tensor([12]), nw, 1e-6, w, b)
+    torch.testing.assert_close(y, F.linear(normed, w, b), rtol=1e-4, atol=1e-3)
+    assert torch.equal(residual, row)
+
+
 def test_register_cap_keeps_a_short_launch_in_one_wave():
     """0.5B's gate_up at one row (1,216 programs of two warps on 132 SMs): ten programs an SM
     fit at 96 registers a thread; launches that fit anyway, or never could, take no cap."""
@@ -101,9 +116,9 @@ def test_fused_model_generates_what_the_reference_layers_generate(
     if streamed:
         inner_stream = gemv_module.stream_gemv
 
-        def stream(x, weight, bias=None, silu_mul=False, norm=None):
-            streamed_calls.add((bias is not None, silu_mul, norm is not None))
-            return inner_stream(x, weight, bias, silu_mul, norm)
+        def stream(x, weight, bias=None, silu_mul=False, norm=None, ids=None):
+            streamed_calls.add((bias is not None, silu_mul, norm is not None, ids is not None))
+            return inner_stream(x, weight, bias, silu_mul, norm, ids=ids)
 
         monkeypatch.setattr(gemv_module, "GEMV_MAX_BYTES", 0)
         monkeypatch.setattr(gemv_module, "stream_gemv", stream)
@@ -111,7 +126,7 @@ def test_fused_model_generates_what_the_reference_layers_generate(
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     prompt = [5, 17, 99, 3]
     tokens, logits, decode_logprobs = {}, {}, {}
-    calls, logits_calls = [], []
+    calls, embed_calls, logits_calls = [], [], []
     for fused in (False, True):
         llm = LLM(str(path), dtype="float32", progress=False)
         model = llm.runner.model
@@ -119,6 +134,8 @@ def test_fused_model_generates_what_the_reference_layers_generate(
         for layer in model.layers if fused else []:
             inner = layer.norm_gemv
             layer.norm_gemv = lambda *a, inner=inner: calls.append(1) or inner(*a)
+            inner = layer.embed_norm_gemv
+            layer.embed_norm_gemv = lambda *a, inner=inner: embed_calls.append(1) or inner(*a)
         if fused:
             inner = model.norm_logits
             model.norm_logits = lambda *a, inner=inner: logits_calls.append(1) or inner(*a)
@@ -127,9 +144,13 @@ def test_fused_model_generates_what_the_reference_layers_generate(
         decode_logprobs[fused] = [e.logprob for e in out.logprobs]
         logits[fused] = llm.runner.prompt_logits(prompt + tokens[fused], last=1)
     assert calls, "decode did not take the add+RMSNorm inside the GEMV"
+    assert embed_calls, "decode gathered the first layer's row in front of its GEMV"
     assert logits_calls, "decode did not take the final norm inside the lm_head's GEMV"
     assert tokens[True] == tokens[False]
     assert decode_logprobs[True] == pytest.approx(decode_logprobs[False], abs=1e-5)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
-    if streamed:  # (bias, SiLU·up, norm): qkv, gate_up, o_proj and down_proj
-        assert streamed_calls == {(True, False, True), (False, True, True), (False, False, False)}
+    if streamed:  # (bias, SiLU·up, norm, embedding row): qkv, gate_up, o_proj and down_proj
+        assert streamed_calls == {
+            (True, False, True, False), (True, False, True, True), (False, True, True, False),
+            (False, False, False, False),
+        }  # fmt: skip
