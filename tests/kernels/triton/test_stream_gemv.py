@@ -134,13 +134,20 @@ def test_large_weights_take_the_streamed_kernel(monkeypatch):
     from nanoqwen.kernels.triton import gemv
 
     calls = []
-    monkeypatch.setattr(gemv, "stream_gemv", lambda *a: calls.append(a[3:]) or a[0])
+
+    def stream(*args, ids=None):
+        calls.append((*args[3:], ids))
+        return args[0]
+
+    monkeypatch.setattr(gemv, "stream_gemv", stream)
     monkeypatch.setattr(gemv, "GEMV_MAX_BYTES", 64 * 4 * 4 - 1)
     x = torch.randn(1, 64)
     gemv.gemv(x, torch.randn(4, 64))  # 1 KiB: streamed
     gemv.gemv(x, torch.randn(3, 64))  # under: the plain GEMV
     gemv.gemv_silu_mul(x, torch.randn(8, 64))
-    assert calls == [(False, None), (True, None)]
+    table, ids, nw = torch.randn(10, 64), torch.tensor([3]), torch.ones(64)
+    gemv.embed_norm_gemv(table, ids, nw, 1e-6, torch.randn(4, 64))
+    assert calls == [(False, None, None), (True, None, None), (False, (None, nw, 1e-6), ids)]
 
 
 def test_stream_gemv_config_fills_the_gpu_with_whole_tiles():
