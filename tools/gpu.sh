@@ -58,7 +58,10 @@
 #       the batch-1 goals' figures, per tree (as batch1 takes them, then the checkout), in one
 #       call: 0.5B batch 1 and 64 greedy / the CLI's sampling / top-p alone, 7B batch 1 bf16
 #       and int4 (group 128); AB_PARTS picks some of "small 7b int4 mid" (default the first
-#       three; mid: 0.5B batch 8 and 32 greedy, which must not get slower).
+#       three; mid: 0.5B batch 8 and 32 greedy, which must not get slower). AB_ROUNDS rounds
+#       (default 1), the trees taking turns in each; with DEADLINE (seconds from the start), a
+#       run that would likely not finish by then is skipped and said so, so that a call cut
+#       short still returns whole rounds. The end prints each tree's step p50 lines.
 #   fp8-kernel [DIR ...]
 #       the decode kernel alone at 64 x 8K as launched, bf16 and float8 cache, 0.5B and 7B
 #       (tools/kernel_bench.py --fp8-default), for each DIR's nanoqwen/ (as batch1 takes
@@ -95,13 +98,13 @@ LATENCY_7B=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1 
             --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
 
 # in_tree DIR LOG CMD...: CMD run in DIR with DIR's nanoqwen/ first on the path (an A/B
-# tree, or . for the checkout), progress lines dropped, shown and kept in
+# tree, or . for the checkout), progress lines dropped, shown and added to
 # $OUT/LOG_<DIR's name>.log (LOG_checkout.log for the checkout).
 in_tree() {
   local dir=$1 log=$2 name; shift 2
   name=$(basename "$dir"); [[ $dir == . ]] && name=checkout
   (cd "$dir" && PYTHONPATH=/tmp/site:$PWD "$@" 2>&1 | grep -v $'\r' \
-    | tee "$OUT/${log}_${name}.log")
+    | tee -a "$OUT/${log}_${name}.log")
 }
 
 # in_trees LOG DIR... -- CMD...: in_tree for each DIR, then for the checkout.
@@ -175,18 +178,38 @@ batch1() {
   python3 tools/pdl_chain_bench.py 2>&1 | tee "$OUT/pdl_chain.log"
 }
 
+# within SECONDS CMD...: CMD, unless DEADLINE (seconds from the script's start) leaves less
+# than SECONDS for it.
+within() {
+  local need=$1 left; shift
+  left=$(( ${DEADLINE:-1000000} - SECONDS ))
+  if (( left < need )); then
+    echo "skipped, ${left} s left of DEADLINE (needs ~${need} s): $*"
+    return
+  fi
+  "$@"
+}
+
 ab() {
   gpu_env optional
   local small=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
                --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
   local mid=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 8,32
              --sampling greedy --max-num-seqs 32)
-  local dir parts=" ${AB_PARTS:-small 7b int4} "
-  for dir in "$@" .; do
-    [[ $parts == *" small "* ]] && in_tree "$dir" ab_small "${small[@]}"
-    [[ $parts == *" 7b "* ]] && in_tree "$dir" ab_7b "${LATENCY_7B[@]}"
-    [[ $parts == *" int4 "* ]] && in_tree "$dir" ab_int4 "${LATENCY_7B[@]}" --quantization int4
-    [[ $parts == *" mid "* ]] && in_tree "$dir" ab_mid "${mid[@]}"
+  local dir round log parts=" ${AB_PARTS:-small 7b int4} "
+  # The first round compiles each tree's kernels: about a minute a run, later rounds ~15 s.
+  for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
+    local need=$(( round == 1 ? 60 : 20 ))
+    for dir in "$@" .; do
+      [[ $parts == *" small "* ]] && within $need in_tree "$dir" ab_small "${small[@]}"
+      [[ $parts == *" 7b "* ]] && within $need in_tree "$dir" ab_7b "${LATENCY_7B[@]}"
+      [[ $parts == *" int4 "* ]] && within $need in_tree "$dir" ab_int4 \
+        "${LATENCY_7B[@]}" --quantization int4
+      [[ $parts == *" mid "* ]] && within $need in_tree "$dir" ab_mid "${mid[@]}"
+    done
+  done
+  for log in "$OUT"/ab_*.log; do  # the result rows (batch | sampling | ...), per part and tree
+    [[ -e $log ]] && grep -H -E "^[0-9]+ \\|" "$log"
   done
 }
 sampling() {
