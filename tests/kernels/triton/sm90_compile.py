@@ -15,6 +15,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools import disasm
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 
@@ -34,9 +35,33 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int,
                  maxnreg: int | None = None) -> dict:  # fmt: skip
-    """compile_kernel's resource use (cuobjdump's REG, STACK, ...)."""
+    """compile_kernel's resource use (cuobjdump's REG, STACK, ...), and for a kernel with
+    the add+RMSNorm in front launched as a programmatic dependent, LOADS_AFTER_WAIT."""
     cubin = compile_kernel(kernel, types, constexprs, warps, stages, maxnreg).asm["cubin"]
-    return resources(cubin)
+    found = resources(cubin)
+    if constexprs.get("NORM") and constexprs.get("PDL"):
+        found["LOADS_AFTER_WAIT"] = loads_after_wait(disasm.get_sass(cubin))
+    return found
+
+
+def loads_after_wait(sass: str) -> int:
+    """Global loads a thread issues after the wait for the kernel in front (ACQBULK) before
+    any instruction waits on one of them: the loads in flight at once when the input
+    arrives. From each instruction's control code (wait mask : read barrier : write
+    barrier : yield : stall)."""
+    after, pending, loads = False, 0, 0
+    for line in sass.splitlines():
+        ctrl, _, asm = line.partition("\t")
+        if "ACQBULK" in asm:
+            after = True
+        elif after and ctrl.count(":") == 4:
+            wait, _, write, _, _ = ctrl.split(":")
+            if wait != "--" and int(wait, 16) & pending:
+                break
+            if "LDG" in asm:
+                loads += 1
+                pending |= 0 if write == "-" else 1 << int(write)
+    return loads
 
 
 def compile_kernel(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int,

@@ -68,6 +68,22 @@ def test_every_case_compiles_without_new_spills(compiled):
 
 
 @pytest.mark.parametrize(
+    ("case", "chunks"),
+    [
+        ("stream gemv 7B qkv +pdl", 14), ("stream gemv 7B gate_up +pdl", 14),
+        ("stream gemv 7B lm_head +pdl", 14), ("stream gemv 0.5B lm_head +pdl", 4),
+        ("gemv gate_up +norm +residual +pdl", 2),
+    ],
+)  # fmt: skip
+def test_the_norm_in_front_loads_its_row_at_once(compiled, case, chunks):
+    """A GEMV with the add+RMSNorm in front issues its row's loads (x and the residual, a
+    chunk of columns at a time) together once the kernel in front is done, at least one a
+    chunk before it waits on any. With x + residual stored inside that loop each chunk
+    waited for the one before: 2 loads in flight, 14 chunks one after another at 7B."""
+    assert compiled[case]["LOADS_AFTER_WAIT"] >= chunks
+
+
+@pytest.mark.parametrize(
     ("tool", "each_line"),
     [("quant_gemv_sass.py", " a weight ("), ("attention_sass.py", " warp instructions a KB")],
 )
