@@ -35,21 +35,23 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int,
                  maxnreg: int | None = None) -> dict:  # fmt: skip
-    """compile_kernel's resource use (cuobjdump's REG, STACK, ...), and for a kernel with
-    the add+RMSNorm in front launched as a programmatic dependent, LOADS_AFTER_WAIT."""
+    """compile_kernel's resource use (cuobjdump's REG, STACK, ...), and for a kernel launched
+    as a programmatic dependent its LOAD_WAITS."""
     cubin = compile_kernel(kernel, types, constexprs, warps, stages, maxnreg).asm["cubin"]
     found = resources(cubin)
-    if constexprs.get("NORM") and constexprs.get("PDL"):
-        found["LOADS_AFTER_WAIT"] = loads_after_wait(disasm.get_sass(cubin))
+    if constexprs.get("PDL"):
+        found["LOAD_WAITS"] = load_waits(disasm.get_sass(cubin))
     return found
 
 
-def loads_after_wait(sass: str) -> int:
-    """Global loads a thread issues after the wait for the kernel in front (ACQBULK) before
-    any instruction waits on one of them: the loads in flight at once when the input
-    arrives. From each instruction's control code (wait mask : read barrier : write
-    barrier : yield : stall)."""
-    after, pending, loads = False, 0, 0
+def load_waits(sass: str, most: int = 8) -> list[int]:
+    """The global loads a thread issues after the wait for the kernel in front (ACQBULK),
+    counted between instructions that wait on one of them: [28, 2, 24] is 28 loads in
+    flight together, then 2 issued only once one of those arrived, then 24. Each group
+    after the first is one more trip to memory on the way to the result. From each
+    instruction's control code (wait mask : read barrier : write barrier : yield : stall);
+    at most `most` groups."""
+    after, pending, groups = False, 0, [0]
     for line in sass.splitlines():
         ctrl, _, asm = line.partition("\t")
         if "ACQBULK" in asm:
@@ -57,11 +59,14 @@ def loads_after_wait(sass: str) -> int:
         elif after and ctrl.count(":") == 4:
             wait, _, write, _, _ = ctrl.split(":")
             if wait != "--" and int(wait, 16) & pending:
-                break
+                if len(groups) == most:
+                    break
+                groups.append(0)
+                pending = 0
             if "LDG" in asm:
-                loads += 1
+                groups[-1] += 1
                 pending |= 0 if write == "-" else 1 << int(write)
-    return loads
+    return groups if groups[-1] else groups[:-1]
 
 
 def compile_kernel(kernel, types: dict[str, str], constexprs: dict, warps: int, stages: int,

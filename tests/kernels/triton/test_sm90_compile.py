@@ -80,7 +80,7 @@ def test_the_norm_in_front_loads_its_row_at_once(compiled, case, chunks):
     chunk of columns at a time) together once the kernel in front is done, at least one a
     chunk before it waits on any. With x + residual stored inside that loop each chunk
     waited for the one before: 2 loads in flight, 14 chunks one after another at 7B."""
-    assert compiled[case]["LOADS_AFTER_WAIT"] >= chunks
+    assert compiled[case]["LOAD_WAITS"][0] >= chunks
 
 
 @pytest.mark.parametrize(
