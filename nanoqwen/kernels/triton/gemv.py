@@ -110,8 +110,9 @@ def _gemv_kernel(
     if NORM:
         rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
     first = tl.program_id(0) == 0
+    SUM: tl.constexpr = HAS_RES or EMBED
     x0 = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols0, cols0 < K, rstd, first, NORM,
-                    HAS_RES, HAS_RES or EMBED, dtype)  # fmt: skip
+                    HAS_RES, SUM, dtype)  # fmt: skip
     y = tl.sum(w_first.to(tl.float32) * x0, 1)
     y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
     if REST:
@@ -125,7 +126,7 @@ def _gemv_kernel(
             c_mask = cols < K
             mask = r_mask[:, None] & c_mask[None, :]
             x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, c_mask, rstd, first, NORM,
-                           HAS_RES, HAS_RES or EMBED, dtype)  # fmt: skip
+                           HAS_RES, SUM, dtype)  # fmt: skip
             acc += tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32) * x
             if SILU_MUL:
                 up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
