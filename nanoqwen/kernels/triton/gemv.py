@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
+from nanoqwen.kernels.triton.gemv_inputs import gemv_input, input_chunk, normed_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import sm_count
 from nanoqwen.kernels.triton.silu_mul import _silu_mul
@@ -102,6 +102,15 @@ def _gemv_kernel(
     up_first = w_first
     if SILU_MUL:
         up_first = tl.load(up_rows + cols0[None, :], mask=mask0, other=0.0)
+    # So are the norm weight and the bias: after the wait each was one more trip to memory
+    # on the way to the result. (Not gate_up's norm weight: its 1,024 columns a program
+    # would spill under the register cap that keeps its grid in one wave.)
+    nw0 = tl.zeros([BK0], nw_ptr.dtype.element_ty)
+    if NORM and not SILU_MUL:
+        nw0 = tl.load(nw_ptr + cols0, mask=cols0 < K, other=0.0)
+    bias = tl.zeros([BN], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
     if EMBED:
@@ -111,8 +120,14 @@ def _gemv_kernel(
         rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
     first = tl.program_id(0) == 0
     SUM: tl.constexpr = HAS_RES or EMBED
-    x0 = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols0, cols0 < K, rstd, first, NORM,
-                    HAS_RES, SUM, dtype)  # fmt: skip
+    if NORM:
+        v0 = input_chunk(x_ptr, res_ptr, cols0, cols0 < K, HAS_RES)
+        if SILU_MUL:
+            nw0 = tl.load(nw_ptr + cols0, mask=cols0 < K, other=0.0)
+        x0 = normed_input(v0, nw0, sum_ptr, cols0, cols0 < K, rstd, first, SUM,
+                          dtype)  # fmt: skip
+    else:
+        x0 = tl.load(x_ptr + cols0, mask=cols0 < K, other=0.0).to(tl.float32)[None, :]
     y = tl.sum(w_first.to(tl.float32) * x0, 1)
     y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
     if REST:
@@ -133,8 +148,7 @@ def _gemv_kernel(
                 acc_up += up.to(tl.float32) * x
         y += tl.sum(acc, 1)
         y_up += tl.sum(acc_up, 1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+    y += bias
     if SILU_MUL:
         # Both projections round to the model dtype first, as the unfused path's GEMM does.
         y = _silu_mul(y.to(dtype), y_up.to(dtype), dtype)

@@ -42,15 +42,22 @@ def row_rstd(x_ptr, res_ptr, K, eps, HAS_RES: tl.constexpr, BK: tl.constexpr,
 def gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, c_mask, rstd, store, NORM: tl.constexpr,
                HAS_RES: tl.constexpr, SUM: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """The product's input at cols, [1, len(cols)] in float32: x, or with NORM the
-    normalized x + residual times the norm weight. With SUM, where `store` holds, x +
-    residual at cols is stored to sum_ptr (the residual stream's next value): the launch
-    picks programs whose columns cover the row once."""
+    normalized x + residual times the norm weight (normed_input)."""
     if NORM:
         v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
         # loaded before the store, which the compiler keeps every later load behind
         nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
-        if SUM:
-            tl.store(sum_ptr + cols, v, mask=c_mask & store)
-        normed = (v.to(tl.float32) * rstd).to(dtype)
-        return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]
+        return normed_input(v, nw, sum_ptr, cols, c_mask, rstd, store, SUM, dtype)
     return tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def normed_input(v, nw, sum_ptr, cols, c_mask, rstd, store, SUM: tl.constexpr,
+                 dtype: tl.constexpr):  # fmt: skip
+    """[1, len(cols)] float32: x + residual (v, at cols) normalized and times the norm
+    weight nw. With SUM, where `store` holds, v is stored to sum_ptr (the residual stream's
+    next value): the launch picks programs whose columns cover the row once."""
+    if SUM:
+        tl.store(sum_ptr + cols, v, mask=c_mask & store)
+    normed = (v.to(tl.float32) * rstd).to(dtype)
+    return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype).to(tl.float32)[None, :]

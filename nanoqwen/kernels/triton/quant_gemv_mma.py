@@ -58,7 +58,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group, sm_count
-from nanoqwen.kernels.triton.split_sums import finish_split, split_columns, split_span
+from nanoqwen.kernels.triton.split_sums import finish_split, row_bias, split_columns, split_span
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
 # Under PDL a grid of at most this many programs an SM (7B's o_proj and down_proj, 224)
@@ -259,6 +259,7 @@ def _mma_gemv_kernel(
         first = _step_words(qw_ptr, safe.to(tl.int64), KW, p_begin, BP)
         if SILU_MUL:
             first_up = _step_words(qw_ptr, (safe + N).to(tl.int64), KW, p_begin, BP)
+    bias = row_bias(b_ptr, rows, r_mask, HAS_BIAS)
     if PDL:
         gdc_wait()  # x is the kernel in front's output
     y = _row_dot(
@@ -274,7 +275,7 @@ def _mma_gemv_kernel(
     if PDL:  # noqa: SIM102 (compile-time guards)
         if not EARLY:
             gdc_launch_dependents()
-    finish_split(part_ptr, counts_ptr, b_ptr, y_ptr, block, tl.program_id(1), rows, r_mask, y,
+    finish_split(part_ptr, counts_ptr, bias, y_ptr, block, tl.program_id(1), rows, r_mask, y,
                  up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
 
 

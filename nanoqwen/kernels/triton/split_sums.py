@@ -28,11 +28,12 @@ def split_span(total, chunk, SPLITS: tl.constexpr):
 
 @triton.jit
 def finish_split(
-    part_ptr, counts_ptr, b_ptr, y_ptr, block, split, rows, r_mask, y, up, N,
+    part_ptr, counts_ptr, bias, y_ptr, block, split, rows, r_mask, y, up, N,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     """A program's float32 sums of its block of rows (and of their up rows) to y_ptr: at
-    once with one split, else by the block's last split to arrive."""
+    once with one split, else by the block's last split to arrive. bias: the rows' bias in
+    float32 (row_bias), which a launch under PDL loads before its wait."""
     if SPLITS > 1:
         width = N
         if SILU_MUL:
@@ -40,9 +41,18 @@ def finish_split(
         if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
                     SILU_MUL):  # fmt: skip
             y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
-            finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+            finish_rows(bias, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
     else:
-        finish_rows(b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+        finish_rows(bias, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+
+
+@triton.jit
+def row_bias(b_ptr, rows, r_mask, HAS_BIAS: tl.constexpr):
+    """The rows' bias in float32 for finish_split (zeros without one)."""
+    bias = tl.zeros(rows.shape, tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+    return bias
 
 
 @triton.jit
@@ -75,12 +85,12 @@ def sum_splits(part_ptr, rows, r_mask, N, width, SPLITS: tl.constexpr, SILU_MUL:
 
 @triton.jit
 def finish_rows(
-    b_ptr, y_ptr, rows, r_mask, y, up, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr
+    bias, y_ptr, rows, r_mask, y, up, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr
 ):  # fmt: skip
     """The float32 sums of the rows to y_ptr's dtype, with the bias, or silu(y) * up."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+        y += bias
     if SILU_MUL:
         # Both projections round to the model dtype first, as the unfused path's matmul does.
         y = _silu_mul(y.to(dtype), up.to(dtype), dtype)

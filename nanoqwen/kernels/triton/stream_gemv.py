@@ -32,7 +32,7 @@ from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import sm_count
-from nanoqwen.kernels.triton.split_sums import finish_split, split_columns, split_span
+from nanoqwen.kernels.triton.split_sums import finish_split, row_bias, split_columns, split_span
 
 TARGET_PROGRAMS = 512  # about four an SM of an H100/H200
 SMEM_PER_SM = 227 << 10  # sm_90's shared memory a block may use
@@ -118,6 +118,7 @@ def _stream_gemv_kernel(
         w1, u1 = _tile(w_desc, r0, N, k_begin + BK, SILU_MUL)
     if AHEAD >= 3:
         w2, u2 = _tile(w_desc, r0, N, k_begin + 2 * BK, SILU_MUL)
+    bias = row_bias(b_ptr, rows, r_mask, HAS_BIAS)
     if PDL:
         gdc_wait()
     if EMBED:
@@ -154,7 +155,7 @@ def _stream_gemv_kernel(
             gdc_launch_dependents()
     y = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
-    finish_split(part_ptr, counts_ptr, b_ptr, y_ptr, block, tl.program_id(1), rows, r_mask, y,
+    finish_split(part_ptr, counts_ptr, bias, y_ptr, block, tl.program_id(1), rows, r_mask, y,
                  up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
 
 
