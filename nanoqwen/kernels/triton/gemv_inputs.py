@@ -39,16 +39,34 @@ def row_rstd(x_ptr, res_ptr, K, eps, HAS_RES: tl.constexpr, BK: tl.constexpr,
 
 
 @triton.jit
+def raw_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """gemv_input's loads at cols: (x, or x + residual rounded, and with NORM the norm
+    weight), so that a kernel can issue several chunks' loads before it uses any."""
+    v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES and NORM)
+    nw = v
+    if NORM:
+        nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
+    return v, nw
+
+
+@triton.jit
+def input_from(v, nw, sum_ptr, cols, c_mask, rstd, store, NORM: tl.constexpr,
+               SUM: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """gemv_input from raw_input's values."""
+    if NORM:
+        return normed_input(v, nw, sum_ptr, cols, c_mask, rstd, store, SUM, dtype)
+    return v.to(tl.float32)[None, :]
+
+
+@triton.jit
 def gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, c_mask, rstd, store, NORM: tl.constexpr,
                HAS_RES: tl.constexpr, SUM: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """The product's input at cols, [1, len(cols)] in float32: x, or with NORM the
     normalized x + residual times the norm weight (normed_input)."""
-    if NORM:
-        v = input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES)
-        # loaded before the store, which the compiler keeps every later load behind
-        nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0)
-        return normed_input(v, nw, sum_ptr, cols, c_mask, rstd, store, SUM, dtype)
-    return tl.load(x_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    # the norm weight is loaded before the store, which the compiler keeps every later load
+    # behind
+    v, nw = raw_input(x_ptr, res_ptr, nw_ptr, cols, c_mask, NORM, HAS_RES)
+    return input_from(v, nw, sum_ptr, cols, c_mask, rstd, store, NORM, SUM, dtype)
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.gemv_inputs import gemv_input, row_rstd
+from nanoqwen.kernels.triton.gemv_inputs import gemv_input, input_from, raw_input, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import sm_count
 from nanoqwen.kernels.triton.split_sums import finish_split, row_bias, split_columns, split_span
@@ -71,13 +71,14 @@ def _tile(w_desc, r0, N, k0, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _take(acc, acc_up, w, u, x_ptr, res_ptr, nw_ptr, sum_ptr, k0, K, rstd, first,
-          NORM: tl.constexpr, HAS_RES: tl.constexpr, SUM: tl.constexpr, SILU_MUL: tl.constexpr,
-          BK: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-    """acc (and acc_up) plus a tile copied ahead (w, u) times the input at columns k0."""
+def _take(acc, acc_up, w, u, raw, sum_ptr, k0, K, rstd, first, NORM: tl.constexpr,
+          SUM: tl.constexpr, SILU_MUL: tl.constexpr, BK: tl.constexpr,
+          dtype: tl.constexpr):  # fmt: skip
+    """acc (and acc_up) plus a tile copied ahead (w, u) times the input at columns k0,
+    from its loads (raw_input's) issued ahead."""
     cols = k0 + tl.arange(0, BK)
-    x = gemv_input(x_ptr, res_ptr, nw_ptr, sum_ptr, cols, cols < K, rstd, first, NORM, HAS_RES,
-                   SUM, dtype)  # fmt: skip
+    v, nw = raw
+    x = input_from(v, nw, sum_ptr, cols, cols < K, rstd, first, NORM, SUM, dtype)
     acc += w.to(tl.float32) * x
     if SILU_MUL:
         acc_up += u.to(tl.float32) * x
@@ -123,6 +124,16 @@ def _stream_gemv_kernel(
         gdc_wait()
     if EMBED:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
+    # The tiles copied ahead take their inputs' loads now, all at once.
+    if AHEAD >= 1:
+        c0 = k_begin + tl.arange(0, BK)
+        raw0 = raw_input(x_ptr, res_ptr, nw_ptr, c0, c0 < K, NORM, HAS_RES)
+    if AHEAD >= 2:
+        c1 = k_begin + BK + tl.arange(0, BK)
+        raw1 = raw_input(x_ptr, res_ptr, nw_ptr, c1, c1 < K, NORM, HAS_RES)
+    if AHEAD >= 3:
+        c2 = k_begin + 2 * BK + tl.arange(0, BK)
+        raw2 = raw_input(x_ptr, res_ptr, nw_ptr, c2, c2 < K, NORM, HAS_RES)
     rstd = 0.0
     if NORM:
         rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
@@ -132,16 +143,16 @@ def _stream_gemv_kernel(
     acc_up = tl.zeros([BN, BK], tl.float32)
     start = k_begin
     if AHEAD >= 1:
-        acc, acc_up = _take(acc, acc_up, w0, u0, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
-                            first, NORM, HAS_RES, SUM, SILU_MUL, BK, dtype)  # fmt: skip
+        acc, acc_up = _take(acc, acc_up, w0, u0, raw0, sum_ptr, start, K, rstd, first, NORM,
+                            SUM, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     if AHEAD >= 2:
-        acc, acc_up = _take(acc, acc_up, w1, u1, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
-                            first, NORM, HAS_RES, SUM, SILU_MUL, BK, dtype)  # fmt: skip
+        acc, acc_up = _take(acc, acc_up, w1, u1, raw1, sum_ptr, start, K, rstd, first, NORM,
+                            SUM, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     if AHEAD >= 3:
-        acc, acc_up = _take(acc, acc_up, w2, u2, x_ptr, res_ptr, nw_ptr, sum_ptr, start, K, rstd,
-                            first, NORM, HAS_RES, SUM, SILU_MUL, BK, dtype)  # fmt: skip
+        acc, acc_up = _take(acc, acc_up, w2, u2, raw2, sum_ptr, start, K, rstd, first, NORM,
+                            SUM, SILU_MUL, BK, dtype)  # fmt: skip
         start += BK
     for k0 in tl.range(start, k_end, BK, num_stages=STAGES):
         cols = k0 + tl.arange(0, BK)
