@@ -27,9 +27,14 @@ def input_chunk(x_ptr, res_ptr, cols, c_mask, HAS_RES: tl.constexpr):
 
 @triton.jit
 def row_rstd(x_ptr, res_ptr, K, eps, HAS_RES: tl.constexpr, BK: tl.constexpr,
-             CHUNKS: tl.constexpr):  # fmt: skip
+             CHUNKS: tl.constexpr, WIDTH: tl.constexpr = 0):  # fmt: skip
     """1 / RMS of x + residual over its K values, CHUNKS = cdiv(K, BK) chunks: every load can
-    be in flight at once."""
+    be in flight at once. WIDTH (a power of two >= K): in one load that wide, as rms_norm.py
+    reads the row: a few 16-byte loads a thread instead of a load a chunk."""
+    if WIDTH:
+        cols = tl.arange(0, WIDTH)
+        v = input_chunk(x_ptr, res_ptr, cols, cols < K, HAS_RES).to(tl.float32)
+        return tl.rsqrt(tl.sum(v * v, axis=0) / K + eps)
     squares = tl.zeros([BK], tl.float32)
     for c in tl.static_range(CHUNKS):
         cols = c * BK + tl.arange(0, BK)

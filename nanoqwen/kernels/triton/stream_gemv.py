@@ -92,6 +92,7 @@ def _stream_gemv_kernel(
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
     EMBED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
     STAGES: tl.constexpr, AHEAD: tl.constexpr, NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+    NORM_WIDTH: tl.constexpr,
     EARLY: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
@@ -136,7 +137,7 @@ def _stream_gemv_kernel(
         raw2 = raw_input(x_ptr, res_ptr, nw_ptr, c2, c2 < K, NORM, HAS_RES)
     rstd = 0.0
     if NORM:
-        rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
+        rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS, NORM_WIDTH)
     first = block == 0
     SUM: tl.constexpr = HAS_RES or EMBED
     acc = tl.zeros([BN, BK], tl.float32)
@@ -223,6 +224,7 @@ def stream_gemv(
         HAS_RES=res is not None, EMBED=ids is not None, BN=cfg.rows, BK=cfg.cols,
         SPLITS=splits, STAGES=cfg.num_stages, AHEAD=tiles_ahead(cfg, pdl, chunk),
         NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
+        NORM_WIDTH=triton.next_power_of_2(k) if k >= 2048 else 0,
         EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),
         launch_pdl=pdl,
         num_warps=cfg.num_warps,
