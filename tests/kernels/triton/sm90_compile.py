@@ -147,7 +147,7 @@ def stream_gemv_cases():
                          BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages,
                          AHEAD=sg.tiles_ahead(cfg, pdl, chunk),
                          NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
-                         NORM_WIDTH=triton.next_power_of_2(k) if k >= 2048 else 0,
+                         NORM_WIDTH=sg.norm_width(k),
                          EARLY=not silu and "lm_head" not in name)  # fmt: skip
             label = "stream gemv " + ("" if name.startswith("0.5B") else "7B ") + name
             label += (" +embed" if embed else "") + (" +pdl" if pdl else "")
