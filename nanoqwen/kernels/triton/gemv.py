@@ -102,9 +102,10 @@ def _gemv_kernel(
     up_first = w_first
     if SILU_MUL:
         up_first = tl.load(up_rows + cols0[None, :], mask=mask0, other=0.0)
-    # So are the norm weight and the bias: after the wait each was one more trip to memory
-    # on the way to the result. (Not gate_up's norm weight: its 1,024 columns a program
-    # would spill under the register cap that keeps its grid in one wave.)
+    # The first weights above, and the norm weight and the bias, never change, so they load
+    # before the wait: after it each was one more trip to memory on the way to the result.
+    # (Not gate_up's norm weight: its 1,024 columns a program would spill under the register
+    # cap that keeps its grid in one wave.)
     nw0 = tl.zeros([BK0], nw_ptr.dtype.element_ty)
     if NORM and not SILU_MUL:
         nw0 = tl.load(nw_ptr + cols0, mask=cols0 < K, other=0.0)

@@ -78,7 +78,7 @@ def test_every_case_compiles_without_new_spills(compiled):
 def test_the_norm_in_front_loads_its_row_at_once(compiled, case, loads, trips):
     """A GEMV with the add+RMSNorm in front issues its row's loads (x and the residual) once
     the kernel in front is done, all of them within the first `trips` trips to memory: at
-    7B four 16-byte loads of each (a 4,096-wide load), at 0.5B one load a 256-column chunk.
+    7B four 16-byte loads of each (a 4,096-wide load), at 0.5B at least one a chunk.
     With x + residual stored inside the loop over chunks, each chunk waited for the one
     before: 2 loads in flight, 14 chunks one after another at 7B."""
     assert sum(compiled[case]["LOAD_WAITS"][:trips]) >= loads
