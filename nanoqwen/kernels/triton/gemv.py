@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanoqwen.kernels.triton.gemv_inputs import gemv_input, input_chunk, normed_input, row_rstd
+from nanoqwen.kernels.triton.gemv_inputs import gemv_input, input_chunk, input_from, row_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import sm_count
 from nanoqwen.kernels.triton.silu_mul import _silu_mul
@@ -121,14 +121,11 @@ def _gemv_kernel(
         rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS)
     first = tl.program_id(0) == 0
     SUM: tl.constexpr = HAS_RES or EMBED
-    if NORM:
-        v0 = input_chunk(x_ptr, res_ptr, cols0, cols0 < K, HAS_RES)
+    v0 = input_chunk(x_ptr, res_ptr, cols0, cols0 < K, HAS_RES and NORM)
+    if NORM:  # noqa: SIM102 (compile-time guards)
         if SILU_MUL:
             nw0 = tl.load(nw_ptr + cols0, mask=cols0 < K, other=0.0)
-        x0 = normed_input(v0, nw0, sum_ptr, cols0, cols0 < K, rstd, first, SUM,
-                          dtype)  # fmt: skip
-    else:
-        x0 = tl.load(x_ptr + cols0, mask=cols0 < K, other=0.0).to(tl.float32)[None, :]
+    x0 = input_from(v0, nw0, sum_ptr, cols0, cols0 < K, rstd, first, NORM, SUM, dtype)
     y = tl.sum(w_first.to(tl.float32) * x0, 1)
     y_up = tl.sum(up_first.to(tl.float32) * x0, 1)
     if REST:
