@@ -126,16 +126,22 @@ def main() -> None:
         step = median_ms(llm.step)
         batch = llm.scheduler.schedule()
         phases = {"schedule": lambda: llm.scheduler.schedule()}
-        ids, sources, _ = llm.runner.token_sources(batch.seqs)
+        ids, sources, pending = llm.runner.token_sources(batch.seqs)
         slots = llm.runner.sampler.slots(batch.seqs)
         filtering = llm.runner.sampler.filtering
-        phases["prepare+copy"] = partial(graphs.prepare, batch.seqs, ids, sources, slots, filtering)
+        prepare = partial(graphs.prepare, batch.seqs, ids, sources, slots, filtering)
+        phases["prepare+copy"] = prepare
         logits = llm.runner.compute_logits(batch)
         torch.cuda.synchronize()
-        slots = torch.tensor(llm.runner.sampler.slots(batch.seqs), device="cuda")
-        phases["sample"] = lambda x=logits, s=slots, f=llm.runner.sampler: f(x, s, f.filtering)
+        slot_rows = torch.tensor(slots, device="cuda")
+        phases["sample"] = lambda x=logits, s=slot_rows, f=llm.runner.sampler: f(x, s, f.filtering)
         cpu = {name: median_ms(fn, 50) for name, fn in phases.items()}
-        key = graphs.key_for(bs, args.prompt_len + 5, llm.runner.sampler.filtering)
+        key = prepare()
+        if pending:
+            # The newest tokens are in flight: as in a step, the runner fills them in on the
+            # device (a replay of the ids as sent would read embedding row -1).
+            f = graphs.fields
+            llm.runner.fill_placeholders(f.ids[:bs], f.sources[:bs], (ids, sources))
         graph = graphs.graphs[key][0]
         gpu = replay_ms(graph)
         print(
