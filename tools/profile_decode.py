@@ -141,7 +141,8 @@ def main() -> None:
             # The newest tokens are in flight: as in a step, the runner fills them in on the
             # device (a replay of the ids as sent would read embedding row -1).
             f = graphs.fields
-            llm.runner.fill_placeholders(f.ids[:bs], f.sources[:bs], (ids, sources))
+            with torch.inference_mode():
+                llm.runner.fill_placeholders(f.ids[:bs], f.sources[:bs], (ids, sources))
         graph = graphs.graphs[key][0]
         gpu = replay_ms(graph)
         print(
