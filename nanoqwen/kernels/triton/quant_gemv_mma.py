@@ -27,8 +27,11 @@ to registers in that layout and nothing is staged in bf16. The panel's x sum com
 second dot (with ones), straight in the accumulator's layout. Compiled for sm_90, a weight
 costs ~3.7 instructions at 16 rows x 4 panels a step, ~2.5 at 32 and ~2.0 at 64 (groups of
 128 with offsets; tools/quant_gemv_sass.py). A program handles
-`rows` output rows and `panels` panels a step (a batch dimension, one per warp), summed over
-the batch at the end.
+`rows` weight rows and `panels` panels a step (a batch dimension, one per warp), summed over
+the batch at the end. For gate_up (SiLU·up fused) half of a program's rows are gate rows and
+half their up rows, so both stream in one loop: against a loop over the gate rows and then
+one over the up rows, with the same 32 rows a step, 7B int4's step 2.348 -> 2.261 ms and
+0.5B's 0.645 -> 0.611 (H100, 2026-12-06, two runs each).
 
 `splits` > 1 divides a block of rows' panels among that many programs, for short, wide
 weights (7B's qkv, o_proj and down_proj: 224-288 programs of 16 rows). Each stores its
@@ -62,7 +65,7 @@ from nanoqwen.kernels.triton.split_sums import finish_split, row_bias, split_col
 
 MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this kernel takes
 # Under PDL a grid of at most this many programs an SM (7B's o_proj and down_proj, 224)
-# lets the kernel behind launch at its start; a larger one (qkv 288, gate_up 592) only once
+# lets the kernel behind launch at its start; a larger one (qkv 288, gate_up 1,184) only once
 # its loops are done, so that the programs waiting behind it do not hold the SMs its later
 # programs need (letting every grid's dependents launch at its start made the step 52%
 # slower: pdl.py).
@@ -91,7 +94,9 @@ UNPACK_F16 = tl.constexpr(_UNPACK_PTX.format(magic="0x64006400"))
 
 @dataclass(frozen=True)
 class MmaGemvConfig:
-    rows: int  # output rows per program (>= 16, mma's M)
+    # weight rows per program (>= 16, mma's M); with SiLU·up half of them gate rows, half
+    # their up rows
+    rows: int
     panels: int  # panels per loop step, the batch dimension of the dot
     num_warps: int = 4
     num_stages: int = 3
@@ -237,41 +242,40 @@ def _mma_gemv_kernel(
     SPLITS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     AHEAD: tl.constexpr,
 ):  # fmt: skip
-    """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
-    y = silu(W_gate x) * (W_up x). With SPLITS > 1, program (pid, s) takes panels [s *
-    chunk, (s + 1) * chunk); part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N
-    with SILU_MUL) and counts_ptr one zeroed int32 per block of rows. With PDL it waits for
-    x before its first load, and lets the kernel behind launch at its start (EARLY) or
-    once its loops are done."""
+    """y = W x (+ b) for BN weight rows a program; with SILU_MUL, W holds gate rows then N
+    up rows, a program takes BN / 2 of each (one pass over both) and y = silu(W_gate x) *
+    (W_up x). With SPLITS > 1, program (pid, s) takes panels [s * chunk, (s + 1) * chunk);
+    part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N with SILU_MUL) and
+    counts_ptr one zeroed int32 per block of rows. With PDL it waits for x before its first
+    load, and lets the kernel behind launch at its start (EARLY) or once its loops are
+    done."""
     if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
         if EARLY:
             gdc_launch_dependents()
     block = tl.program_id(0)
-    rows = block * BN + tl.arange(0, BN)
+    OUT: tl.constexpr = BN // 2 if SILU_MUL else BN  # output rows a program
+    rows = block * OUT + tl.arange(0, OUT)
     r_mask = rows < N
-    safe = tl.minimum(rows, N - 1)  # rows past N recompute row N - 1, never stored
+    # Rows past N recompute row N - 1, never stored; with SILU_MUL the first half of the
+    # block's weight rows are gate rows, the second half their up rows.
+    r = tl.arange(0, BN)
+    w_rows = tl.minimum(block * OUT + r % OUT, N - 1) + (r // OUT) * N
     p_begin, p_end = split_span(KW // 16, chunk, SPLITS)
     # Weights never change: the first step's words are loaded while the kernel in front
     # finishes.
     first = tl.zeros([BP, BN, 16], tl.int32)
-    first_up = first
     if AHEAD:
-        first = _step_words(qw_ptr, safe.to(tl.int64), KW, p_begin, BP)
-        if SILU_MUL:
-            first_up = _step_words(qw_ptr, (safe + N).to(tl.int64), KW, p_begin, BP)
+        first = _step_words(qw_ptr, w_rows.to(tl.int64), KW, p_begin, BP)
     bias = row_bias(b_ptr, rows, r_mask, HAS_BIAS)
     if PDL:
         gdc_wait()  # x is the kernel in front's output
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, safe, K, KW, G, p_begin, p_end, first, GROUP,
+        x_ptr, qw_ptr, s_ptr, o_ptr, w_rows, K, KW, G, p_begin, p_end, first, GROUP,
         HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
     )  # fmt: skip
     up = y
     if SILU_MUL:
-        up = _row_dot(
-            x_ptr, qw_ptr, s_ptr, o_ptr, safe + N, K, KW, G, p_begin, p_end, first_up, GROUP,
-            HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
-        )  # fmt: skip
+        y, up = tl.split(tl.permute(tl.reshape(y, [2, OUT]), (1, 0)))
     if PDL:  # noqa: SIM102 (compile-time guards)
         if not EARLY:
             gdc_launch_dependents()
@@ -294,17 +298,17 @@ def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
     # weight is tall (down_proj) 8 panels a step: 7B's step 2.603 -> 2.518 ms (H100).
     rows = 64 if n >= 65536 else 32 if n >= 16384 else 16
     panels = 8 if k >= 4 * n else 4
-    # Tall weights (7B's gate_up, 592 programs of 32 rows) have more programs than an SM
-    # holds: capped at 128 registers (130 uncapped, sm_90), four share an SM instead of three.
+    # Tall weights (7B's gate_up: 1,184 programs of 16 gate and 16 up rows) have more
+    # programs than an SM holds. Capped at 128 registers, 7B int4's step took 2.262-2.266 ms
+    # against 2.289-2.294 for the compiler's own choice (H100, 2026-12-06, one call).
     cap = 128 if rows == 32 else None
     return MmaGemvConfig(rows, panels, num_stages=4 if k >= n else 3, max_registers=cap)
 
 
 def first_step_ahead(pdl: bool, silu_mul: bool) -> bool:
     """Whether a launch loads its first step's weights before the loop: where it can start
-    before the wait for x (tests set it without the wait). Not for gate_up: its gate and up
-    words held across the wait take it from 130 to 210 registers a thread (sm_90, before
-    the 128 cap), 3 programs an SM to 2."""
+    before the wait for x (tests set it without the wait). Not for gate_up, where 7B int4's
+    step took 2.276-2.281 ms with it against 2.261 without (H100, 2026-12-06)."""
     return pdl and not silu_mul
 
 
@@ -315,7 +319,7 @@ def launch_mma_gemv(
     n = w.out_features // 2 if silu_mul else w.out_features
     cfg = config or mma_gemv_config(w.out_features, w.in_features)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(n, cfg.rows)
+    blocks = triton.cdiv(n, cfg.rows // 2 if silu_mul else cfg.rows)
     chunk, splits = split_columns(w.qweight.shape[1] // PANEL, cfg.panels, cfg.splits)
     part = counts = y  # unused with one split
     if splits > 1:

@@ -329,10 +329,7 @@ def quant_cases():
         cfg = q.mma_gemv_config(n, k)
         for splits in sorted({cfg.splits, 2, 4}):
             # As launched at one row on sm_90 (quant_gemv_mma.launch_mma_gemv).
-            early = (
-                triton.cdiv(n // 2 if silu else n, cfg.rows) * splits
-                <= q.EARLY_PROGRAMS_PER_SM * 132
-            )
+            early = triton.cdiv(n, cfg.rows) * splits <= q.EARLY_PROGRAMS_PER_SM * 132
             flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
                          BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True,
                          PDL=True, EARLY=early, AHEAD=not silu)  # fmt: skip

@@ -98,12 +98,19 @@ def test_one_row_equals_the_dequantized_product(k, group, offset, config, launch
     torch.testing.assert_close(y.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_fused_gate_up_equals_silu_of_gate_times_up(launches):
-    packed, w = make_weight(2 * N, 256, 128, True)
-    x = torch.randn(1, 256)
+@pytest.mark.parametrize(
+    "config",
+    [None, MmaGemvConfig(16, 1), MmaGemvConfig(32, 2), MmaGemvConfig(64, 4, num_warps=8)],
+    ids=["default", "16x1", "32x2", "64x4-8warps"],
+)
+def test_fused_gate_up_equals_silu_of_gate_times_up(config, launches):
+    """A program's weight rows are half gate rows, half their up rows: N = 37 leaves a
+    partial block of output rows at 8, 16 and 32 of each."""
+    packed, w = make_weight(2 * N, 640, 128, True)
+    x = torch.randn(1, 640)
     gate, up = reference(x, w).float().chunk(2, dim=-1)
-    y = quant_linear_silu_mul(x, packed)
-    assert launches == [True]
+    y = quant_linear_silu_mul(x, packed, config=config)
+    assert launches == [True] and y.shape == (1, N)
     torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-4, atol=1e-4)
 
 
