@@ -319,7 +319,7 @@ def launch_mma_gemv(
     n = w.out_features // 2 if silu_mul else w.out_features
     cfg = config or mma_gemv_config(w.out_features, w.in_features)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(n, cfg.rows // 2 if silu_mul else cfg.rows)
+    blocks = triton.cdiv(w.out_features, cfg.rows)  # rows: weight rows a program
     chunk, splits = split_columns(w.qweight.shape[1] // PANEL, cfg.panels, cfg.splits)
     part = counts = y  # unused with one split
     if splits > 1:
