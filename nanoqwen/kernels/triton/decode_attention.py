@@ -36,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.rope import to_cache
-from nanoqwen.kernels.triton.split_merge import store_split_and_merge
+from nanoqwen.kernels.triton.split_merge import merge_chunk, store_split_and_merge
 
 # Tile (keys per inner step) and warps by (sequence, KV head) pairs, chosen with
 # tools/kernel_bench.py on the H200 at 1 x 2K-32K, 64 x 8K and the throughput workload's
@@ -181,8 +181,8 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, ORDERED: tl.constexpr, PRELOAD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr, ORDERED: tl.constexpr,
+    PRELOAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """counts_ptr: one int32 per (sequence, KV head), zero between launches: how many of its
     splits have stored their partial result."""
@@ -296,7 +296,7 @@ def _decode_kernel(
             store_split_and_merge(
                 m_i, l_i, acc, part_out_ptr, part_lse_ptr,
                 counts_ptr + seq * NUM_KV_HEADS + kvh, out_rows, seq * NUM_HEADS + heads,
-                g_mask, split, used, HEAD_DIM, NUM_SPLITS, SPLITS_PAD,
+                g_mask, split, used, HEAD_DIM, NUM_SPLITS, SPLITS_PAD, MERGE_CHUNK,
             )  # fmt: skip
 
 
@@ -339,6 +339,12 @@ def decode_attention(
     # two A/B pairs in one call: 0.593 -> 0.566 and 0.570 -> 0.544 ms a step); a large
     # batch's programs would hold it in registers they lack.
     preload = seqs * kv_heads < LARGE_BATCH and splits > 1
+    group_pad = max(16, triton.next_power_of_2(group))
+    splits_pad = triton.next_power_of_2(splits)
+    # A large batch's one-warp programs have half the registers to spare (0.5B batch 64
+    # spilled 8 bytes at 64 a thread).
+    registers = 64 if seqs * kv_heads < LARGE_BATCH else 32
+    chunk = merge_chunk(group_pad, head_dim, warps, splits_pad, registers)
     out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     part_out = part_lse = counts = out  # unused with one split
     if splits > 1:
@@ -352,8 +358,8 @@ def decode_attention(
         tile_reader(k_cache, tile), tile_reader(v_cache, tile), out,
         part_out, part_lse, counts, qkv.stride(0), block_tables.stride(0),
         scale * 1.4426950408889634, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        PAGE=page, TILE_N=tile, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, PAGE=page, TILE_N=tile,
+        NUM_SPLITS=splits, SPLITS_PAD=splits_pad, MERGE_CHUNK=chunk,
         ORDERED=order is not None, PRELOAD=preload, PDL=pdl, launch_pdl=pdl, num_warps=warps,
         num_stages=NUM_STAGES,
     )  # fmt: skip

@@ -17,14 +17,25 @@ import triton.language as tl
 from nanoqwen.kernels.triton.counters import last_to_arrive
 
 
+def merge_chunk(rows: int, head_dim: int, warps: int, splits_pad: int, registers: int = 64) -> int:
+    """Splits whose partial outputs the merge loads at once: the most (a power of two, at most
+    splits_pad) whose [rows, chunk, head_dim] float32 tile takes at most `registers` a
+    thread. One load a split made one trip to memory a split after the wait (sm_90 SASS)."""
+    chunk = 1
+    while chunk < splits_pad and rows * 2 * chunk * head_dim <= registers * 32 * warps:
+        chunk *= 2
+    return chunk
+
+
 @triton.jit
 def store_split_and_merge(
     m_i, l_i, acc, part_out_ptr, part_lse_ptr, counter, out_rows, row_ids, r_mask, split,
     used, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Stores this split's partials (m_i, l_i, acc: the online softmax's state, base-2
     scores); the group's last split to arrive at `counter` (zero between launches, left
-    zero) merges the `used` splits into out_rows."""
+    zero) merges the `used` splits into out_rows, CHUNK splits a load."""
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     part = row_ids * NUM_SPLITS + split
     dv = tl.arange(0, HEAD_DIM)
@@ -33,33 +44,49 @@ def store_split_and_merge(
              mask=r_mask[:, None])  # fmt: skip
     if last_to_arrive(counter, used):
         _merge(part_out_ptr, part_lse_ptr, out_rows, row_ids, r_mask, used, HEAD_DIM,
-               NUM_SPLITS, SPLITS_PAD)  # fmt: skip
+               NUM_SPLITS, SPLITS_PAD, CHUNK)  # fmt: skip
 
 
 @triton.jit
 def _merge(
     part_out_ptr, part_lse_ptr, out_rows, row_ids, r_mask, used,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """The used splits' partial outputs, weighted by their mass. Loads skip L1, which may
+    """The used splits' partial outputs, weighted by their mass. The first chunk's loads go
+    out with the log-sum-exps that weigh it, so that a merge of at most CHUNK splits is one
+    trip to memory; the loads of a later chunk wait on a branch. Loads skip L1, which may
     hold an earlier launch's partials."""
     s = tl.arange(0, SPLITS_PAD)
-    part = row_ids[:, None] * NUM_SPLITS + s[None, :]
     live = r_mask[:, None] & (s < used)[None, :]
-    lse = tl.load(part_lse_ptr + part, mask=live, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse_ptr + row_ids[:, None] * NUM_SPLITS + s[None, :], mask=live,
+                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+    lse_c, o = _load_chunk(part_out_ptr, part_lse_ptr, row_ids, r_mask, used, 0, HEAD_DIM,
+                           NUM_SPLITS, CHUNK)  # fmt: skip
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)  # padding rows
-    w = tl.exp2(lse - m[:, None])
-    w = w / tl.where(r_mask, tl.sum(w, 1), 1.0)[:, None]
-    dv = tl.arange(0, HEAD_DIM)
-    out = tl.zeros([row_ids.shape[0], HEAD_DIM], tl.float32)
-    rows = part_out_ptr + (row_ids * NUM_SPLITS)[:, None] * HEAD_DIM
-    # Unrolled, every split's loads are in flight at once, where a loop issues them one
-    # after another.
-    for i in tl.static_range(NUM_SPLITS):
-        if i < used:
-            w_i = tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)
-            o = tl.load(rows + i * HEAD_DIM + dv[None, :], mask=r_mask[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-            out += w_i[:, None] * o
+    total = tl.where(r_mask, tl.sum(tl.exp2(lse - m[:, None]), 1), 1.0)
+    out = tl.sum((tl.exp2(lse_c - m[:, None]) / total[:, None])[:, :, None] * o, 1)
+    for first in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
+        if first < used:
+            lse_c, o = _load_chunk(part_out_ptr, part_lse_ptr, row_ids, r_mask, used, first,
+                                   HEAD_DIM, NUM_SPLITS, CHUNK)  # fmt: skip
+            out += tl.sum((tl.exp2(lse_c - m[:, None]) / total[:, None])[:, :, None] * o, 1)
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=r_mask[:, None])
+
+
+@triton.jit
+def _load_chunk(
+    part_out_ptr, part_lse_ptr, row_ids, r_mask, used, first,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Splits [first, first + CHUNK)'s log-sum-exps [rows, CHUNK] and partial outputs [rows,
+    CHUNK, HEAD_DIM]; those past `used` weigh nothing (-inf) and hold zeros."""
+    c = first + tl.arange(0, CHUNK)
+    part = row_ids[:, None] * NUM_SPLITS + c[None, :]
+    live = r_mask[:, None] & (c < used)[None, :]
+    lse = tl.load(part_lse_ptr + part, mask=live, other=float("-inf"), cache_modifier=".cg")
+    dv = tl.arange(0, HEAD_DIM)
+    o = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dv[None, None, :],
+                mask=live[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+    return lse, o

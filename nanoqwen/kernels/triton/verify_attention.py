@@ -24,7 +24,7 @@ import triton.language as tl
 from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.decode_attention import num_splits_for, split_range
 from nanoqwen.kernels.triton.prefill_attention import LOG2_E, _key_offsets
-from nanoqwen.kernels.triton.split_merge import store_split_and_merge
+from nanoqwen.kernels.triton.split_merge import merge_chunk, store_split_and_merge
 
 TILE = 64  # keys per inner step
 
@@ -36,6 +36,7 @@ def _verify_kernel(
     Q: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, PAGE: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """counts_ptr: one int32 per (sequence, KV head), zero between launches: how many of its
     splits have stored their partial result (split_merge.py)."""
@@ -94,7 +95,7 @@ def _verify_kernel(
         store_split_and_merge(
             m_i, l_i, acc, part_out_ptr, part_lse_ptr, counts_ptr + seq * NUM_KV_HEADS + kvh,
             out_rows, token * NUM_HEADS + head, r_mask, split, used, HEAD_DIM, NUM_SPLITS,
-            SPLITS_PAD,
+            SPLITS_PAD, MERGE_CHUNK,
         )  # fmt: skip
 
 
@@ -118,6 +119,8 @@ def verify_attention(
     group = heads // kv_heads
     splits = num_splits or num_splits_for(seqs, kv_heads)
     rows = max(16, triton.next_power_of_2(rows_per_seq * group))
+    warps = 4 if rows * head_dim <= 64 * 64 else 8
+    splits_pad = triton.next_power_of_2(splits)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = counts = out  # unused with one split
     if splits > 1:
@@ -130,7 +133,7 @@ def verify_attention(
         q.stride(0), block_tables.stride(0), scale * LOG2_E,
         Q=rows_per_seq, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, GROUP=group,
         ROWS=rows, PAGE=page, TILE_N=TILE, NUM_SPLITS=splits,
-        SPLITS_PAD=triton.next_power_of_2(splits),
-        num_warps=4 if rows * head_dim <= 64 * 64 else 8, num_stages=2,
+        SPLITS_PAD=splits_pad, MERGE_CHUNK=merge_chunk(rows, head_dim, warps, splits_pad),
+        num_warps=warps, num_stages=2,
     )  # fmt: skip
     return out

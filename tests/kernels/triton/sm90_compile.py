@@ -245,6 +245,7 @@ def attention_cases():
     from nanoqwen.kernels.triton import prefill_attention as pa
     from nanoqwen.kernels.triton import rms_norm, rope, silu_mul
     from nanoqwen.kernels.triton import verify_attention as va
+    from nanoqwen.kernels.triton.split_merge import merge_chunk
 
     for (shape, (heads, kv_heads, dim)), (cache, cache_type) in itertools.product(
         HEADS.items(), CACHES.items()
@@ -256,14 +257,16 @@ def attention_cases():
                       cos_ptr=F32, sin_ptr=F32, out_ptr=BF16, part_out_ptr=F32,
                       part_lse_ptr=F32, counts_ptr=I32, qkv_stride="i32:16", table_stride="i32",
                       scale_log2="fp32", **kv)  # fmt: skip
-        # Batch 1 (8 splits), 128 pairs (the large tile, 4 splits) and 512 (one split, in
-        # launch order), with each batch's tile and warps.
-        for batch, splits, ordered in ((1, 8, False), (128 // kv_heads, 4, True),
+        # Batch 1 (16 splits), 128 pairs (the large tile, 4 splits) and 512 (one split, in
+        # launch order), with each batch's tile, warps and merge chunk.
+        for batch, splits, ordered in ((1, 16, False), (128 // kv_heads, 4, True),
                                        (512 // kv_heads, 1, True)):  # fmt: skip
             tile, warps = da.tile_config(batch, kv_heads, dim, cache == "fp8", 256)
             pad = max(16, triton.next_power_of_2(group))
+            registers = 64 if batch * kv_heads < da.LARGE_BATCH else 32
             flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
                          SPLITS_PAD=splits, ORDERED=ordered, PDL=batch == 1,
+                         MERGE_CHUNK=merge_chunk(pad, dim, warps, splits, registers),
                          PRELOAD=batch * kv_heads < da.LARGE_BATCH and splits > 1,
                          **heads_flags)  # fmt: skip
             label = f"decode attention {shape} {cache} tile {tile} warps {warps} splits {splits}"
@@ -274,9 +277,9 @@ def attention_cases():
         verify = dict(q_ptr=BF16, ctx_ptr=I32, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,
                       counts_ptr=I32, q_stride="i32:16", table_stride="i32", scale_log2="fp32",
                       **kv)  # fmt: skip
-        flags = dict(Q=5, GROUP=group, ROWS=rows, TILE_N=va.TILE, NUM_SPLITS=8, SPLITS_PAD=8,
-                     **heads_flags)  # fmt: skip
         warps = 4 if rows * dim <= 64 * 64 else 8
+        flags = dict(Q=5, GROUP=group, ROWS=rows, TILE_N=va.TILE, NUM_SPLITS=8, SPLITS_PAD=8,
+                     MERGE_CHUNK=merge_chunk(rows, dim, warps, 8), **heads_flags)  # fmt: skip
         yield f"verify attention {shape} {cache}", va._verify_kernel, verify, flags, warps, 2
         block_m, block_n, warps, stages = pa.prefill_config(dim, 4096)
         prefill = dict(q_ptr=BF16, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,

@@ -89,13 +89,24 @@ def test_longest_first_launch_order_matches_torch_backend(heads, kv_heads, head_
     _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=True)
 
 
-def _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=False):
+@real_head_shapes
+@pytest.mark.parametrize("chunk", [1, 4, 8])
+def test_the_merge_reads_its_splits_in_chunks(heads, kv_heads, head_dim, page, chunk, monkeypatch):
+    """12 splits merged 1, 4 or 8 at a time: a context of 1,500 uses all 12 (the last chunk
+    of 8 partly past them), shorter ones fewer than a chunk holds."""
+    import nanoqwen.kernels.triton.decode_attention as decode
+
+    monkeypatch.setattr(decode, "merge_chunk", lambda *args: chunk)
+    _check_against_torch(heads, kv_heads, head_dim, page, 12, lengths=[1, 300, 700, 1500])
+
+
+def _check_against_torch(heads, kv_heads, head_dim, page, splits, ordered=False, lengths=None):
     # Contexts of 1 (the new token alone), across tile and page edges, and several pages.
-    lengths = [1, 2, 16, 17, 64, 65, 257, 700]
+    lengths = lengths or [1, 2, 16, 17, 64, 65, 257, 700]
     qkv, k_cache, v_cache, meta = _decode_step(
         lengths, heads, kv_heads, head_dim, page, torch.float32
     )
-    rotary = RotaryEmbedding(head_dim, 1024, 1e6, "cpu")
+    rotary = RotaryEmbedding(head_dim, 2048, 1e6, "cpu")
     scale = head_dim**-0.5
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     ref = TorchAttention(rotary, scale).forward(qkv.clone(), k_ref, v_ref, meta)

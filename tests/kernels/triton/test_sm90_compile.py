@@ -61,7 +61,7 @@ def test_every_case_compiles_without_new_spills(compiled):
         "gemv qkv +norm +residual",
         "gemv gate_up +norm",
         "sampler prepare",
-        "decode attention 0.5B bf16 tile 128 warps 4 splits 8",
+        "decode attention 0.5B bf16 tile 128 warps 4 splits 16",
         "rope and store 7B bf16",
     }
     assert every_step <= set(compiled)
@@ -82,6 +82,14 @@ def test_the_norm_in_front_loads_its_row_at_once(compiled, case, loads, trips):
     With x + residual stored inside the loop over chunks, each chunk waited for the one
     before: 2 loads in flight, 14 chunks one after another at 7B."""
     assert sum(compiled[case]["LOAD_WAITS"][:trips]) >= loads
+
+
+def test_the_decode_merge_loads_its_splits_together(compiled):
+    """0.5B's decode kernel at batch 1, 16 splits: the last split to arrive loads the
+    partials 8 splits at a time, so the kernel makes at most 7 trips to memory after the
+    wait. With one load a split it made 20."""
+    waits = compiled["decode attention 0.5B bf16 tile 128 warps 4 splits 16"]["LOAD_WAITS"]
+    assert len(waits) <= 7, waits
 
 
 @pytest.mark.parametrize(
