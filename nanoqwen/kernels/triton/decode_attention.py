@@ -194,6 +194,8 @@ def _decode_kernel(
     if ORDERED:
         seq = tl.load(order_ptr + seq).to(tl.int64)
     cached = tl.load(ctx_ptr + seq) - 1
+    # A split takes one tile at least: at 4 tiles (so no merge below 512 keys) 0.5B batch 1
+    # ran 0.611 ms a step against 0.556, one program walking the tiles of a short context.
     start, end, used = split_range(cached, split, NUM_SPLITS, TILE_N, TILE_N)
     if split >= used:
         return

@@ -7,6 +7,11 @@ A row here is one (token, query head) pair; row_ids index the partials: part_out
 NUM_SPLITS, HEAD_DIM] and part_lse [rows, NUM_SPLITS], float32. A split that saw none of a
 row's keys stores lse -inf (weight 0); some split saw each real row's keys, so its largest
 lse is finite.
+
+The merge loads its splits' partials a chunk at a time (merge_chunk), the first chunk along
+with the log-sum-exps, so that the usual merge is one trip to memory after the count: against
+one load a split, 0.5B batch 1 ran 0.560 -> 0.556 ms a step at a 128-token prompt and 0.974
+-> 0.907 at 16K (H100, 2026-12-06).
 """
 
 from __future__ import annotations
