@@ -71,11 +71,18 @@
 #       greedy / the CLI's sampling / top-p alone, first for each DIR's nanoqwen/ (as batch1
 #       takes them), then for the checkout; tools/profile_sampler.py's kernels at batch 1
 #       and 64 for each tree the same way.
+#   goals
+#       the open issues' figures on one GPU, the most wanted first, each skipped when DEADLINE
+#       (seconds from the start, default 570) leaves too little: 7B decode at 64 x 8K
+#       context with the bf16 then the float8 KV cache and the float8 tests; 7B batch 1 bf16
+#       and int4; 0.5B batch 1 and 64 greedy / the CLI's sampling / top-p alone; with
+#       GOALS_PARTS="pair" (carry .peer), pair.py's batch1 workload at 0.5B and at 7B.
+#       Prints the float8 / bf16 and int4 / bf16 ratios of the call and the GPU's name.
 # FLASH_ATTN=0 skips the wheel: everything then runs as on a GPU without flash-attn.
 set -uo pipefail
 
 usage() {
-  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|ab|sampling|int4|stream|fp8-kernel [ARGS...]" >&2
+  echo "usage: bash tools/gpu.sh check|kv-cache|tp|serve-bench|speculation|long-context|profile-steps|batch1|ab|sampling|int4|stream|fp8-kernel|goals [ARGS...]" >&2
   exit 2
 }
 
@@ -477,6 +484,50 @@ int4() {
   in_tree . int4_bf16 "${LATENCY_7B[@]}" --quantization none
 }
 
+# goals: see the usage notes at the top.
+goals() {
+  gpu_env optional
+  export DEADLINE=${DEADLINE:-570}
+  local fp8=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 64
+             --prompt-len 8192 --new-tokens 64 --max-num-seqs 64)
+  local small=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
+               --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
+  local parts=" ${GOALS_PARTS:-fp8 7b small} " kv quant
+  nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/goals_gpu.log"
+  if [[ $parts == *" fp8 "* ]]; then
+    for kv in auto fp8; do
+      within 150 in_tree . "goals_fp8_$kv" "${fp8[@]}" --kv-cache-dtype "$kv"
+    done
+    within 120 in_tree . goals_fp8_tests python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu/test_fp8_kv_gpu.py tests/kernels/triton/test_fp8_kv_cache.py
+    goals_ratio "float8 / bf16 KV, 64 x 8K" goals_fp8_auto goals_fp8_fp8
+  fi
+  if [[ $parts == *" 7b "* ]]; then
+    for quant in none int4; do
+      within 100 in_tree . "goals_7b_$quant" "${LATENCY_7B[@]}" --quantization "$quant"
+    done
+    goals_ratio "int4 / bf16, 7B batch 1" goals_7b_none goals_7b_int4
+  fi
+  [[ $parts == *" small "* ]] && within 90 in_tree . goals_small "${small[@]}"
+  if [[ $parts == *" pair "* ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
+    for shape in 0.5B 7B; do
+      within 200 in_tree . "goals_pair_$shape" python3 .peer/pair.py --shape "$shape" \
+        --workload batch1 --reps 3
+    done
+  fi
+}
+
+# goals_ratio TITLE BEFORE AFTER: step p50 of BEFORE's first result row over AFTER's (the
+# speed-up), from their logs.
+goals_ratio() {
+  local a b
+  a=$(grep -hE "^[0-9]+ \|" "$OUT/$2_checkout.log" 2>/dev/null | head -1 | cut -d'|' -f6)
+  b=$(grep -hE "^[0-9]+ \|" "$OUT/$3_checkout.log" 2>/dev/null | head -1 | cut -d'|' -f6)
+  [[ -n $a && -n $b ]] && python3 -c "print('$1: $a / $b ms =', round($a / $b, 3))" \
+    | tee -a "$OUT/goals_ratios.log"
+}
+
 mode=${1:-}; shift || true
 case $mode in
   check) check "$@" ;;
@@ -492,5 +543,6 @@ case $mode in
   int4) int4 "$@" ;;
   stream) stream "$@" ;;
   fp8-kernel) fp8_kernel "$@" ;;
+  goals) goals "$@" ;;
   *) usage ;;
 esac
