@@ -98,6 +98,15 @@ def num_splits_for(batch: int, num_kv_heads: int, head_dim: int = 0, fp8: bool =
     return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // pairs))
 
 
+def decode_merge_chunk(
+    pairs: int, group_pad: int, head_dim: int, warps: int, splits_pad: int
+) -> int:
+    """split_merge.merge_chunk for the decode kernel: a large batch's one-warp programs have
+    half the registers to spare (0.5B batch 64 spilled 8 bytes at 64 a thread)."""
+    registers = 64 if pairs < LARGE_BATCH else 32
+    return merge_chunk(group_pad, head_dim, warps, splits_pad, registers)
+
+
 @triton.jit
 def split_range(
     cached, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr, MIN_KEYS: tl.constexpr
@@ -343,10 +352,7 @@ def decode_attention(
     preload = seqs * kv_heads < LARGE_BATCH and splits > 1
     group_pad = max(16, triton.next_power_of_2(group))
     splits_pad = triton.next_power_of_2(splits)
-    # A large batch's one-warp programs have half the registers to spare (0.5B batch 64
-    # spilled 8 bytes at 64 a thread).
-    registers = 64 if seqs * kv_heads < LARGE_BATCH else 32
-    chunk = merge_chunk(group_pad, head_dim, warps, splits_pad, registers)
+    chunk = decode_merge_chunk(seqs * kv_heads, group_pad, head_dim, warps, splits_pad)
     out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     part_out = part_lse = counts = out  # unused with one split
     if splits > 1:

@@ -25,7 +25,7 @@ from nanoqwen.kernels.triton.counters import last_to_arrive
 def merge_chunk(rows: int, head_dim: int, warps: int, splits_pad: int, registers: int = 64) -> int:
     """Splits whose partial outputs the merge loads at once: the most (a power of two, at most
     splits_pad) whose [rows, chunk, head_dim] float32 tile takes at most `registers` a
-    thread. One load a split made one trip to memory a split after the wait (sm_90 SASS)."""
+    thread. A load a split would cost a trip to memory a split (sm_90 SASS)."""
     chunk = 1
     while chunk < splits_pad and rows * 2 * chunk * head_dim <= registers * 32 * warps:
         chunk *= 2

@@ -263,10 +263,9 @@ def attention_cases():
                                        (512 // kv_heads, 1, True)):  # fmt: skip
             tile, warps = da.tile_config(batch, kv_heads, dim, cache == "fp8", 256)
             pad = max(16, triton.next_power_of_2(group))
-            registers = 64 if batch * kv_heads < da.LARGE_BATCH else 32
+            chunk = da.decode_merge_chunk(batch * kv_heads, pad, dim, warps, splits)
             flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
-                         SPLITS_PAD=splits, ORDERED=ordered, PDL=batch == 1,
-                         MERGE_CHUNK=merge_chunk(pad, dim, warps, splits, registers),
+                         SPLITS_PAD=splits, ORDERED=ordered, PDL=batch == 1, MERGE_CHUNK=chunk,
                          PRELOAD=batch * kv_heads < da.LARGE_BATCH and splits > 1,
                          **heads_flags)  # fmt: skip
             label = f"decode attention {shape} {cache} tile {tile} warps {warps} splits {splits}"
