@@ -103,6 +103,11 @@ gpu_env() {
 # 7B batch-1 decode, as the stream and int4 modes time it.
 LATENCY_7B=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 1 --sampling greedy
             --max-num-seqs 4 --num-kv-blocks 64 --new-tokens 128)
+# 0.5B batch 1 and 64 under the sampling presets the batch-1 goal names.
+PRESETS_05B=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
+             --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
+# Decode at 64 sequences x 8K context, the float8 KV cache's goal (shape and cache added).
+DECODE_64X8K=(--mode latency --batch-sizes 64 --prompt-len 8192 --new-tokens 64 --max-num-seqs 64)
 
 # in_tree DIR LOG CMD...: CMD run in DIR with DIR's nanoqwen/ first on the path (an A/B
 # tree, or . for the checkout), progress lines dropped, shown and added to
@@ -199,8 +204,6 @@ within() {
 
 ab() {
   gpu_env optional
-  local small=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
-               --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
   local mid=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 8,32
              --sampling greedy --max-num-seqs 32)
   local dir round log parts=" ${AB_PARTS:-small 7b int4} "
@@ -208,7 +211,7 @@ ab() {
   for ((round = 1; round <= ${AB_ROUNDS:-1}; round++)); do
     local need=$(( round == 1 ? 60 : 20 ))
     for dir in "$@" .; do
-      [[ $parts == *" small "* ]] && within $need in_tree "$dir" ab_small "${small[@]}"
+      [[ $parts == *" small "* ]] && within $need in_tree "$dir" ab_small "${PRESETS_05B[@]}"
       [[ $parts == *" 7b "* ]] && within $need in_tree "$dir" ab_7b "${LATENCY_7B[@]}"
       [[ $parts == *" int4 "* ]] && within $need in_tree "$dir" ab_int4 \
         "${LATENCY_7B[@]}" --quantization int4
@@ -221,11 +224,9 @@ ab() {
 }
 sampling() {
   gpu_env optional
-  local bench=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
-               --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
   local profile=(python3 "$PWD/tools/profile_sampler.py" --batch-sizes 1,64
                  --presets greedy,cli,t1-p0.9 --kernels)
-  in_trees sampling "$@" -- "${bench[@]}"
+  in_trees sampling "$@" -- "${PRESETS_05B[@]}"
   in_trees sampler_kernels "$@" -- "${profile[@]}"
 }
 
@@ -438,8 +439,7 @@ PY
     for tree in ${TREES:-} .; do  # TREES: other nanoqwen/ trees first, as batch1 takes them
       for kv in auto fp8; do
         in_tree "$tree" "decode_64x8k_$kv" python3 -m nanoqwen.bench --shape "${FP8_SHAPE:-7B}" \
-          --mode latency --batch-sizes 64 --prompt-len 8192 --new-tokens 64 --max-num-seqs 64 \
-          --kv-cache-dtype "$kv"
+          "${DECODE_64X8K[@]}" --kv-cache-dtype "$kv"
       done
     done
   fi
@@ -488,15 +488,12 @@ int4() {
 goals() {
   gpu_env optional
   export DEADLINE=${DEADLINE:-570}
-  local fp8=(python3 -m nanoqwen.bench --shape 7B --mode latency --batch-sizes 64
-             --prompt-len 8192 --new-tokens 64 --max-num-seqs 64)
-  local small=(python3 -m nanoqwen.bench --shape 0.5B --mode latency --batch-sizes 1,64
-               --sampling greedy,cli,t1-p0.9 --max-num-seqs 64)
   local parts=" ${GOALS_PARTS:-fp8 7b small} " kv quant
   nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/goals_gpu.log"
   if [[ $parts == *" fp8 "* ]]; then
     for kv in auto fp8; do
-      within 150 in_tree . "goals_fp8_$kv" "${fp8[@]}" --kv-cache-dtype "$kv"
+      within 150 in_tree . "goals_fp8_$kv" python3 -m nanoqwen.bench --shape 7B \
+        "${DECODE_64X8K[@]}" --kv-cache-dtype "$kv"
     done
     within 120 in_tree . goals_fp8_tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_fp8_kv_gpu.py tests/kernels/triton/test_fp8_kv_cache.py
@@ -508,7 +505,7 @@ goals() {
     done
     goals_ratio "int4 / bf16, 7B batch 1" goals_7b_none goals_7b_int4
   fi
-  [[ $parts == *" small "* ]] && within 90 in_tree . goals_small "${small[@]}"
+  [[ $parts == *" small "* ]] && within 90 in_tree . goals_small "${PRESETS_05B[@]}"
   if [[ $parts == *" pair "* ]]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
     for shape in 0.5B 7B; do
