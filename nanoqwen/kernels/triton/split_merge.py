@@ -66,6 +66,8 @@ def _merge(
     live = r_mask[:, None] & (s < used)[None, :]
     lse = tl.load(part_lse_ptr + row_ids[:, None] * NUM_SPLITS + s[None, :], mask=live,
                   other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+    # The first chunk's log-sum-exps load again beside its outputs, in the same trip, rather
+    # than being picked out of `lse`'s registers.
     lse_c, o = _load_chunk(part_out_ptr, part_lse_ptr, row_ids, r_mask, used, 0, HEAD_DIM,
                            NUM_SPLITS, CHUNK)  # fmt: skip
     m = tl.max(lse, 1)
