@@ -72,6 +72,12 @@ MMA_PANEL_COLS = PANEL * 8  # int4 columns of a panel: the smallest group this k
 # start made the step 52% slower: pdl.py).
 EARLY_PROGRAMS_PER_SM = 3
 
+
+def launches_early(programs: int, sms: int) -> bool:
+    """Whether a grid of this many programs lets the kernel behind it launch at its start."""
+    return programs <= EARLY_PROGRAMS_PER_SM * sms
+
+
 # Outputs $0..$7 are value slots 0..7 of the word in $8, each code plus the magic float
 # (_code_bias). (a & b) | c is LOP3 immediate 0xea.
 _UNPACK_PTX = """{{
@@ -327,7 +333,7 @@ def launch_mma_gemv(
         part = torch.empty(splits, w.out_features, dtype=torch.float32, device=x.device)
         counts = zeroed_counters(x.device, blocks, "int4 gemv splits")
     pdl = use_pdl(x)
-    early = pdl and blocks * splits <= EARLY_PROGRAMS_PER_SM * sm_count(x.device)
+    early = pdl and launches_early(blocks * splits, sm_count(x.device))
     ahead = first_step_ahead(pdl, silu_mul)
     _mma_gemv_kernel[(blocks, splits)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,

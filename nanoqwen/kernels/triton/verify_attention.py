@@ -29,6 +29,13 @@ from nanoqwen.kernels.triton.split_merge import merge_chunk, store_split_and_mer
 TILE = 64  # keys per inner step
 
 
+def verify_tile(rows: int, head_dim: int) -> tuple[int, int]:
+    """A program's dot rows (its new rows times the group's heads, padded to a power of two of
+    at least 16, tl.dot's smallest) and its warps."""
+    padded = max(16, triton.next_power_of_2(rows))
+    return padded, 4 if padded * head_dim <= 64 * 64 else 8
+
+
 @triton.jit
 def _verify_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, tables_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -118,8 +125,7 @@ def verify_attention(
     seqs = tokens // rows_per_seq
     group = heads // kv_heads
     splits = num_splits or num_splits_for(seqs, kv_heads)
-    rows = max(16, triton.next_power_of_2(rows_per_seq * group))
-    warps = 4 if rows * head_dim <= 64 * 64 else 8
+    rows, warps = verify_tile(rows_per_seq * group, head_dim)
     splits_pad = triton.next_power_of_2(splits)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = counts = out  # unused with one split

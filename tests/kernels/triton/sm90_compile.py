@@ -272,11 +272,10 @@ def attention_cases():
             desc = f"tensordesc<{cache_type[1:]}[{tile}, {dim}]>"
             decode.update(k_desc=desc, v_desc=desc)
             yield label, da._decode_kernel, decode, flags, warps, da.NUM_STAGES
-        rows = max(16, triton.next_power_of_2(5 * group))
+        rows, warps = va.verify_tile(5 * group, dim)
         verify = dict(q_ptr=BF16, ctx_ptr=I32, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,
                       counts_ptr=I32, q_stride="i32:16", table_stride="i32", scale_log2="fp32",
                       **kv)  # fmt: skip
-        warps = 4 if rows * dim <= 64 * 64 else 8
         flags = dict(Q=5, GROUP=group, ROWS=rows, TILE_N=va.TILE, NUM_SPLITS=8, SPLITS_PAD=8,
                      MERGE_CHUNK=merge_chunk(rows, dim, warps, 8), **heads_flags)  # fmt: skip
         yield f"verify attention {shape} {cache}", va._verify_kernel, verify, flags, warps, 2
@@ -331,7 +330,7 @@ def quant_cases():
         cfg = q.mma_gemv_config(n, k)
         for splits in sorted({cfg.splits, 2, 4}):
             # As launched at one row on sm_90 (quant_gemv_mma.launch_mma_gemv).
-            early = triton.cdiv(n, cfg.rows) * splits <= q.EARLY_PROGRAMS_PER_SM * 132
+            early = q.launches_early(triton.cdiv(n, cfg.rows) * splits, 132)
             flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
                          BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True,
                          PDL=True, EARLY=early, AHEAD=not silu)  # fmt: skip
