@@ -29,10 +29,10 @@ Sections, printed as they finish:
 
 Usage: python3 tools/quant_kernel_bench.py [--shapes 0.5B,7B] [--tp 2] [--formats none]
            [--sections table,stack,mma,gemv,gemm,prefill] [--formats q4g32o,q4g128,...]
-           [--sweep-budget-s 90] [--json PATH]
+           [--sweep-budget-s 90] [--json PATH] [--only lm_head,qkv]
 
 Table and stack always run; the sweeps then stop after --sweep-budget-s seconds (each still
-times its default launch parameters).
+times its default launch parameters). --only keeps the linears it names, and drops the stack.
 """
 
 from __future__ import annotations
@@ -361,7 +361,7 @@ def main() -> None:
         "--sweep-budget-s", type=float, default=90.0,
         help="seconds for the sweeps, counted once table and stack are done",
     )  # fmt: skip
-    p.add_argument("--json", help="also write every figure here")
+    p.add_argument("--only", help="these linears alone, e.g. lm_head or qkv,o")
     args = p.parse_args()
     JSON_PATH.extend([args.json] if args.json else [])
     sections = set(args.sections.split(","))
@@ -372,12 +372,13 @@ def main() -> None:
         built = {
             name: Shape(model, name, n, k, formats, args.tp)
             for name, (n, k) in shapes(model, args.tp).items()
+            if not args.only or name in args.only.split(",")
         }
         models[model] = built
         if "table" in sections:
             for shape in built.values():
                 table(model, shape)
-        if "stack" in sections:
+        if "stack" in sections and not args.only:
             stack(model, built)
     # Sweeps, the largest model first: what they miss once over budget matters least.
     DEADLINE[0] = time.monotonic() + args.sweep_budget_s
@@ -395,11 +396,13 @@ def main() -> None:
     if "prefill" in sections:
         for model, built in order:
             for name in ("gate_up", "down"):
-                prefill(model, built[name])
+                if name in built:
+                    prefill(model, built[name])
     if "gemm" in sections:
         for model, built in order:
             for name in ("qkv", "down"):
-                gemm_sweep(model, built[name], "q4g32o")
+                if name in built:
+                    gemm_sweep(model, built[name], "q4g32o")
     if "gemv" in sections:
         for model, built in order:
             for shape in built.values():
