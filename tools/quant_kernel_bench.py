@@ -361,6 +361,7 @@ def main() -> None:
         "--sweep-budget-s", type=float, default=90.0,
         help="seconds for the sweeps, counted once table and stack are done",
     )  # fmt: skip
+    p.add_argument("--json", help="also write every figure here")
     p.add_argument("--only", help="these linears alone, e.g. lm_head or qkv,o")
     args = p.parse_args()
     JSON_PATH.extend([args.json] if args.json else [])
