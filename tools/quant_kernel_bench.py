@@ -31,8 +31,8 @@ Usage: python3 tools/quant_kernel_bench.py [--shapes 0.5B,7B] [--tp 2] [--format
            [--sections table,stack,mma,gemv,gemm,prefill] [--formats q4g32o,q4g128,...]
            [--sweep-budget-s 90] [--json PATH] [--only lm_head,qkv]
 
-Table and stack always run; the sweeps then stop after --sweep-budget-s seconds (each still
-times its default launch parameters). --only keeps the linears it names, and drops the stack.
+The sweeps stop --sweep-budget-s seconds after table and stack are done (each still times its
+default launch parameters). --only keeps the linears it names, and drops the stack.
 """
 
 from __future__ import annotations
