@@ -98,6 +98,11 @@ def num_splits_for(batch: int, num_kv_heads: int, head_dim: int = 0, fp8: bool =
     return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // pairs))
 
 
+def dot_rows(rows: int) -> int:
+    """Rows padded to a power of two of at least 16, tl.dot's smallest M."""
+    return max(16, triton.next_power_of_2(rows))
+
+
 def decode_merge_chunk(
     pairs: int, group_pad: int, head_dim: int, warps: int, splits_pad: int
 ) -> int:
@@ -350,7 +355,7 @@ def decode_attention(
     # two A/B pairs in one call: 0.593 -> 0.566 and 0.570 -> 0.544 ms a step); a large
     # batch's programs would hold it in registers they lack.
     preload = seqs * kv_heads < LARGE_BATCH and splits > 1
-    group_pad = max(16, triton.next_power_of_2(group))
+    group_pad = dot_rows(group)
     splits_pad = triton.next_power_of_2(splits)
     chunk = decode_merge_chunk(seqs * kv_heads, group_pad, head_dim, warps, splits_pad)
     out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)

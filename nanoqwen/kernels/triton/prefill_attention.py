@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.kernels.triton.decode_attention import split_range
+from nanoqwen.kernels.triton.decode_attention import dot_rows, split_range
 
 # Tile shapes per head_dim: (query rows, keys per step, warps, pipeline stages). The bench
 # (tools/prefill_bench.py --sweep) times the alternatives.
@@ -266,7 +266,7 @@ def _merge_kernel(
 def prefill_config(head_dim: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
     """(query rows, keys per step, warps, stages); short query runs get a shorter tile."""
     block_m, block_n, warps, stages = CONFIGS.get(head_dim, DEFAULT_CONFIG)
-    return min(block_m, max(16, triton.next_power_of_2(max_seqlen_q))), block_n, warps, stages
+    return min(block_m, dot_rows(max_seqlen_q)), block_n, warps, stages
 
 
 def num_splits_for(tiles: int, heads: int, max_seqlen_k: int) -> int:
@@ -315,7 +315,7 @@ def prefill_attention(
     _prefill_kernel[(tiles * splits, heads, seqs)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, cu_seqlens_q, context_lens,
         q.stride(0), block_tables.stride(0), scale * LOG2_E,
-        NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        NUM_KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=dot_rows(group),
         PAGE=page, num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
     if splits > 1:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.decode_attention import num_splits_for, split_range
+from nanoqwen.kernels.triton.decode_attention import dot_rows, num_splits_for, split_range
 from nanoqwen.kernels.triton.prefill_attention import LOG2_E, _key_offsets
 from nanoqwen.kernels.triton.split_merge import merge_chunk, store_split_and_merge
 
@@ -30,9 +30,9 @@ TILE = 64  # keys per inner step
 
 
 def verify_tile(rows: int, head_dim: int) -> tuple[int, int]:
-    """A program's dot rows (its new rows times the group's heads, padded to a power of two of
-    at least 16, tl.dot's smallest) and its warps."""
-    padded = max(16, triton.next_power_of_2(rows))
+    """A program's dot rows (its new rows times the group's heads, padded: dot_rows) and its
+    warps."""
+    padded = dot_rows(rows)
     return padded, 4 if padded * head_dim <= 64 * 64 else 8
 
 

@@ -262,7 +262,7 @@ def attention_cases():
         for batch, splits, ordered in ((1, 16, False), (128 // kv_heads, 4, True),
                                        (512 // kv_heads, 1, True)):  # fmt: skip
             tile, warps = da.tile_config(batch, kv_heads, dim, cache == "fp8", 256)
-            pad = max(16, triton.next_power_of_2(group))
+            pad = da.dot_rows(group)
             chunk = da.decode_merge_chunk(batch * kv_heads, pad, dim, warps, splits)
             flags = dict(GROUP=group, GROUP_PAD=pad, TILE_N=tile, NUM_SPLITS=splits,
                          SPLITS_PAD=splits, ORDERED=ordered, PDL=batch == 1, MERGE_CHUNK=chunk,
@@ -283,7 +283,7 @@ def attention_cases():
         prefill = dict(q_ptr=BF16, out_ptr=BF16, part_out_ptr=F32, part_lse_ptr=F32,
                        cu_q_ptr=I32, ctx_ptr=I32, q_stride="i32:16", table_stride="i32",
                        scale_log2="fp32", **kv)  # fmt: skip
-        pad = max(16, triton.next_power_of_2(group))
+        pad = da.dot_rows(group)
         for splits in (1, 4):
             flags = dict(GROUP=group, GROUP_PAD=pad, BLOCK_M=block_m, BLOCK_N=block_n,
                          NUM_SPLITS=splits, MIN_KEYS=pa.MIN_SPLIT_KEYS, **heads_flags)  # fmt: skip
