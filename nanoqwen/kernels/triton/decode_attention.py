@@ -33,10 +33,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.rope import to_cache
-from nanoqwen.kernels.triton.split_merge import merge_chunk, store_split_and_merge
+from nanoqwen.kernels.triton.split_merge import (
+    merge_chunk,
+    split_buffers,
+    store_split_and_merge,
+)
 
 # Tile (keys per inner step) and warps by (sequence, KV head) pairs, chosen with
 # tools/kernel_bench.py on the H200 at 1 x 2K-32K, 64 x 8K and the throughput workload's
@@ -359,12 +362,9 @@ def decode_attention(
     splits_pad = triton.next_power_of_2(splits)
     chunk = decode_merge_chunk(seqs * kv_heads, group_pad, head_dim, warps, splits_pad)
     out = torch.empty(seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    part_out = part_lse = counts = out  # unused with one split
-    if splits > 1:
-        f32 = dict(dtype=torch.float32, device=qkv.device)
-        part_out = torch.empty(seqs, num_heads, splits, head_dim, **f32)
-        part_lse = torch.empty(seqs, num_heads, splits, **f32)
-        counts = zeroed_counters(qkv.device, seqs * kv_heads, "decode attention splits")
+    part_out, part_lse, counts = split_buffers(
+        out, splits, seqs * kv_heads, "decode attention splits"
+    )
     _decode_kernel[(splits, kv_heads, seqs)](
         qkv, positions, slot_mapping, context_lens, block_tables,
         context_lens if order is None else order, cos_half, sin_half, k_cache, v_cache,

@@ -21,10 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoqwen.kernels.triton.counters import zeroed_counters
 from nanoqwen.kernels.triton.decode_attention import dot_rows, num_splits_for, split_range
 from nanoqwen.kernels.triton.prefill_attention import LOG2_E, _key_offsets
-from nanoqwen.kernels.triton.split_merge import merge_chunk, store_split_and_merge
+from nanoqwen.kernels.triton.split_merge import (
+    merge_chunk,
+    split_buffers,
+    store_split_and_merge,
+)
 
 TILE = 64  # keys per inner step
 
@@ -128,12 +131,9 @@ def verify_attention(
     rows, warps = verify_tile(rows_per_seq * group, head_dim)
     splits_pad = triton.next_power_of_2(splits)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
-    part_out = part_lse = counts = out  # unused with one split
-    if splits > 1:
-        f32 = dict(dtype=torch.float32, device=q.device)
-        part_out = torch.empty(tokens, heads, splits, head_dim, **f32)
-        part_lse = torch.empty(tokens, heads, splits, **f32)
-        counts = zeroed_counters(q.device, seqs * kv_heads, "verify attention splits")
+    part_out, part_lse, counts = split_buffers(
+        out, splits, seqs * kv_heads, "verify attention splits"
+    )
     _verify_kernel[(splits, kv_heads, seqs)](
         q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_lse, counts,
         q.stride(0), block_tables.stride(0), scale * LOG2_E,
