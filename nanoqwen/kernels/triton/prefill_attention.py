@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from nanoqwen.kernels.triton.decode_attention import dot_rows, split_range
+from nanoqwen.kernels.triton.split_merge import split_partials
 
 # Tile shapes per head_dim: (query rows, keys per step, warps, pipeline stages). The bench
 # (tools/prefill_bench.py --sweep) times the alternatives.
@@ -303,11 +304,7 @@ def prefill_attention(
     tiles = triton.cdiv(max_seqlen_q, block_m)
     splits = num_splits or num_splits_for(tiles, heads, max_seqlen_k or 0)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
-    part_out = part_lse = out  # unused with one split
-    if splits > 1:
-        f32 = dict(dtype=torch.float32, device=q.device)
-        part_out = torch.empty(tokens, heads, splits, head_dim, **f32)
-        part_lse = torch.empty(tokens, heads, splits, **f32)
+    part_out, part_lse = split_partials(out, splits)
     seqs = cu_seqlens_q.shape[0] - 1
     group = heads // kv_heads
     common = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,

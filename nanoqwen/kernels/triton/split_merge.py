@@ -33,19 +33,27 @@ def merge_chunk(rows: int, head_dim: int, warps: int, splits_pad: int, registers
     return chunk
 
 
-def split_buffers(
-    out: torch.Tensor, splits: int, groups: int, user: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """part_out, part_lse and the arrival counters (one a group of rows merged together) for
-    an output out [tokens, heads, head_dim]; with one split nothing is merged, and out stands
-    in for the three."""
+def split_partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """part_out [tokens, heads, splits, head_dim] and part_lse [tokens, heads, splits],
+    float32, for an output out [tokens, heads, head_dim]; with one split nothing is merged,
+    and out stands in for both."""
     if splits == 1:
-        return out, out, out
+        return out, out
     tokens, heads, head_dim = out.shape
     f32 = dict(dtype=torch.float32, device=out.device)
     part_out = torch.empty(tokens, heads, splits, head_dim, **f32)
     part_lse = torch.empty(tokens, heads, splits, **f32)
-    return part_out, part_lse, zeroed_counters(out.device, groups, user)
+    return part_out, part_lse
+
+
+def split_buffers(
+    out: torch.Tensor, splits: int, groups: int, user: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """split_partials and the arrival counters of a merge in the same launch (one a group of
+    rows merged together); with one split out stands in for the three."""
+    part_out, part_lse = split_partials(out, splits)
+    counts = zeroed_counters(out.device, groups, user) if splits > 1 else out
+    return part_out, part_lse, counts
 
 
 @triton.jit
