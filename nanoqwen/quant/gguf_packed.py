@@ -2,7 +2,7 @@
 CPU kernels' layouts.
 
 Where the scheme keeps these blocks for the C kernels (Scheme.keep_gguf_blocks: bf16/fp16
-activations on an AVX512-VNNI CPU), the canonical QuantizedWeight was only a stop on the way:
+activations on an AVX2 or AVX-512 CPU), the canonical QuantizedWeight was only a stop on the way:
 every 5-bit code unpacked to int8, then packed back by gguf_forms.pack_q5_0 (with Q8_0's round
 trip, over a second of the default model's CPU start on two cores). A Q5_0 block is d (2
 bytes), qh (4) and qs (16), which are pack_q5_0's three arrays already, so each is one strided

@@ -12,8 +12,9 @@ kernels of the device it lives on:
   dequantizing the weight in torch costs more than the matmul. With bf16/fp16 activations
   the rows are quantized to int8 (one scale per row) and multiplied with per-channel int8
   codes of the weight in one int8 x int8 -> int32 matmul (oneDNN, AMX/VNNI), which beats
-  even the bf16 AMX matmul. float32 activations are the exact mode: the weight is
-  dequantized in float32, as the reference is.
+  even the bf16 AMX matmul. Without VNNI or AMX that matmul is slow, and GGUF blocks' rows go
+  through their few-row kernels a few at a time instead. float32 activations are the exact
+  mode: the weight is dequantized in float32, as the reference is.
 - CUDA: nanoqwen.kernels.triton.quant_matmul's Triton kernels (see cuda_pack/cuda_forward).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,13 @@ def decode_arithmetic():
         yield
     finally:
         _DECODE_ARITHMETIC.reset(token)
+
+
+@cache
+def int8_matmul_is_fast() -> bool:
+    """Whether torch's int8 x int8 matmul has VNNI or AMX under it on this CPU: on an AVX2 CPU
+    it took a 0.5B model's prefill ~15x as long as the GGUF kernels a few rows at a time."""
+    return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
 
 
 # What kernels.cpu.gguf.gguf_matmul reads.
@@ -138,14 +147,14 @@ class QuantizedLinear(nn.Module):
             self._decode = to_lanes(self.kind, pack_q5_0(w) if q5 else pack_q8_0(w))
         elif dtype == torch.float32:
             self.kind = "dequant"  # no kernel for this layout; float32 stays exact
-        if dtype != torch.float32:
+        gguf = self.kind in ("q5_0", "q8_0")
+        if dtype != torch.float32 and (not gguf or int8_matmul_is_fast()):
             # rounding far finer than any layout above (one scale per row, 255 levels)
-            per_channel = exact8 or (
-                requantize_rows(w) if self.kind in ("q5_0", "q8_0") else requantize_per_channel(w)
-            )
+            per_channel = exact8 or (requantize_rows(w) if gguf else requantize_per_channel(w))
             self._int8 = (per_channel.q, per_channel.scale.view(-1))
             if self.kind == "unprepared":
                 self._decode, self.kind = (self._int8[0], self._int8[1].to(dtype)), "int8pack"
+        if dtype != torch.float32:
             self.weight = None
 
     def _prepare_packed(
@@ -160,7 +169,7 @@ class QuantizedLinear(nn.Module):
                 f"(got {dtype} on {w.device})"
             )
         self.kind = w.kind
-        if prefill_copy:
+        if prefill_copy and int8_matmul_is_fast():
             self._int8 = self._packed_int8(w.parts if self._parts else [w])
         lanes = [PackedBlocks(p.kind, _lanes(p.kind, p.tensors)) for p in self._file_parts(w)]
         self._decode = tuple(lanes) if self._parts else lanes[0].tensors
@@ -213,7 +222,10 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         few = self._gguf_max_rows() if self._file_blocks else CPU_PACKED_MAX_ROWS
         prepared = self.kind not in ("dequant", "unprepared")
-        if x2.shape[0] > few and prepared and _DECODE_ARITHMETIC.get():
+        few_at_a_time = _DECODE_ARITHMETIC.get() or (
+            self._file_blocks and not int8_matmul_is_fast()
+        )
+        if x2.shape[0] > few and prepared and few_at_a_time:
             return torch.cat([self.forward(rows) for rows in x2.split(few)]).view(shape)
         if x2.shape[0] > few or not prepared:
             if self._int8 is None and self._file_blocks:

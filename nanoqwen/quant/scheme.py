@@ -55,7 +55,7 @@ SCHEMES = {
     "gguf-blocks": Scheme(8, 32, keep_int4=True, keep_gguf_blocks=True),
 }
 # What quantization="auto" gives a GGUF: per-channel int8, Q4_K tensors kept int4; where the
-# CPU's GGUF kernels run (bf16/fp16 activations on an AVX512-VNNI CPU) Q5_0, Q4_0, Q8_0 and
+# CPU's GGUF kernels run (bf16/fp16 activations on an AVX2 or AVX-512 CPU) Q5_0, Q4_0, Q8_0 and
 # the K-quants kept as they are instead (gguf_packed.from_file; a fused projection whose
 # parts differ in layout as gguf_packed.PackedParts, load_gguf._fuse).
 # All-int4 (Q5_0/Q6_K/Q8_0 requantized to int4) agreed with the float32 dequantized model's

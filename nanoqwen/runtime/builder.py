@@ -97,8 +97,9 @@ def build_engine(config: EngineConfig, parallel: ParallelContext | None = None):
     worker = parallel is not None and parallel.tp.rank > 0
     dev = parallel.device if parallel is not None else resolve_device(c.device)
     src = _open_source(c, dev, worker)
-    torch_dtype = resolve_dtype(c.dtype, dev, src.stored)
     gguf = src.gguf is not None
+    kernels = gguf and c.quantization == "auto" and gguf_kernel() is not None
+    torch_dtype = resolve_dtype(c.dtype, dev, src.stored, gguf_kernels=kernels)
     blocks = dev.type == "cpu" and torch_dtype != torch.float32 and gguf
     scheme = resolve_scheme(c.quantization, gguf, dev.type, blocks and gguf_kernel() is not None)
     workers = None

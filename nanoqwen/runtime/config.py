@@ -50,13 +50,13 @@ class EngineConfig:
     dtype: str = _setting(
         "auto",
         "auto: the checkpoint's dtype on GPU; on CPU bfloat16 where the CPU has bf16 "
-        "instructions (float32 for float32 checkpoints)",
+        "instructions or the GGUF kernels run a GGUF model (float32 for float32 checkpoints)",
         choices=("auto", *DTYPES),
     )
     quantization: str = _setting(
         "auto",
         "weight-only quantized linear layers; auto: a .gguf stays quantized (its Q4_K tensors "
-        "int4; Q5_0/Q8_0 as they are on an AVX512-VNNI CPU with bf16 activations, else int8 "
+        "int4; Q5_0/Q8_0 as they are on an AVX2 or AVX-512 CPU with bf16 activations, else int8 "
         "per channel), and without --model the CPU runs the default model's GGUF unless "
         "--dtype is float32; other checkpoints load as they are; none: float weights",
         choices=QUANTIZATIONS,

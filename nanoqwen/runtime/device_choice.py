@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.kernels.cpu.gguf import gguf_kernel
 from nanoqwen.validation import choice, invalid
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,13 +43,18 @@ def cpu_has_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype) -> torch.dtype:
+def resolve_dtype(
+    dtype: str, device: torch.device, stored: torch.dtype, gguf_kernels: bool = False
+) -> torch.dtype:
     """auto: the checkpoint's dtype on CUDA; on the CPU bfloat16 where the CPU has bf16
-    instructions, except for float32 checkpoints, which stay float32 as on CUDA."""
+    instructions, or where the matmuls run in the GGUF kernels (gguf_kernels: a GGUF kept
+    quantized and those kernels built here, which take bf16 activations on AVX2 too), except
+    for float32 checkpoints, which stay float32 as on CUDA."""
     if dtype == "auto":
         if device.type == "cuda":
             return stored
-        return torch.bfloat16 if stored != torch.float32 and cpu_has_bf16() else torch.float32
+        bf16 = cpu_has_bf16() or gguf_kernels
+        return torch.bfloat16 if stored != torch.float32 and bf16 else torch.float32
     return DTYPES[choice("dtype", dtype, ["auto", *DTYPES])]
 
 
@@ -59,4 +65,5 @@ def default_is_quantized(dev: torch.device, dtype: str, quantization: str, tp: i
     weights)."""
     if dev.type != "cpu" or quantization != "auto" or tp != 1:
         return False
-    return resolve_dtype(dtype, dev, torch.bfloat16) != torch.float32
+    kernels = gguf_kernel() is not None
+    return resolve_dtype(dtype, dev, torch.bfloat16, gguf_kernels=kernels) != torch.float32

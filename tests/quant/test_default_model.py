@@ -9,6 +9,7 @@ import torch
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.kernels.cpu.gguf import gguf_kernel
 from nanoqwen.quant.linear import QuantizedLinear
+from nanoqwen.runtime import device_choice
 from nanoqwen.runtime.device_choice import cpu_has_bf16, default_is_quantized
 from nanoqwen.weights.hub import ModelNotFoundError
 from nanoqwen.weights.tokenizer import Tokenizer
@@ -32,8 +33,26 @@ def test_which_default(device, dtype, quantization, tp, quantized):
     assert default_is_quantized(device, dtype, quantization, tp) is quantized
 
 
-def test_dtype_auto_follows_the_cpus_bf16_support():
-    assert default_is_quantized(CPU, "auto", "auto", 1) is cpu_has_bf16()
+def test_dtype_auto_follows_the_cpus_bf16_support_or_the_gguf_kernels():
+    """bf16 activations (so the GGUF) where the CPU does bf16 arithmetic, or where the GGUF
+    kernels are built (AVX2 and up), which then run every matmul of the default model."""
+    expected = cpu_has_bf16() or gguf_kernel() is not None
+    assert default_is_quantized(CPU, "auto", "auto", 1) is expected
+
+
+@pytest.mark.parametrize(
+    ("bf16_cpu", "gguf_kernels", "stored", "expected"),
+    [
+        (True, False, torch.bfloat16, torch.bfloat16),
+        (False, True, torch.bfloat16, torch.bfloat16),  # an AVX2 CPU running a GGUF
+        (False, False, torch.bfloat16, torch.float32),  # a float checkpoint's torch matmuls
+        (True, True, torch.float32, torch.float32),  # float32 checkpoints stay float32
+    ],
+)
+def test_cpu_dtype_auto(monkeypatch, bf16_cpu, gguf_kernels, stored, expected):
+    monkeypatch.setattr(device_choice, "cpu_has_bf16", lambda: bf16_cpu)
+    assert device_choice.resolve_dtype("auto", CPU, stored, gguf_kernels) == expected
+    assert device_choice.resolve_dtype("float32", CPU, stored, gguf_kernels) == torch.float32
 
 
 def test_missing_default_gguf_is_one_clear_error(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from nanoqwen.quant.linear import CPU_PACKED_MAX_ROWS, QuantizedLinear
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(
-    gguf_kernel() is None, reason="no C compiler or no AVX512-VNNI: the GGUF kernels are not built"
+    gguf_kernel() is None, reason="no C compiler or no AVX2: the GGUF kernels are not built"
 )
 PACK = {"Q5_0": pack_q5_0, "Q8_0": pack_q8_0}
 

@@ -1,7 +1,7 @@
 """Compiles a C source of the package at first use with the system C compiler (-O3,
--march=native, OpenMP) into a cache directory, and loads it; the library is then reused until
-the source, a header it includes or the CPU changes. NANOQWEN_NATIVE=0 turns every such
-library off."""
+-march=native, OpenMP, then any flags in NANOQWEN_CFLAGS) into a cache directory, and loads
+it; the library is then reused until the source, a header it includes, those flags or the CPU
+change. NANOQWEN_NATIVE=0 turns every such library off."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ctypes
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,12 @@ def native_enabled() -> bool:
     return os.environ.get("NANOQWEN_NATIVE", "1") != "0"
 
 
+def extra_flags() -> list[str]:
+    """NANOQWEN_CFLAGS, after the defaults: e.g. -mno-avx512f builds the AVX2 kernels on an
+    AVX-512 CPU."""
+    return shlex.split(os.environ.get("NANOQWEN_CFLAGS", ""))
+
+
 def _compile(source: Path, target: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -33,7 +40,8 @@ def _compile(source: Path, target: Path) -> None:
     # Written aside and renamed: test processes may build at the same time.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", tmp]
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", *extra_flags(), "-shared", "-fPIC"]
+    cmd += [str(source), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
@@ -72,7 +80,8 @@ def load_library(source: Path, fallback: str) -> ctypes.CDLL | None:
         return None
     # -march=native: a library built on one CPU is kept for that CPU only (shared home dirs).
     parts = [p.read_bytes() for p in _with_headers(source)]
-    key = hashlib.sha256(b"".join(parts) + _cpu_flags().encode()).hexdigest()[:16]
+    built_for = (_cpu_flags() + "\0" + "\0".join(extra_flags())).encode()
+    key = hashlib.sha256(b"".join(parts) + built_for).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.is_file():

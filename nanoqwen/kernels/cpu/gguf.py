@@ -7,8 +7,9 @@ form of it took 8.5 and rounded it again; Q3_K: 3.56 with its scales unpacked, w
 form took 6.56; Q2_K: 2.63, where Q8_0's form took 8.5; Q4_K: 4.63, where torch's int4 kernel
 read 5; Q5_K: 5.63, where it was requantized to Q8_0's form, 8.5).
 
-They are compiled at first use (nanoqwen/kernels/cpu/build.py) and called through ctypes; where
-there is no compiler or the CPU lacks AVX512-VNNI the build fails once and `gguf_kernel()`
+They are compiled at first use (nanoqwen/kernels/cpu/build.py) and called through ctypes, for
+AVX512-VNNI or, without it, AVX2 (simd16.h; the same outputs bit for bit); where there is no
+compiler or the CPU lacks AVX2, FMA or F16C the build fails once and `gguf_kernel()`
 (`kquant_kernel()`) returns None, and the layers keep torch's kernels.
 """
 

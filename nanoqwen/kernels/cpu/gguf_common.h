@@ -4,18 +4,13 @@
 // and the per-channel int8 copy of a weight row for the prefill matmul.
 #pragma once
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
-
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
-    !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "the GGUF kernels need AVX512 F/BW/VL/VNNI and F16C"
-#endif
+#include "simd16.h"
 
 #define MAX_ROWS 8
 #ifndef PREFETCH_BYTES
@@ -104,18 +99,16 @@ static inline void requantize_row(const int8_t* qn, const float* sn, int64_t K, 
     // 16 codes at a time, the scalar loop's arithmetic: the same float32 product, rounded to
     // nearest even (nearbyintf's default mode), max then min as fmaxf/fminf order them (a
     // NaN product gives -127 in both).
-    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const vf lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
     for (int64_t b = 0; b < ng; b++) {
         float f = row > 0.0f ? sn[b] / row : 0.0f;
-        const __m512 fv = _mm512_set1_ps(f);
+        const vf fv = vf_set1(f);
         int64_t j = 0;
         for (; j + 16 <= g; j += 16) {
             __m128i c = _mm_loadu_si128((const __m128i*)(qn + b * g + j));
-            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), fv);
-            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-            __m128i q8 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));  // exact: integral, in range
-            _mm_storeu_si128((__m128i*)(out + b * g + j), q8);
+            vf v = vf_round(vf_mul(vf_from_i32(vi_from_i8(c)), fv));
+            v = vf_min(vf_max(v, lo), hi);
+            _mm_storeu_si128((__m128i*)(out + b * g + j), vi_to_i8(v));  // exact: integral, in range
         }
         for (; j < g; j++) {
             float v = nearbyintf((float)qn[b * g + j] * f);
@@ -130,12 +123,9 @@ static inline void requantize_row(const int8_t* qn, const float* sn, int64_t K, 
 static inline void per_channel_row(const float* w, int64_t K, float amax, int8_t* o, float* r) {
     const float row = amax / 127.0f, safe = row > 0.0f ? row : 1.0f;
     *r = row;
-    const __m512 sv = _mm512_set1_ps(safe), lo = _mm512_set1_ps(-127.0f),
-                 hi = _mm512_set1_ps(127.0f);
+    const vf sv = vf_set1(safe), lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
     for (int64_t j = 0; j < K; j += 16) {
-        __m512 v = _mm512_div_ps(_mm512_loadu_ps(w + j), sv);
-        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-        _mm_storeu_si128((__m128i*)(o + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+        const vf v = vf_min(vf_max(vf_round(vf_div(vf_load(w + j), sv)), lo), hi);
+        _mm_storeu_si128((__m128i*)(o + j), vi_to_i8(v));
     }
 }

@@ -1,6 +1,6 @@
 // Few-row matmuls over GGUF Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights
-// (AVX512-VNNI), built at first use by nanoqwen/kernels/cpu/gguf.py and called through ctypes;
-// gguf_kquants.c has Q3_K's and Q2_K's, gguf_requantize.h and gguf_kquants.c the per-channel
+// (AVX512-VNNI, or AVX2: simd16.h), built at first use by nanoqwen/kernels/cpu/gguf.py and
+// called through ctypes; gguf_kquants.c has Q3_K's and Q2_K's, gguf_requantize.h and gguf_kquants.c the per-channel
 // int8 copies for prefill.
 //
 // A weight row is K/32 blocks of 32 codes c and a float16 scale d[n][b]:
@@ -45,9 +45,8 @@ typedef struct {
 
 // A code vector of a group of w blocks: masked only in a short last group (a masked load
 // streamed the lm_head from memory 10-20% slower).
-static inline __m512i group_load(const uint8_t* p, int64_t w) {
-    if (w == 16) return _mm512_loadu_si512((const void*)p);
-    return _mm512_maskz_loadu_epi32((__mmask16)((1u << w) - 1), p);
+static inline vi group_load(const uint8_t* p, int64_t w) {
+    return w == 16 ? vi_load(p) : vi_load_n32(p, (int)w);
 }
 
 // Adds group g of output row n (its lanes 16g..16g+15: blocks of 32, or Q6_K's groups of 16
@@ -57,7 +56,7 @@ static inline __m512i group_load(const uint8_t* p, int64_t w) {
 // row meets them. nb: lanes a row.
 static inline __attribute__((always_inline)) void lane_group(
     const int M, const int bits, const int mins, const int kq, int64_t n, int64_t g, int64_t N,
-    int64_t nb, const Weight* wt, const Lanes* a, __m512* sums, int64_t ahead) {
+    int64_t nb, const Weight* wt, const Lanes* a, vf* sums, int64_t ahead) {
     const int q6 = bits == 6, V = q6 ? 4 : 8;  // code vectors a group
     const int64_t G = (nb + 15) / 16, block_bytes = bits == 8 ? 32 : q6 ? 12 : 16;
     const int64_t row_bytes = nb * block_bytes, nd = kq ? nb / 8 : q6 ? G : nb;  // scales a row
@@ -80,61 +79,52 @@ static inline __attribute__((always_inline)) void lane_group(
         for (int p = 1; p < 6; p++)
             if (next[p]) _mm_prefetch(next[p], _MM_HINT_T0);
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-    const __mmask16 live = (__mmask16)((1u << w) - 1);
-    __m512i c[8];  // c[s]: codes 4s..4s+3 of each block, lanes past w zero
+    const vi low4 = vi_set1_i8(0x0F), sixteen = vi_set1_i8(16);
+    vi c[8];  // c[s]: codes 4s..4s+3 of each block, lanes past w zero
     if (q6) {
         // Q6_K (K a multiple of 256, so w = 16): two vectors of low nibbles (codes 0-3 and 8-11,
         // 4-7 and 12-15 of each lane) and one of the 2-bit highs (bits 2v, 2v + 1: vector v's).
         // A 16-bit shift carries bits across bytes only where the masks drop them.
-        const __m512i n0 = _mm512_loadu_si512((const void*)q);
-        const __m512i n1 = _mm512_loadu_si512((const void*)(q + 64));
-        const __m512i h = _mm512_loadu_si512((const void*)(q + 128)), top = _mm512_set1_epi8(0x30);
-        const __m512i hv[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h,
-                               _mm512_srli_epi16(h, 2)};
-        const __m512i lo[4] = {n0, n1, _mm512_srli_epi16(n0, 4), _mm512_srli_epi16(n1, 4)};
-        for (int v = 0; v < 4; v++)
-            c[v] = _mm512_or_si512(_mm512_and_si512(lo[v], low4), _mm512_and_si512(hv[v], top));
+        const vi n0 = vi_load(q), n1 = vi_load(q + 64), h = vi_load(q + 128);
+        const vi top = vi_set1_i8(0x30);
+        const vi hv[4] = {vi_slli_i16(h, 4), vi_slli_i16(h, 2), h, vi_srli_i16(h, 2)};
+        const vi lo[4] = {n0, n1, vi_srli_i16(n0, 4), vi_srli_i16(n1, 4)};
+        for (int v = 0; v < 4; v++) c[v] = vi_or(vi_and(lo[v], low4), vi_and(hv[v], top));
     } else if (bits == 8) {
         for (int s = 0; s < 8; s++) c[s] = group_load(q + 4 * w * s, w);
     } else {
         for (int t = 0; t < 4; t++) {
-            const __m512i p = group_load(q + 4 * w * t, w);
-            c[t] = _mm512_and_si512(p, low4);
-            c[t + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+            const vi p = group_load(q + 4 * w * t, w);
+            c[t] = vi_and(p, low4);
+            c[t + 4] = vi_and(vi_srli_i16(p, 4), low4);
         }
         if (bits == 5)
-            for (int s = 0; s < 8; s++)
-                c[s] = _mm512_mask_add_epi8(c[s], (__mmask64)hm[s], c[s], sixteen);
+            for (int s = 0; s < 8; s++) c[s] = vi_mask_add_i8(c[s], hm[s], sixteen);
     }
-    __m512 dw, mw = _mm512_setzero_ps();  // per block: the codes' scale, the min's
+    vf dw, mw = vf_zero();  // per block: the codes' scale, the min's
     if (q6) {
-        const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sc));
-        dw = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(*d)), _mm512_cvtepi32_ps(s32));
+        const vi s32 = vi_from_i8(_mm_loadu_si128((const __m128i*)sc));
+        dw = vf_mul(vf_set1(_cvtsh_ss(*d)), vf_from_i32(s32));
     } else if (kq) {  // lanes 0-7 are superblock 2g's blocks, 8-15 superblock 2g + 1's
-        const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        const __mmask16 two = w > 8 ? 3 : 1;
-        const __m512 dd =
-            _mm512_permutexvar_ps(halves, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(two, d)));
-        const __m512 dm =
-            _mm512_permutexvar_ps(halves, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(two, mn)));
-        const __m512i scb = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, sc));
-        const __m512i mb32 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, mb));
-        dw = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(scb));
-        mw = _mm512_sub_ps(mw, _mm512_mul_ps(dm, _mm512_cvtepi32_ps(mb32)));
+        const vf dd = vf_halves(_cvtsh_ss(d[0]), w > 8 ? _cvtsh_ss(d[1]) : 0.0f);
+        const vf dm = vf_halves(_cvtsh_ss(mn[0]), w > 8 ? _cvtsh_ss(mn[1]) : 0.0f);
+        const vi scb = vi_from_u8(load_u8_n(sc, (int)w)), mb32 = vi_from_u8(load_u8_n(mb, (int)w));
+        dw = vf_mul(dd, vf_from_i32(scb));
+        mw = vf_sub(mw, vf_mul(dm, vf_from_i32(mb32)));
     } else {
-        dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d));
-        if (mins) mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn));
+        dw = vf_from_f16(load_u16_n(d, (int)w));
+        if (mins) mw = vf_from_f16(load_u16_n(mn, (int)w));
     }
     for (int m = 0; m < M; m++) {
         const int8_t* x = a->xq + (m * G + g) * 64 * V;
         const int64_t at = (m * G + g) * 16;
-        __m512i dot = _mm512_loadu_si512((const void*)(a->init + at));
+        vi dot = vi_load(a->init + at);
         for (int s = 0; s < V; s++)
-            dot = _mm512_dpbusd_epi32(dot, c[s], _mm512_loadu_si512((const void*)(x + 64 * s)));
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + at));
-        __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sums[16 * m]);
-        if (mins) acc = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->sx + at), acc);
+            dot = bits == 8 ? vi_dpbusd(dot, c[s], vi_load(x + 64 * s))
+                            : vi_dpbusd7(dot, c[s], vi_load(x + 64 * s));
+        const vf scale = vf_mul(dw, vf_load(a->dx + at));
+        vf acc = vf_fmadd(vf_from_i32(dot), scale, sums[16 * m]);
+        if (mins) acc = vf_fmadd(mw, vf_load(a->sx + at), acc);
         sums[16 * m] = acc;
     }
 }
@@ -149,8 +139,8 @@ static inline __attribute__((always_inline)) void lane_rows16(
     int64_t nb, const Weight* wt, const Lanes* a, void* y, int out_bf16, const uint16_t* bias) {
     const int64_t count = N - n0 < 16 ? N - n0 : 16, G = (nb + 15) / 16;
     const int64_t row_bytes = nb * (bits == 8 ? 32 : bits == 6 ? 12 : 16);
-    __m512 sums[M * 16];
-    for (int i = 0; i < M * 16; i++) sums[i] = _mm512_setzero_ps();
+    vf sums[M * 16];
+    for (int i = 0; i < M * 16; i++) sums[i] = vf_zero();
     if (M * G * (bits == 6 ? 256 : 512) > 16384) {
         for (int64_t g = 0; g < G; g++)
             for (int64_t j = 0; j < count; j++)
@@ -165,8 +155,8 @@ static inline __attribute__((always_inline)) void lane_rows16(
             for (int64_t g = 0; g < G; g++)
                 lane_group(M, bits, mins, kq, n0 + j, g, N, nb, wt, a, sums + j, ahead);
     }
-    const __mmask16 live = (__mmask16)((1u << count) - 1);
-    for (int m = 0; m < M; m++) store16(y, out_bf16, bias, m, n0, N, live, sum16(sums + 16 * m));
+    for (int m = 0; m < M; m++)
+        store16(y, out_bf16, bias, m, n0, N, (int)count, vf_sum16(sums + 16 * m));
 }
 
 #define ROWS_CASE(R, BITS, MINS, KQ)                                                    \

@@ -1,6 +1,6 @@
-// Few-row matmuls over GGUF Q3_K and Q2_K superblocks (AVX512-VNNI): the file's own bytes,
-// the activations int8 per block of 32; and the per-channel int8 copies of those and of Q6_K,
-// Q4_K and Q5_K, whose few-row kernel is gguf_gemv.c's (in lanes).
+// Few-row matmuls over GGUF Q3_K and Q2_K superblocks (AVX512-VNNI, or AVX2: simd16.h): the
+// file's own bytes, the activations int8 per block of 32; and the per-channel int8 copies of
+// those and of Q6_K, Q4_K and Q5_K, whose few-row kernel is gguf_gemv.c's (in lanes).
 
 #include "gguf_common.h"
 
@@ -52,72 +52,57 @@ static inline __attribute__((always_inline)) void dot_row_g16(
         for (int p = 0; p < 5; p++)
             for (int64_t at = 0; at < sizes[p]; at += 64) _mm_prefetch(parts[p] + at, _MM_HINT_T0);
     }
-    const __m512i three = _mm512_set1_epi8(0x03), four = _mm512_set1_epi8(4);
-    // Q3_K: the 16-bit shifts that bring field t of each qs byte to bits 0-1, fields 0 and 1
-    // (2 and 3) in the low and high 256 bits.
-    const __m512i shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    __m512i lane_group[4];
-    for (int c = 0; c < 4; c++)
-        lane_group[c] = _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2,
-                                         4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 1, 4 * c + 1,
-                                         4 * c + 1, 4 * c + 1, 4 * c, 4 * c, 4 * c, 4 * c);
-    __m512 acc[M], corr16[M];
-    for (int m = 0; m < M; m++) acc[m] = corr16[m] = _mm512_setzero_ps();
+    const vi three = vi_set1_i8(0x03), four = vi_set1_i8(4);
+    vf acc[M], corr16[M];
+    for (int m = 0; m < M; m++) acc[m] = corr16[m] = vf_zero();
     for (int64_t s = 0; s < ns; s++) {
         const __m128i scb = _mm_loadu_si128((const __m128i*)(sc + 16 * s));
-        __m512 dsc, corr_scale;  // per 16 values: the codes' scale, the offset term's
+        vf dsc, corr_scale;  // per 16 values: the codes' scale, the offset term's
         if (q2) {
-            const __m512i both = _mm512_cvtepu8_epi32(scb);
-            const __m512i low = _mm512_and_si512(both, _mm512_set1_epi32(15));
-            dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[s])), _mm512_cvtepi32_ps(low));
-            corr_scale = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(dmin[s])),
-                                       _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)));
+            const vi both = vi_from_u8(scb);
+            const vi low = vi_and(both, vi_set1_i32(15));
+            dsc = vf_mul(vf_set1(_cvtsh_ss(d[s])), vf_from_i32(low));
+            corr_scale = vf_mul(vf_set1(_cvtsh_ss(dmin[s])), vf_from_i32(vi_srli_i32(both, 4)));
         } else {
-            dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[s])),
-                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scb)));
+            dsc = vf_mul(vf_set1(_cvtsh_ss(d[s])), vf_from_i32(vi_from_i8(scb)));
             corr_scale = dsc;
         }
-        __m512 w[M];
+        vf w[M];
         for (int m = 0; m < M; m++) {
             const int64_t g = m * (K / 16) + 16 * s;
-            w[m] = _mm512_mul_ps(dsc, _mm512_loadu_ps(dxg + g));
-            corr16[m] = _mm512_fmadd_ps(corr_scale, _mm512_loadu_ps(off + g), corr16[m]);
+            w[m] = vf_mul(dsc, vf_load(dxg + g));
+            corr16[m] = vf_fmadd(corr_scale, vf_load(off + g), corr16[m]);
         }
         const __m256i hm =
             q3 ? _mm256_loadu_si256((const __m256i*)(hi + 32 * s)) : _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
-            __m512i c0, c1;  // values 128h + 0..63 and 128h + 64..127, unsigned codes
-            __m256i q = _mm256_loadu_si256((const __m256i*)(lo + 64 * s + 32 * h));
-            __m512i qq = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
-            // Fields up to bit 7 of a byte: a 16-bit shift moves none across bytes.
-            c0 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift01), three);
-            c1 = _mm512_and_si512(_mm512_srlv_epi16(qq, shift23), three);
+            // values 128h + 0..63 and 128h + 64..127, unsigned codes: fields 0 and 1 (2 and 3)
+            // of each qs byte in the low and high 256 bits (a 16-bit shift moves no field up
+            // to bit 7 across bytes)
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(lo + 64 * s + 32 * h));
+            vi c0 = vi_and(vi_dup_srli_i16(q, 0, 2), three);
+            vi c1 = vi_and(vi_dup_srli_i16(q, 4, 6), three);
             if (q3) {
-                __mmask64 k[4];
-                for (int t = 0; t < 4; t++)
-                    k[t] = _mm256_test_epi8_mask(hm,
-                                                 _mm256_set1_epi8((char)(1 << (4 * h + t))));
-                c0 = _mm512_mask_add_epi8(c0, k[0] | k[1] << 32, c0, four);
-                c1 = _mm512_mask_add_epi8(c1, k[2] | k[3] << 32, c1, four);
+                uint64_t k[4];  // bit l: byte l of hm has bit 4h + t
+                for (int t = 0; t < 4; t++) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + t)));
+                    k[t] = (uint32_t)_mm256_movemask_epi8(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit));
+                }
+                c0 = vi_mask_add_i8(c0, k[0] | k[1] << 32, four);
+                c1 = vi_mask_add_i8(c1, k[2] | k[3] << 32, four);
             }
             for (int m = 0; m < M; m++) {
                 const int8_t* x = xq + m * K + 256 * s + 128 * h;
-                __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0,
-                                                 _mm512_loadu_si512((const void*)x));
-                __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1,
-                                                 _mm512_loadu_si512((const void*)(x + 64)));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0),
-                                         _mm512_permutexvar_ps(lane_group[2 * h], w[m]), acc[m]);
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1),
-                                         _mm512_permutexvar_ps(lane_group[2 * h + 1], w[m]),
-                                         acc[m]);
+                const vi d0 = vi_dpbusd7(vi_zero(), c0, vi_load(x));
+                const vi d1 = vi_dpbusd7(vi_zero(), c1, vi_load(x + 64));
+                acc[m] = vf_fmadd(vf_from_i32(d0), vf_spread4(w[m], 2 * h), acc[m]);
+                acc[m] = vf_fmadd(vf_from_i32(d1), vf_spread4(w[m], 2 * h + 1), acc[m]);
             }
         }
     }
     for (int m = 0; m < M; m++)
-        store(y, out_bf16, bias, m, n, N,
-              _mm512_reduce_add_ps(acc[m]) - _mm512_reduce_add_ps(corr16[m]));
+        store(y, out_bf16, bias, m, n, N, vf_reduce_add(acc[m]) - vf_reduce_add(corr16[m]));
 }
 
 #define G16_ROWS_CASE(R)                                                                    \
@@ -255,8 +240,8 @@ static void requantize_k4(const uint8_t* qs, const uint32_t* hb, const uint8_t* 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         float w[K];
-        __m512 amax = _mm512_setzero_ps();
-        const __m512i low4 = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
+        vf amax = vf_zero();
+        const vi low4 = vi_set1_i32(15), sixteen = vi_set1_i32(16);
         for (int64_t b = 0; b < ns; b++) {
             const int64_t i = n * ns + b;
             const float dd = _cvtsh_ss(d[i]), dm = _cvtsh_ss(dmin[i]);
@@ -264,21 +249,21 @@ static void requantize_k4(const uint8_t* qs, const uint32_t* hb, const uint8_t* 
                 // group g: chunk g / 2 of 32 bytes, low nibbles for even g, high for odd
                 const uint8_t* p = qs + 128 * i + 32 * (g >> 1);
                 const uint32_t high = hb ? hb[8 * i + g] : 0;
-                const __m512 scale = _mm512_set1_ps(dd * (float)sc[8 * i + g]);
-                const __m512 offset = _mm512_set1_ps(-(dm * (float)mn[8 * i + g]));
+                const vf scale = vf_set1(dd * (float)sc[8 * i + g]);
+                const vf offset = vf_set1(-(dm * (float)mn[8 * i + g]));
                 for (int j = 0; j < 32; j += 16) {
-                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + j)));
-                    c = _mm512_and_si512(_mm512_srli_epi32(c, 4 * (g & 1)), low4);
-                    c = _mm512_mask_add_epi32(c, (__mmask16)(high >> j), c, sixteen);
+                    vi c = vi_from_u8(_mm_loadu_si128((const __m128i*)(p + j)));
+                    c = vi_and(g & 1 ? vi_srli_i32(c, 4) : c, low4);
+                    c = vi_mask_add_i32(c, (uint16_t)(high >> j), sixteen);
                     // c * scale is exact (a 5-bit code times an 11-bit by 6-bit product), so
                     // the fused add rounds once, as the separate add does
-                    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, offset);
-                    _mm512_storeu_ps(w + 256 * b + 32 * g + j, v);
-                    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+                    const vf v = vf_fmadd(vf_from_i32(c), scale, offset);
+                    vf_store(w + 256 * b + 32 * g + j, v);
+                    amax = vf_max(amax, vf_abs(v));
                 }
             }
         }
-        per_channel_row(w, K, _mm512_reduce_max_ps(amax), out + n * K, r + n);
+        per_channel_row(w, K, vf_reduce_max(amax), out + n * K, r + n);
     }
 }
 

@@ -49,49 +49,17 @@ static int lane_activations(const void* x, int is_bf16, int64_t M, int64_t K, in
     return 0;
 }
 
-// Lane i of the result: the sum of v[i]'s 16 lanes (a tree of adds that halves 16 vectors to
-// 8, 4, 2 and 1, 45 instructions for the 16 sums where one at a time takes 8 each).
-static inline __m512 sum16(const __m512* v) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)  // lanes 4l + {0, 2} and {1, 3}: v[2i]'s, v[2i + 1]'s
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  // lane 4l + k: v[4i + k]'s
-        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)  // 128-bit lanes 0, 1: u[2i]'s; 2, 3: u[2i + 1]'s
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
-                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-// float_to_bf16 (bf16.h) of 16 values.
-static inline __m256i bf16x16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                      _mm512_and_si512(high, one)));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-// Outputs n0..n0+15 (those of live) of row m, as store() writes one.
+// Outputs n0..n0+count-1 of row m, as store() writes one.
 static inline void store16(void* y, int out_bf16, const uint16_t* bias, int64_t m, int64_t n0,
-                           int64_t N, __mmask16 live, __m512 v) {
+                           int64_t N, int count, vf v) {
     if (!out_bf16) {
-        _mm512_mask_storeu_ps((float*)y + m * N + n0, live, v);
+        vf_store_n((float*)y + m * N + n0, v, count);
         return;
     }
-    __m256i r = bf16x16(v);
+    __m256i r = vf_to_bf16(v);
     if (bias) {
-        const __m512 b = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + n0)), 16));
-        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
-        r = bf16x16(_mm512_add_ps(f, b));
+        const vf b = vf_from_bf16(load_u16_n(bias + n0, count));
+        r = vf_to_bf16(vf_add(vf_from_bf16(r), b));
     }
-    _mm256_mask_storeu_epi16((uint16_t*)y + m * N + n0, live, r);
+    store_u16_n((uint16_t*)y + m * N + n0, r, count);
 }
-
