@@ -108,7 +108,8 @@ static inline void requantize_row(const int8_t* qn, const float* sn, int64_t K, 
             __m128i c = _mm_loadu_si128((const __m128i*)(qn + b * g + j));
             vf v = vf_round(vf_mul(vf_from_i32(vi_from_i8(c)), fv));
             v = vf_min(vf_max(v, lo), hi);
-            _mm_storeu_si128((__m128i*)(out + b * g + j), vi_to_i8(v));  // exact: integral, in range
+            // exact: integral, in range
+            _mm_storeu_si128((__m128i*)(out + b * g + j), vi_to_i8(v));
         }
         for (; j < g; j++) {
             float v = nearbyintf((float)qn[b * g + j] * f);

@@ -1,7 +1,7 @@
 // Few-row matmuls over GGUF Q5_0, Q4_0, Q5_1, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights
 // (AVX512-VNNI, or AVX2: simd16.h), built at first use by nanoqwen/kernels/cpu/gguf.py and
-// called through ctypes; gguf_kquants.c has Q3_K's and Q2_K's, gguf_requantize.h and gguf_kquants.c the per-channel
-// int8 copies for prefill.
+// called through ctypes; gguf_kquants.c has Q3_K's and Q2_K's, gguf_requantize.h and
+// gguf_kquants.c the per-channel int8 copies for prefill.
 //
 // A weight row is K/32 blocks of 32 codes c and a float16 scale d[n][b]:
 //   Q5_0 (q5_gemv): five-bit codes, w = d * (c - 16);  Q4_0 (q4_gemv): four-bit, w = d * (c - 8);
@@ -33,6 +33,11 @@
 #include "gguf_requantize.h"
 
 #define LANE_MAX_ROWS 16
+#ifdef SIMD16_AVX512
+#define PREFETCH_ONE_ROW 0
+#else
+#define PREFETCH_ONE_ROW 1
+#endif
 
 // A weight's arrays (those of its format; the others NULL).
 typedef struct {
@@ -75,7 +80,8 @@ static inline __attribute__((always_inline)) void lane_group(
                                mins ? (const char*)(mn + ahead * nd) : NULL,
                                sc ? (const char*)(sc + ahead * nb) : NULL,
                                kq ? (const char*)(mb + ahead * nb) : NULL};
-        for (int64_t at = 0; at < w * block_bytes; at += 64) _mm_prefetch(next[0] + at, _MM_HINT_T0);
+        for (int64_t at = 0; at < w * block_bytes; at += 64)
+            _mm_prefetch(next[0] + at, _MM_HINT_T0);
         for (int p = 1; p < 6; p++)
             if (next[p]) _mm_prefetch(next[p], _MM_HINT_T0);
     }
@@ -118,10 +124,13 @@ static inline __attribute__((always_inline)) void lane_group(
     for (int m = 0; m < M; m++) {
         const int8_t* x = a->xq + (m * G + g) * 64 * V;
         const int64_t at = (m * G + g) * 16;
-        vi dot = vi_load(a->init + at);
-        for (int s = 0; s < V; s++)
-            dot = bits == 8 ? vi_dpbusd(dot, c[s], vi_load(x + 64 * s))
-                            : vi_dpbusd7(dot, c[s], vi_load(x + 64 * s));
+        vi dot;
+        if (bits == 8) {
+            dot = vi_dot128(a->init + at, c, V, x);
+        } else {
+            dot = vi_load(a->init + at);
+            for (int s = 0; s < V; s++) dot = vi_dpbusd7(dot, c[s], vi_load(x + 64 * s));
+        }
         const vf scale = vf_mul(dw, vf_load(a->dx + at));
         vf acc = vf_fmadd(vf_from_i32(dot), scale, sums[16 * m]);
         if (mins) acc = vf_fmadd(mw, vf_load(a->sx + at), acc);
@@ -146,9 +155,10 @@ static inline __attribute__((always_inline)) void lane_rows16(
             for (int64_t j = 0; j < count; j++)
                 lane_group(M, bits, mins, kq, n0 + j, g, N, nb, wt, a, sums + j, 16);
     } else {
-        // One row (decode) streams faster on the hardware's prefetch alone: the lm_head took
-        // 4.1 ms with ours, 3.9 without; more rows compute long enough for ours to pay.
-        const int64_t ahead = M == 1                      ? N
+        // More rows compute long enough for our prefetch to pay; one row (decode) streamed
+        // faster on the hardware's alone on the AVX-512 machine (the lm_head 3.9 ms, 4.1 with
+        // ours), where the AVX2 one (an AMD EPYC) streams it at 2.2x with ours.
+        const int64_t ahead = M == 1 && !PREFETCH_ONE_ROW ? N
                               : row_bytes >= PREFETCH_BYTES ? 1
                                                             : PREFETCH_BYTES / row_bytes;
         for (int64_t j = 0; j < count; j++)

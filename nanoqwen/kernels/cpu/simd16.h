@@ -89,10 +89,16 @@ static inline vi vi_mask_add_i8(vi a, uint64_t mask, vi add) {
 static inline vi vi_mask_add_i32(vi a, uint16_t mask, vi add) {
     return _mm512_mask_add_epi32(a, (__mmask16)mask, a, add);
 }
-// acc + the sums of 4 products of unsigned bytes of c by signed bytes of x, a 32-bit lane each.
-static inline vi vi_dpbusd(vi acc, vi c, vi x) { return _mm512_dpbusd_epi32(acc, c, x); }
-// vi_dpbusd where every byte of c is below 128 (faster without VNNI).
+// acc + the sums of 4 products of unsigned bytes of c (each below 128, which AVX2 needs) by
+// signed bytes of x, a 32-bit lane each.
 static inline vi vi_dpbusd7(vi acc, vi c, vi x) { return _mm512_dpbusd_epi32(acc, c, x); }
+// init + those sums over the V vectors c[s] (x: 64 bytes each) for bytes c up to 255, where
+// init holds -128 times each lane's sum of x: the sums of (c - 128) x.
+static inline vi vi_dot128(const int32_t* init, const vi* c, int V, const int8_t* x) {
+    vi dot = vi_load(init);
+    for (int s = 0; s < V; s++) dot = _mm512_dpbusd_epi32(dot, c[s], vi_load(x + 64 * s));
+    return dot;
+}
 static inline vi vi_from_i8(__m128i a) { return _mm512_cvtepi8_epi32(a); }
 static inline vi vi_from_u8(__m128i a) { return _mm512_cvtepu8_epi32(a); }
 static inline vi vi_from_u16(__m256i a) { return _mm512_cvtepu16_epi32(a); }
@@ -122,8 +128,8 @@ static inline vf vf_sum16(const vf* v) {
 // float_to_bf16 (bf16.h) of 16 values.
 static inline __m256i vf_to_bf16(vf v) {
     const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                      _mm512_and_si512(high, _mm512_set1_epi32(1))));
+    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
     r = _mm512_srli_epi32(r, 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
@@ -137,21 +143,26 @@ typedef struct { __m256i lo, hi; } vi;
 
 #define VF2(expr_lo, expr_hi) ((vf){expr_lo, expr_hi})
 #define VI2(expr_lo, expr_hi) ((vi){expr_lo, expr_hi})
+// op on each half of a and b.
+#define VF2_OF(op, a, b) VF2(op((a).lo, (b).lo), op((a).hi, (b).hi))
+#define VI2_OF(op, a, b) VI2(op((a).lo, (b).lo), op((a).hi, (b).hi))
 
 static inline vf vf_zero(void) { return VF2(_mm256_setzero_ps(), _mm256_setzero_ps()); }
 static inline vf vf_set1(float a) { return VF2(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
 static inline vf vf_load(const float* p) { return VF2(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
-static inline void vf_store(float* p, vf a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
-static inline vf vf_add(vf a, vf b) { return VF2(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
-static inline vf vf_sub(vf a, vf b) { return VF2(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
-static inline vf vf_mul(vf a, vf b) { return VF2(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
-static inline vf vf_div(vf a, vf b) { return VF2(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
+static inline void vf_store(float* p, vf a) {
+    _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi);
+}
+static inline vf vf_add(vf a, vf b) { return VF2_OF(_mm256_add_ps, a, b); }
+static inline vf vf_sub(vf a, vf b) { return VF2_OF(_mm256_sub_ps, a, b); }
+static inline vf vf_mul(vf a, vf b) { return VF2_OF(_mm256_mul_ps, a, b); }
+static inline vf vf_div(vf a, vf b) { return VF2_OF(_mm256_div_ps, a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) {
     return VF2(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
 }
 // max and min as AVX-512's: the second operand where either is NaN.
-static inline vf vf_max(vf a, vf b) { return VF2(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
-static inline vf vf_min(vf a, vf b) { return VF2(_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)); }
+static inline vf vf_max(vf a, vf b) { return VF2_OF(_mm256_max_ps, a, b); }
+static inline vf vf_min(vf a, vf b) { return VF2_OF(_mm256_min_ps, a, b); }
 static inline vf vf_abs(vf a) {
     const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     return VF2(_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m));
@@ -169,9 +180,12 @@ static inline float vf_reduce_max(vf a) {
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
     return m;
 }
-static inline vf vf_from_i32(vi a) { return VF2(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
+static inline vf vf_from_i32(vi a) {
+    return VF2(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi));
+}
 static inline vf vf_from_f16(__m256i h) {
-    return VF2(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    return VF2(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+               _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
 }
 static inline vf vf_halves(float a, float b) { return VF2(_mm256_set1_ps(a), _mm256_set1_ps(b)); }
 static inline vf vf_spread4(vf a, int c) {
@@ -200,16 +214,17 @@ static inline vi vi_load_n32(const void* p, int count) {
     return VI2(_mm256_maskload_epi32((const int*)p, first_lanes(count)),
                _mm256_maskload_epi32((const int*)p + 8, first_lanes(count - 8)));
 }
-static inline vi vi_and(vi a, vi b) { return VI2(_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)); }
-static inline vi vi_or(vi a, vi b) { return VI2(_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)); }
+static inline vi vi_and(vi a, vi b) { return VI2_OF(_mm256_and_si256, a, b); }
+static inline vi vi_or(vi a, vi b) { return VI2_OF(_mm256_or_si256, a, b); }
 static inline vi vi_add_i32(vi a, vi b) {
-    return VI2(_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi));
+    return VI2_OF(_mm256_add_epi32, a, b);
 }
 #define vi_srli_i16(a, n) VI2(_mm256_srli_epi16((a).lo, n), _mm256_srli_epi16((a).hi, n))
 #define vi_slli_i16(a, n) VI2(_mm256_slli_epi16((a).lo, n), _mm256_slli_epi16((a).hi, n))
 #define vi_srli_i32(a, n) VI2(_mm256_srli_epi32((a).lo, n), _mm256_srli_epi32((a).hi, n))
 static inline vi vi_dup_srli_i16(__m256i q, int a, int b) {
-    return VI2(_mm256_srl_epi16(q, _mm_cvtsi32_si128(a)), _mm256_srl_epi16(q, _mm_cvtsi32_si128(b)));
+    return VI2(_mm256_srl_epi16(q, _mm_cvtsi32_si128(a)),
+               _mm256_srl_epi16(q, _mm_cvtsi32_si128(b)));
 }
 // 0xFF in byte i where bit i of the 32-bit mask is set.
 static inline __m256i bytes_of_bits(uint32_t mask) {
@@ -238,15 +253,25 @@ static inline __m256i dot4_7(__m256i c, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1));
 }
 static inline vi vi_dpbusd7(vi acc, vi c, vi x) {
-    return VI2(_mm256_add_epi32(acc.lo, dot4_7(c.lo, x.lo)), _mm256_add_epi32(acc.hi, dot4_7(c.hi, x.hi)));
+    return VI2(_mm256_add_epi32(acc.lo, dot4_7(c.lo, x.lo)),
+               _mm256_add_epi32(acc.hi, dot4_7(c.hi, x.hi)));
 }
-// Codes up to 255: the top bit's products (128 x) apart, each pair again at most 2 * 128 * 127.
-static inline __m256i dot4(__m256i c, __m256i x) {
-    const __m256i top = _mm256_set1_epi8((char)0x80);
-    return _mm256_add_epi32(dot4_7(_mm256_andnot_si256(top, c), x), dot4_7(_mm256_and_si256(top, c), x));
+// The signed codes c - 128 by x as llama.cpp's AVX2 dot products take them: |c - 128| (at
+// most 128) by x with c - 128's sign, a pair at most 2 * 128 * 127; init's -128 sum(x) is
+// what those products leave out, so it is not read.
+static inline __m256i dot4_128(__m256i c, __m256i x) {
+    const __m256i cs = _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80));
+    return dot4_7(_mm256_abs_epi8(cs), _mm256_sign_epi8(x, cs));
 }
-static inline vi vi_dpbusd(vi acc, vi c, vi x) {
-    return VI2(_mm256_add_epi32(acc.lo, dot4(c.lo, x.lo)), _mm256_add_epi32(acc.hi, dot4(c.hi, x.hi)));
+static inline vi vi_dot128(const int32_t* init, const vi* c, int V, const int8_t* x) {
+    (void)init;
+    vi dot = vi_zero();
+    for (int s = 0; s < V; s++) {
+        const vi xs = vi_load(x + 64 * s);
+        dot = VI2(_mm256_add_epi32(dot.lo, dot4_128(c[s].lo, xs.lo)),
+                  _mm256_add_epi32(dot.hi, dot4_128(c[s].hi, xs.hi)));
+    }
+    return dot;
 }
 static inline vi vi_from_i8(__m128i a) {
     return VI2(_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
@@ -265,8 +290,10 @@ static inline vf vf_from_bf16(__m256i a) {
 }
 static inline __m128i vi_to_i8(vf a) {
     const __m256i lo = _mm256_cvtps_epi32(a.lo), hi = _mm256_cvtps_epi32(a.hi);
-    const __m128i l16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-    const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+    const __m128i l16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+    const __m128i h16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
     return _mm_packs_epi16(l16, h16);
 }
 
@@ -283,8 +310,10 @@ static inline vf vf_sum16(const vf* v) {
     }
     for (int i = 0; i < 4; i++) {
         const vf a = t[2 * i], b = t[2 * i + 1];
-        u[i] = VF2(_mm256_add_ps(_mm256_shuffle_ps(a.lo, b.lo, 0x44), _mm256_shuffle_ps(a.lo, b.lo, 0xEE)),
-                   _mm256_add_ps(_mm256_shuffle_ps(a.hi, b.hi, 0x44), _mm256_shuffle_ps(a.hi, b.hi, 0xEE)));
+        u[i] = VF2(_mm256_add_ps(_mm256_shuffle_ps(a.lo, b.lo, 0x44),
+                                 _mm256_shuffle_ps(a.lo, b.lo, 0xEE)),
+                   _mm256_add_ps(_mm256_shuffle_ps(a.hi, b.hi, 0x44),
+                                 _mm256_shuffle_ps(a.hi, b.hi, 0xEE)));
     }
     for (int i = 0; i < 2; i++) {
         const vf a = u[2 * i], b = u[2 * i + 1];
@@ -297,8 +326,8 @@ static inline vf vf_sum16(const vf* v) {
 
 static inline __m128i bf16x8(__m256 v) {
     const __m256i u = _mm256_castps_si256(v), high = _mm256_srli_epi32(u, 16);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                                      _mm256_and_si256(high, _mm256_set1_epi32(1))));
+    const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
     r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
