@@ -16,6 +16,7 @@ from tiny_gguf import K_QUANTS, WITH_MINS, random_blocks, write_gguf
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.kernels.cpu.gguf import gguf_kernel
 from nanoqwen.model import load_gguf
+from nanoqwen.quant import linear
 from nanoqwen.quant.format import cat_rows, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import BLOCK_SIZES, from_gguf_blocks
 from nanoqwen.quant.gguf_forms import (
@@ -382,6 +383,20 @@ def test_a_file_without_a_bos_id_loads(tmp_path):
     llm = _engine(path)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[5, 17, 99]], params)[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+def test_without_vnni_or_amx_prefill_runs_the_kernels(monkeypatch, type_name):
+    """Where torch's int8 matmul has neither VNNI nor AMX under it (an AVX2 CPU), no int8
+    copy is made and a prefill's 40 rows go through the few-row kernels, 16 at a time: each
+    row what a decode step gives."""
+    monkeypatch.setattr(linear, "int8_matmul_is_fast", lambda: False)
+    layer = QuantizedLinear(from_file(type_name, random_blocks(type_name, 48, 512, seed=8)), None)
+    layer.prepare(torch.bfloat16)
+    assert layer._int8 is None
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(layer(x), torch.cat([layer(row[None]) for row in x]))
+    assert layer._int8 is None
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
