@@ -1,7 +1,8 @@
 // Vectors of 16 lanes of 32 bits for the GGUF kernels: AVX-512's registers where the CPU has
 // AVX512 F/BW/VL/VNNI, else two AVX2 halves. Each operation has the AVX-512 intrinsic's
 // result lane for lane (the sums in the same order), so both builds give the same outputs bit
-// for bit; tests/quant/test_gguf_kernels.py builds both where the CPU can and compares them.
+// for bit; tests/quant/test_gguf_kernels_avx2.py builds both where the CPU can and compares
+// them.
 #pragma once
 
 #include <immintrin.h>
