@@ -48,8 +48,9 @@ def outputs() -> dict[str, torch.Tensor]:
 )
 def test_avx2_build_equals_avx512_build(tmp_path):
     saved = tmp_path / "avx2.pt"
+    here = Path(__file__).parent  # and tests/, whose conftest tiny_gguf imports
     script = (
-        f"import sys, torch\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"import sys, torch\nsys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]\n"
         "from test_gguf_kernels_avx2 import outputs\n"
         f"torch.save(outputs(), {str(saved)!r})\n"
     )
