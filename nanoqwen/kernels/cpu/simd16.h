@@ -72,7 +72,6 @@ static inline vi vi_load_n32(const void* p, int count) {
 }
 static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
 static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
-static inline vi vi_add_i32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 #define vi_srli_i16(a, n) _mm512_srli_epi16(a, n)
 #define vi_slli_i16(a, n) _mm512_slli_epi16(a, n)
 #define vi_srli_i32(a, n) _mm512_srli_epi32(a, n)
@@ -217,9 +216,6 @@ static inline vi vi_load_n32(const void* p, int count) {
 }
 static inline vi vi_and(vi a, vi b) { return VI2_OF(_mm256_and_si256, a, b); }
 static inline vi vi_or(vi a, vi b) { return VI2_OF(_mm256_or_si256, a, b); }
-static inline vi vi_add_i32(vi a, vi b) {
-    return VI2_OF(_mm256_add_epi32, a, b);
-}
 #define vi_srli_i16(a, n) VI2(_mm256_srli_epi16((a).lo, n), _mm256_srli_epi16((a).hi, n))
 #define vi_slli_i16(a, n) VI2(_mm256_slli_epi16((a).lo, n), _mm256_slli_epi16((a).hi, n))
 #define vi_srli_i32(a, n) VI2(_mm256_srli_epi32((a).lo, n), _mm256_srli_epi32((a).hi, n))
