@@ -128,8 +128,7 @@ static inline __attribute__((always_inline)) void lane_group(
         if (bits == 8) {
             dot = vi_dot128(a->init + at, c, V, x);
         } else {
-            dot = vi_load(a->init + at);
-            for (int s = 0; s < V; s++) dot = vi_dpbusd7(dot, c[s], vi_load(x + 64 * s));
+            dot = vi_dot_codes(a->init + at, c, V, x, bits);
         }
         const vf scale = vf_mul(dw, vf_load(a->dx + at));
         vf acc = vf_fmadd(vf_from_i32(dot), scale, sums[16 * m]);
