@@ -1,5 +1,5 @@
-"""Compiles a C source of the package at first use with the system C compiler (-O3,
--march=native, OpenMP, then any flags in NANOQWEN_CFLAGS) into a cache directory, and loads
+"""Compiles a C source of the package at first use with the system C compiler (FLAGS, then
+any flags in NANOQWEN_CFLAGS) into a cache directory, and loads
 it; the library is then reused until the source, a header it includes, those flags or the CPU
 change. NANOQWEN_NATIVE=0 turns every such library off."""
 
@@ -26,6 +26,12 @@ def native_enabled() -> bool:
     return os.environ.get("NANOQWEN_NATIVE", "1") != "0"
 
 
+# -fno-trapping-math lets GCC turn the float compares of a clamp or select into vector
+# blends, so loops like SiLU's exp vectorize (-ftrapping-math kept that loop scalar: 36.5 µs
+# for one row of 4,864, 2 threads, an AVX2 CPU); results do not change (no reassociation).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
+
+
 def extra_flags() -> list[str]:
     """NANOQWEN_CFLAGS, after the defaults: e.g. -mno-avx512f builds the AVX2 kernels on an
     AVX-512 CPU."""
@@ -40,7 +46,7 @@ def _compile(source: Path, target: Path) -> None:
     # Written aside and renamed: test processes may build at the same time.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", *extra_flags(), "-shared", "-fPIC"]
+    cmd = [compiler, *FLAGS, *extra_flags(), "-shared", "-fPIC"]
     cmd += [str(source), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -80,7 +86,7 @@ def load_library(source: Path, fallback: str) -> ctypes.CDLL | None:
         return None
     # -march=native: a library built on one CPU is kept for that CPU only (shared home dirs).
     parts = [p.read_bytes() for p in _with_headers(source)]
-    built_for = (_cpu_flags() + "\0" + "\0".join(extra_flags())).encode()
+    built_for = (_cpu_flags() + "\0" + "\0".join((*FLAGS, *extra_flags()))).encode()
     key = hashlib.sha256(b"".join(parts) + built_for).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:
