@@ -72,7 +72,8 @@ def baseline_call(lib: ctypes.CDLL, kind: str, tensors: tuple, max_rows: int):
 
 
 def current_call(kind: str, tensors: tuple):
-    packed = to_lanes(kind, tensors) if kind in LANE_KINDS else tensors
+    planes = kernels.fifth_bit_planes()
+    packed = to_lanes(kind, tensors, planes=planes) if kind in LANE_KINDS else tensors
     max_rows = kernels.max_rows(kind)
 
     def call(x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.kernels.cpu.cpu_ops import cpu_kernels, dequantize_rows, quantize_rows_int8
-from nanoqwen.kernels.cpu.gguf import gguf_kernel, gguf_matmul, max_rows
+from nanoqwen.kernels.cpu.gguf import fifth_bit_planes, gguf_kernel, gguf_matmul, max_rows
 from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS, from_lanes, to_lanes
 from nanoqwen.quant.format import QuantizedWeight, dequantize, requantize_per_channel
 from nanoqwen.quant.gguf_forms import (
@@ -144,7 +144,7 @@ class QuantizedLinear(nn.Module):
         elif dtype != torch.float32 and is_q8_0(w) and gguf_kernel() is not None:
             q5 = is_q5_0(w)
             self.kind = "q5_0" if q5 else "q8_0"
-            self._decode = to_lanes(self.kind, pack_q5_0(w) if q5 else pack_q8_0(w))
+            self._decode = _lanes(self.kind, pack_q5_0(w) if q5 else pack_q8_0(w))
         elif dtype == torch.float32:
             self.kind = "dequant"  # no kernel for this layout; float32 stays exact
         gguf = self.kind in ("q5_0", "q8_0")
@@ -269,11 +269,11 @@ class QuantizedLinear(nn.Module):
 
 def _lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """A GGUF kind's file arrays in the few-row kernel's layout (gguf_lanes)."""
-    return to_lanes(kind, tensors) if kind in LANE_KINDS else tensors
+    return to_lanes(kind, tensors, planes=fifth_bit_planes()) if kind in LANE_KINDS else tensors
 
 
 def _unlanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return from_lanes(kind, tensors) if kind in LANE_KINDS else tensors
+    return from_lanes(kind, tensors, planes=fifth_bit_planes()) if kind in LANE_KINDS else tensors
 
 
 def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from conftest import run_without_a_compiler
 from tiny_gguf import random_blocks
 
-from nanoqwen.kernels.cpu.gguf import LANE_MAX_ROWS, MAX_ROWS, gguf_kernel, gguf_matmul, max_rows
+from nanoqwen.kernels.cpu.gguf import (
+    LANE_MAX_ROWS,
+    MAX_ROWS,
+    fifth_bit_planes,
+    gguf_kernel,
+    gguf_matmul,
+    max_rows,
+)
 from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS, from_lanes, to_lanes
 from nanoqwen.quant.format import dequantize, quantize_int8, requantize_per_channel
 from nanoqwen.quant.gguf_blocks import from_gguf_blocks
@@ -65,7 +72,7 @@ def _lane_packed(type_name: str, raw: np.ndarray) -> tuple[torch.Tensor, ...]:
         packed = PACK[type_name](from_gguf_blocks(type_name, raw))
     else:
         packed = from_file(type_name, raw).tensors
-    return to_lanes(type_name.lower(), packed)
+    return to_lanes(type_name.lower(), packed, planes=fifth_bit_planes())
 
 
 @pytest.mark.parametrize("type_name", [*PACK, "Q4_0", "Q4_1", "Q5_1"])
@@ -115,14 +122,25 @@ def test_verify_rows_equal_decode_rows(type_name, rows):
     assert not torch.equal(together[0], together[1])  # rows are told apart
 
 
+def fifth_bit(high: torch.Tensor, planes: bool, g: int, j: int, c: int) -> np.ndarray:
+    """Each row's fifth bit of code c of block j of group g, from to_lanes' masks (bit 4j + i
+    of mask s, for code 4s + i) or bit planes (bit s of byte 4j + i)."""
+    if planes:
+        byte = high.numpy().view(np.uint8).reshape(high.shape[0], -1, 64)[:, g, 4 * j + c % 4]
+        return (byte >> (c // 4)) & 1
+    masks = high.numpy().view(np.uint64)
+    return (masks[:, g, c // 4] >> np.uint64(4 * j + c % 4)) & 1
+
+
+@pytest.mark.parametrize("planes", [False, True], ids=["masks", "planes"])
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
-def test_k_quant_lanes_hold_blocks_of_32(type_name):
+def test_k_quant_lanes_hold_blocks_of_32(type_name, planes):
     """Q4_K's and Q5_K's codes in lanes are the canonical weight's blocks of 32 in Q4_0's
     nibble order (byte j: codes j and j + 16), their fifth bits as Q5_0's, their six-bit scales
     and mins one a block; from_lanes undoes it."""
     raw = random_blocks(type_name, 4, 512, seed=3)
     file = from_file(type_name, raw)
-    lanes = to_lanes(file.kind, file.tensors)
+    lanes = to_lanes(file.kind, file.tensors, planes=planes)
     canonical = to_canonical(file)  # codes 0..15 (0..31 with the fifth bit) a value
     q = canonical.q.numpy().view(np.uint8).reshape(4, 16, 32)
     codes = lanes[0].numpy()
@@ -132,15 +150,14 @@ def test_k_quant_lanes_hold_blocks_of_32(type_name):
             want = (q[:, b, 4 * v : 4 * v + 4] & 15) | (q[:, b, 16 + 4 * v : 20 + 4 * v] & 15) << 4
             assert np.array_equal(got, want)
     if type_name == "Q5_K":
-        masks = lanes[1].numpy().view(np.uint64)
         for b in range(16):
             for c in range(32):
-                bit = (masks[:, 0, c // 4] >> np.uint64(4 * b + c % 4)) & 1
-                assert np.array_equal(bit, q[:, b, c] >> 4)
+                assert np.array_equal(fifth_bit(lanes[1], planes, 0, b, c), q[:, b, c] >> 4)
     sc, m = lanes[-4].numpy(), lanes[-3].numpy()
     assert sc.shape == m.shape == (4, 16)
     assert np.array_equal(sc, file.tensors[-4].numpy().reshape(4, 16))
-    assert all(torch.equal(a, b) for a, b in zip(from_lanes(file.kind, lanes), file.tensors))
+    back = from_lanes(file.kind, lanes, planes=planes)
+    assert all(torch.equal(a, b) for a, b in zip(back, file.tensors))
 
 
 def test_q6_k_lanes_hold_groups_of_16():
@@ -150,7 +167,7 @@ def test_q6_k_lanes_hold_groups_of_16():
     + 1); the scales one a lane. from_lanes undoes it."""
     raw = random_blocks("Q6_K", 4, 512, seed=5)
     file = from_file("Q6_K", raw)
-    codes, sc, d = to_lanes("q6_k", file.tensors)
+    codes, sc, d = to_lanes("q6_k", file.tensors, planes=False)
     values = to_canonical(file).q.numpy().astype(np.int16) + 32  # 0..63, [4, 512]
     b = codes.numpy().reshape(4, 2, 3, 16, 4)  # superblock, vector kind, lane, byte
     for v in range(4):
@@ -159,17 +176,20 @@ def test_q6_k_lanes_hold_groups_of_16():
         top = (b[:, :, 2] >> (2 * v)) & 3
         assert np.array_equal(low | top << 4, want)
     assert torch.equal(sc, file.tensors[2].reshape(4, 32))
-    assert all(torch.equal(a, b) for a, b in zip(from_lanes("q6_k", (codes, sc, d)), file.tensors))
+    back = from_lanes("q6_k", (codes, sc, d), planes=False)
+    assert all(torch.equal(a, b) for a, b in zip(back, file.tensors))
 
 
+@pytest.mark.parametrize("planes", [False, True], ids=["masks", "planes"])
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1"])
-def test_lanes_hold_the_files_bytes(type_name):
+def test_lanes_hold_the_files_bytes(type_name, planes):
     """gguf_lanes' layout as gguf_gemv.c reads it: lane j of vector v of a group of w blocks
     is block j's code bytes 4v..4v+3, at byte 4w v of the group; the fifth bits as masks,
-    bit 4j + i of mask s = block j's code 4s + i. from_lanes undoes it."""
+    bit 4j + i of mask s = block j's code 4s + i, or as bit planes, bit s of byte 4j + i.
+    from_lanes undoes it."""
     raw = _blocks(type_name, 4, 896, seed=7)
     file = from_file(type_name, raw)
-    lanes = to_lanes(file.kind, file.tensors)
+    lanes = to_lanes(file.kind, file.tensors, planes=planes)
     qs, codes = file.tensors[0].numpy(), lanes[0].numpy()
     size = qs.shape[-1]
     for g, w in ((0, 16), (1, 12)):
@@ -179,13 +199,18 @@ def test_lanes_hold_the_files_bytes(type_name):
                 got = group[:, 4 * w * v + 4 * j : 4 * w * v + 4 * j + 4]
                 assert np.array_equal(got, qs[:, 16 * g + j, 4 * v : 4 * v + 4])
     if type_name in ("Q5_0", "Q5_1"):
-        qh, masks = file.tensors[1].numpy().view(np.uint32), lanes[1].numpy().view(np.uint64)
-        assert masks.shape == (4, 2, 8)
+        qh = file.tensors[1].numpy().view(np.uint32)
+        assert lanes[1].shape == (4, 2, 8)
         for b in range(28):
             for c in range(32):
-                bit = (masks[:, b // 16, c // 4] >> np.uint64(4 * (b % 16) + c % 4)) & 1
+                bit = fifth_bit(lanes[1], planes, b // 16, b % 16, c)
                 assert np.array_equal(bit, (qh[:, b] >> c) & 1)
-    assert all(torch.equal(a, b) for a, b in zip(from_lanes(file.kind, lanes), file.tensors))
+        # The short last group's missing blocks hold no bits.
+        assert not any(
+            fifth_bit(lanes[1], planes, 1, j, c).any() for j in (12, 15) for c in (0, 31)
+        )
+    back = from_lanes(file.kind, lanes, planes=planes)
+    assert all(torch.equal(a, b) for a, b in zip(back, file.tensors))
     assert file.kind in LANE_KINDS
 
 
@@ -204,7 +229,10 @@ def test_k_quant_kernels_equal_int8_activation_reference(type_name, kind, rows, 
     raw = random_blocks(type_name, 80, k, seed=rows)  # any code, scale and high-bit pattern
     packed = from_file(type_name, raw)
     assert packed.kind == kind and packed.shape == (80, k)
-    tensors = to_lanes(kind, packed.tensors) if kind in LANE_KINDS else packed.tensors
+    planes = fifth_bit_planes()
+    tensors = (
+        to_lanes(kind, packed.tensors, planes=planes) if kind in LANE_KINDS else packed.tensors
+    )
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0
     ref = _expected(x.bfloat16(), dequantize(from_gguf_blocks(type_name, raw)))
@@ -285,7 +313,9 @@ def test_without_a_compiler_the_layers_keep_torchs_kernels(tmp_path):
 def test_no_rows_give_no_rows(type_name):
     """A prefill chunk that ends no prompt asks the lm_head for the logits of no rows."""
     packed = from_file(type_name, random_blocks(type_name, 80, 256, seed=0))
-    tensors = to_lanes(packed.kind, packed.tensors) if packed.kind in LANE_KINDS else packed.tensors
+    planes = fifth_bit_planes()
+    lanes = packed.kind in LANE_KINDS
+    tensors = to_lanes(packed.kind, packed.tensors, planes=planes) if lanes else packed.tensors
     for dtype in (torch.bfloat16, torch.float32):
         out = gguf_matmul(torch.empty(0, 256, dtype=dtype), packed.kind, tensors)
         assert out.shape == (0, 80) and out.dtype == dtype

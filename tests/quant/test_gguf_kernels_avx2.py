@@ -14,7 +14,13 @@ import pytest
 import torch
 from tiny_gguf import random_blocks
 
-from nanoqwen.kernels.cpu.gguf import gguf_kernel, gguf_matmul, max_rows, requantize_packed
+from nanoqwen.kernels.cpu.gguf import (
+    fifth_bit_planes,
+    gguf_kernel,
+    gguf_matmul,
+    max_rows,
+    requantize_packed,
+)
 from nanoqwen.kernels.cpu.gguf_lanes import LANE_KINDS, to_lanes
 from nanoqwen.quant.gguf_packed import from_file
 
@@ -31,7 +37,9 @@ def outputs() -> dict[str, torch.Tensor]:
         k = 4864 if type_name.endswith("_K") else 896
         packed = from_file(type_name, random_blocks(type_name, 40, k, seed=len(found)))
         kind = packed.kind
-        tensors = to_lanes(kind, packed.tensors) if kind in LANE_KINDS else packed.tensors
+        planes = fifth_bit_planes()  # each build packs the fifth bits as it reads them
+        lanes = kind in LANE_KINDS
+        tensors = to_lanes(kind, packed.tensors, planes=planes) if lanes else packed.tensors
         codes, scales = requantize_packed(kind, packed.tensors)
         found[f"{type_name} copy"], found[f"{type_name} scales"] = codes, scales
         bias = torch.randn(40, generator=torch.Generator().manual_seed(1)).bfloat16()

@@ -73,7 +73,15 @@ def gguf_kernel() -> ctypes.CDLL | None:
         "requantize_q4_rows": ([*[_ptr] * 2, *_REQUANTIZE], None),
         "requantize_q51_rows": ([*[_ptr] * 4, *_REQUANTIZE], None),
         "requantize_q41_rows": ([*[_ptr] * 3, *_REQUANTIZE], None),
+        "gguf_fifth_bit_planes": ([], _int),
     })  # fmt: skip
+
+
+def fifth_bit_planes() -> bool:
+    """Whether the built kernels read the five-bit formats' fifth bits as bit planes (AVX2)
+    rather than masks (AVX-512): gguf_lanes.to_lanes' `planes`."""
+    library = gguf_kernel()
+    return library is not None and bool(library.gguf_fifth_bit_planes())
 
 
 @cache

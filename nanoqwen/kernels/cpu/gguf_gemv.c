@@ -21,7 +21,8 @@
 // Q8_0's 32 bytes c give 8 vectors, the nibble formats' 16 (Q4_0's qs: byte i = c[i] | c[i +
 // 16] << 4) 4, whose low nibbles are codes 4v..4v+3 and high ones codes 16 + 4v... Vector v
 // starts at byte 4w * v of its group. hm[n][g][8] (Q5_0, Q5_1, Q5_K): the fifth bits as 64-bit
-// byte masks, bit 4j + i of mask s set for block j's code 4s + i. The activations are
+// byte masks, bit 4j + i of mask s set for block j's code 4s + i; in an AVX2 build the same
+// bits as bit planes, 64 bytes a group, bit s of byte 4j + i. The activations are
 // reordered to match once per call, so eight vpdpbusd sum each block's 32 products in its own
 // lane with no shuffle, and a row's float work is one convert and two multiplies a 16 blocks
 // (against three shuffles, converts and multiplies a 4 blocks for one block per 128 bits):
@@ -85,7 +86,7 @@ static inline __attribute__((always_inline)) void lane_group(
         for (int p = 1; p < 6; p++)
             if (next[p]) _mm_prefetch(next[p], _MM_HINT_T0);
     }
-    const vi low4 = vi_set1_i8(0x0F), sixteen = vi_set1_i8(16);
+    const vi low4 = vi_set1_i8(0x0F);
     vi c[8];  // c[s]: codes 4s..4s+3 of each block, lanes past w zero
     if (q6) {
         // Q6_K (K a multiple of 256, so w = 16): two vectors of low nibbles (codes 0-3 and 8-11,
@@ -104,8 +105,15 @@ static inline __attribute__((always_inline)) void lane_group(
             c[t] = vi_and(p, low4);
             c[t + 4] = vi_and(vi_srli_i16(p, 4), low4);
         }
-        if (bits == 5)
+        if (bits == 5) {
+#if SIMD16_FIFTH_BIT_PLANES
+            const vi planes = vi_load(hm);
+            for (int s = 0; s < 8; s++) c[s] = vi_or_plane_bit(c[s], planes, s);
+#else
+            const vi sixteen = vi_set1_i8(16);
             for (int s = 0; s < 8; s++) c[s] = vi_mask_add_i8(c[s], hm[s], sixteen);
+#endif
+        }
     }
     vf dw, mw = vf_zero();  // per block: the codes' scale, the min's
     if (q6) {
@@ -207,6 +215,10 @@ static int gemv(int bits, int kq, const void* x, int is_bf16, int64_t M, int64_t
     free_lanes(&a);
     return 0;
 }
+
+// Whether the five-bit formats' fifth bits are bit planes (1) or masks (0): gguf_lanes.py
+// packs them as the build reads them.
+int gguf_fifth_bit_planes(void) { return SIMD16_FIFTH_BIT_PLANES; }
 
 #define GEMV(BITS, KQ, ...)                                                             \
     const Weight wt = {__VA_ARGS__};                                                    \

@@ -71,6 +71,23 @@ def _masks(qh: np.ndarray) -> np.ndarray:
     return masks.view(np.int64).reshape(n, g, 8)
 
 
+def _planes(masks: np.ndarray) -> np.ndarray:
+    """_masks' bits as bit planes, int64 [N, G, 8] holding 64 bytes a group: bit s of byte b
+    = bit b of mask s (what an AVX2 build reads: gguf_gemv.c)."""
+    n, g, _ = masks.shape
+    bits = np.unpackbits(masks.view(np.uint8).reshape(n, g, 8, 8), axis=-1, bitorder="little")
+    planes = np.packbits(bits.transpose(0, 1, 3, 2), axis=-1, bitorder="little")
+    return np.ascontiguousarray(planes.reshape(n, g, 64)).view(np.int64)
+
+
+def _unplane(planes: np.ndarray) -> np.ndarray:
+    """_planes' inverse: the masks."""
+    n, g, _ = planes.shape
+    bits = np.unpackbits(planes.view(np.uint8).reshape(n, g, 64, 1), axis=-1, bitorder="little")
+    masks = np.packbits(bits.transpose(0, 1, 3, 2), axis=-1, bitorder="little")
+    return np.ascontiguousarray(masks.reshape(n, g, 64)).view(np.int64)
+
+
 def _unmask(masks: np.ndarray, nb: int) -> np.ndarray:
     """_masks' inverse: int32 [N, nb]."""
     n, g, _ = masks.shape
@@ -148,10 +165,13 @@ def _q6_k_unlanes(lanes: np.ndarray, ns: int) -> tuple[np.ndarray, np.ndarray]:
     return _q6_k_file(np.stack(v, axis=3).reshape(lanes.shape[0], ns, 256))
 
 
-def to_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def to_lanes(
+    kind: str, tensors: tuple[torch.Tensor, ...], *, planes: bool
+) -> tuple[torch.Tensor, ...]:
     """The file's arrays of `kind` (gguf_packed.PackedBlocks') in gguf_gemv.c's lanes: codes
-    uint8 [N, K or K/2], for Q5_0, Q5_1 and Q5_K the masks int64 [N, G, 8], the scales (and
-    mins) as they were (a K-quant's sc and m [N, K/32], Q6_K's sc [N, K/16])."""
+    uint8 [N, K or K/2], for Q5_0, Q5_1 and Q5_K the fifth bits int64 [N, G, 8] (masks, or
+    with `planes` bit planes: gguf.fifth_bit_planes() says which the build reads), the scales
+    (and mins) as they were (a K-quant's sc and m [N, K/32], Q6_K's sc [N, K/16])."""
     if kind == "q6_k":
         ql, qh, sc, d = tensors
         lanes = _q6_k_lanes(ql.numpy(), qh.numpy())
@@ -161,14 +181,17 @@ def to_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor
     out = [_code_lanes(_k4_blocks(qs) if k_quant else qs)]
     if kind in _HIGH_BITS:
         high = rest.pop(0)
-        out.append(_masks(high.reshape(high.shape[0], -1)))
+        masks = _masks(high.reshape(high.shape[0], -1))
+        out.append(_planes(masks) if planes else masks)
     if k_quant:
         sc, m = rest.pop(0), rest.pop(0)
         out += [np.ascontiguousarray(a.reshape(a.shape[0], -1)) for a in (sc, m)]
     return tuple(torch.from_numpy(a) for a in out) + tuple(tensors[len(tensors) - len(rest) :])
 
 
-def from_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def from_lanes(
+    kind: str, tensors: tuple[torch.Tensor, ...], *, planes: bool
+) -> tuple[torch.Tensor, ...]:
     """to_lanes' inverse: the file's arrays again."""
     if kind == "q6_k":
         lanes, sc, d = tensors
@@ -180,7 +203,8 @@ def from_lanes(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
     blocks = _code_blocks(lanes, nb)
     out = [_k4_superblocks(blocks) if k_quant else blocks]
     if kind in _HIGH_BITS:
-        high = _unmask(rest.pop(0), nb)
+        bits = rest.pop(0)
+        high = _unmask(_unplane(bits) if planes else bits, nb)
         out.append(high.reshape(high.shape[0], nb // 8, 8) if k_quant else high)
     if k_quant:
         out += [a.reshape(a.shape[0], nb // 8, 8) for a in (rest.pop(0), rest.pop(0))]
