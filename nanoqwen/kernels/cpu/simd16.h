@@ -81,10 +81,10 @@ static inline vi vi_dup_srli_i16(__m256i q, int a, int b) {
     return _mm512_srlv_epi16(qq, _mm512_inserti64x4(_mm512_castsi256_si512(
         _mm256_set1_epi16((short)a)), _mm256_set1_epi16((short)b), 1));
 }
-// Byte i of a plus add where bit i of mask is set.
 // The fifth bits of gguf_gemv.c's five-bit formats come as 64-bit masks a code vector
 // (vi_mask_add_i8, one instruction), or on AVX2 as bit planes (vi_or_plane_bit).
 #define SIMD16_FIFTH_BIT_PLANES 0
+// Byte i of a plus add where bit i of mask is set.
 static inline vi vi_mask_add_i8(vi a, uint64_t mask, vi add) {
     return _mm512_mask_add_epi8(a, (__mmask64)mask, a, add);
 }
@@ -238,7 +238,7 @@ static inline vi vi_dup_srli_i16(__m256i q, int a, int b) {
 // a | 16 in each byte whose bit s is set in planes (the fifth bits as bit planes: byte b of
 // planes holds code vector s's byte b in bit s), for bytes of a below 16. A 16-bit shift
 // carries bits across bytes only below bit 4 (left, by at most 4) or above it (right, by at
-// most 3). Three instructions a half, where a 64-bit mask takes seven (vi_mask_add_i8).
+// most 3). Three instructions a half, where a 64-bit mask takes six (vi_mask_add_i8).
 static inline vi vi_or_plane_bit(vi a, vi planes, int s) {
     const __m256i bit4 = _mm256_set1_epi8(0x10);
     __m256i lo, hi;
