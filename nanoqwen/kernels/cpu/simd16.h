@@ -106,9 +106,7 @@ static inline vi vi_dot_codes(const int32_t* init, const vi* c, int V, const int
 // init + those sums over the V vectors c[s] (x: 64 bytes each) for bytes c up to 255, where
 // init holds -128 times each lane's sum of x: the sums of (c - 128) x.
 static inline vi vi_dot128(const int32_t* init, const vi* c, int V, const int8_t* x) {
-    vi dot = vi_load(init);
-    for (int s = 0; s < V; s++) dot = _mm512_dpbusd_epi32(dot, c[s], vi_load(x + 64 * s));
-    return dot;
+    return vi_dot_codes(init, c, V, x, 8);  // vpdpbusd takes unsigned bytes of any size
 }
 static inline vi vi_from_i8(__m128i a) { return _mm512_cvtepi8_epi32(a); }
 static inline vi vi_from_u8(__m128i a) { return _mm512_cvtepu8_epi32(a); }
