@@ -6,9 +6,13 @@ Compiles kernels/triton/quant_gemv.py (CUDA cores) and kernels/triton/quant_gemv
 instructions between the loop's label and its backward branch, per weight a thread handles in
 one loop step.
 The figures in those modules' docstrings come from here; the opcode histogram says where
-the rest goes.
+the rest goes. `--shape 7B` adds the tensor-core GEMV of each projection with the launch
+parameters the engine picks at batch 1 (mma_gemv_config, launched as a programmatic
+dependent), its loop's instructions sorted into what they do: unpacking the codes, the
+tensor-core dots (with the x sums), reading x's operand out of shared memory, register
+moves, and the rest (addresses, loop control, the copies' issue, scales).
 
-Usage: python3 tools/quant_gemv_sass.py [--top 8]
+Usage: python3 tools/quant_gemv_sass.py [--top 8] [--shape 7B]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from triton.tools import disasm
 
 from nanoqwen.kernels.triton import quant_gemv, quant_gemv_mma
+from nanoqwen.model.shapes import shape_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels" / "triton"))
 import sm90_compile  # noqa: E402
@@ -31,16 +36,20 @@ POINTER_TYPES = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "qw_ptr":
 DIVISIBLE = ("N", "K", "KW")  # what a launch specializes as multiples of 16, with pointers
 
 
-def compile_sm90(fn, const: dict, warps: int, stages: int):
-    """fn through sm90_compile.compile_kernel, every argument not in const an int32, or a
-    pointer where its name ends in _ptr (float32 unless POINTER_TYPES says otherwise)."""
-    types = {
+def _types(fn, const: dict) -> dict[str, str]:
+    """Every argument of fn not in const: an int32, or a pointer where its name ends in _ptr
+    (float32 unless POINTER_TYPES says otherwise)."""
+    return {
         name: POINTER_TYPES.get(name, "*fp32") if name.endswith("_ptr")
         else "i32:16" if name in DIVISIBLE else "i32"
         for name in fn.arg_names
         if name not in const
     }  # fmt: skip
-    return sm90_compile.compile_kernel(fn, types, const, warps, stages)
+
+
+def compile_sm90(fn, const: dict, warps: int, stages: int):
+    """fn through sm90_compile.compile_kernel with _types' argument types."""
+    return sm90_compile.compile_kernel(fn, _types(fn, const), const, warps, stages)
 
 
 def loop_opcodes(sass: str, suffixes: bool = False) -> collections.Counter:
@@ -61,18 +70,70 @@ def loop_opcodes(sass: str, suffixes: bool = False) -> collections.Counter:
     raise ValueError("no loop found")
 
 
-def report(label: str, kernel, weights_per_thread: int, top: int) -> None:
-    ops = loop_opcodes(disasm.get_sass(kernel.asm["cubin"]))
+# What a loop instruction of the tensor-core GEMV does, by opcode (with suffixes): the rest
+# is addressing, loop control, the copies' issue and the scales.
+ROLES = {
+    "unpack": ("LOP3.LUT", "SHF.R.U32.HI"),
+    "dots": ("HMMA.16816.F32.BF16", "HMMA.16816.F32"),
+    "x operand": ("LDS.U16", "PRMT"),
+    "moves": ("IMAD.MOV.U32", "MOV"),
+}
+
+
+def report(label: str, kernel, weights_per_thread: int, top: int, roles: bool = False) -> None:
+    ops = loop_opcodes(disasm.get_sass(kernel.asm["cubin"]), suffixes=roles)
     total = sum(ops.values())
-    common = ", ".join(f"{op} {n}" for op, n in ops.most_common(top))
+    if roles:
+        parts = {role: sum(ops[op] for op in names) for role, names in ROLES.items()}
+        parts["other"] = total - sum(parts.values())
+        common = ", ".join(f"{role} {n}" for role, n in parts.items())
+    else:
+        common = ", ".join(f"{op} {n}" for op, n in ops.most_common(top))
     print(f"{label}: {total / weights_per_thread:.2f} a weight ({total} / {weights_per_thread}); "
           f"{common}")  # fmt: skip
+
+
+def launches(shape: str) -> dict[str, tuple[int, int, bool]]:
+    """(N, K, SiLU·up) of each projection of a model shape, as one batch-1 GEMV each."""
+    cfg = shape_config(shape)
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    return {
+        "qkv": (qkv, h, False),
+        "o_proj": (h, cfg.num_attention_heads * d, False),
+        "gate_up": (2 * cfg.intermediate_size, h, True),
+        "down_proj": (h, cfg.intermediate_size, False),
+        "lm_head": (cfg.vocab_size, h, False),
+    }
+
+
+def report_launches(shape: str, top: int) -> None:
+    """The tensor-core GEMV as the engine launches each projection at batch 1 (int4 in
+    groups of 128 with offsets, under PDL)."""
+    for name, (n, k, silu) in launches(shape).items():
+        cfg = quant_gemv_mma.mma_gemv_config(n, k)
+        programs = -(-n // cfg.rows) * cfg.splits
+        const = {
+            "GROUP": 128, "HAS_OFFSET": True, "HAS_BIAS": name == "qkv", "SILU_MUL": silu,
+            "BN": cfg.rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "SPLITS": cfg.splits,
+            "ASM": True, "PDL": True,
+            "EARLY": quant_gemv_mma.launches_early(programs, quant_gemv.SM_COUNT_FALLBACK),
+            "AHEAD": quant_gemv_mma.first_step_ahead(True, silu),
+        }  # fmt: skip
+        k_ = sm90_compile.compile_kernel(
+            quant_gemv_mma._mma_gemv_kernel, _types(quant_gemv_mma._mma_gemv_kernel, const),
+            const, cfg.num_warps, cfg.num_stages, cfg.max_registers,
+        )  # fmt: skip
+        per_thread = cfg.rows * cfg.panels * 128 // (32 * cfg.num_warps)
+        report(f"{shape} {name} ({n} x {k}) {cfg}", k_, per_thread, top, roles=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--top", type=int, default=8, help="opcodes to list")
-    top = p.parse_args().top
+    p.add_argument("--shape", help="also each projection of this model shape as launched")
+    args = p.parse_args()
+    top = args.top
     for group, offset in ((128, False), (32, True)):
         cfg = quant_gemv.gemv_config(3584, 3584, 4, 132)
         const = {
@@ -96,6 +157,8 @@ def main() -> None:
             per_thread = rows * cfg.panels * 128 // (32 * cfg.num_warps)
             report(f"tensor-core int4 g128{' + offsets' if offset else ''} {cfg}", k,
                    per_thread, top)  # fmt: skip
+    if args.shape:
+        report_launches(args.shape, top)
 
 
 if __name__ == "__main__":

@@ -93,14 +93,25 @@ def test_the_decode_merge_loads_its_splits_together(compiled):
 
 
 @pytest.mark.parametrize(
-    ("tool", "each_line"),
-    [("quant_gemv_sass.py", " a weight ("), ("attention_sass.py", " warp instructions a KB")],
+    ("tool", "args", "each_line"),
+    [
+        ("quant_gemv_sass.py", (), " a weight ("),
+        ("attention_sass.py", (), " warp instructions a KB"),
+        ("quant_gemv_sass.py", ("--shape", "0.5B"), " a weight ("),
+    ],
 )
-def test_the_sass_tools_count_their_kernels(tool, each_line):
+def test_the_sass_tools_count_their_kernels(tool, args, each_line):
     """tools/quant_gemv_sass.py and tools/attention_sass.py compile the kernels whose loops
-    they count, with the kernels' current arguments."""
-    out = run_compiled(ROOT / "tools" / tool, "--top", "3")
+    they count, with the kernels' current arguments (and the engine's launch parameters for
+    each projection of a shape)."""
+    out = run_compiled(ROOT / "tools" / tool, "--top", "3", *args)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert len(lines) >= 8
     assert all(each_line in line for line in lines), lines
+    if args:
+        roles = [line for line in lines if line.startswith("0.5B ")]
+        assert [line.split(" (")[0] for line in roles] == [
+            "0.5B qkv", "0.5B o_proj", "0.5B gate_up", "0.5B down_proj", "0.5B lm_head"
+        ]  # fmt: skip
+        assert all("unpack " in line and ", other " in line for line in roles), roles
