@@ -26,9 +26,9 @@ from pathlib import Path
 from triton.tools import disasm
 
 from nanoqwen.kernels.triton import quant_gemv, quant_gemv_mma
-from nanoqwen.model.shapes import shape_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels" / "triton"))
+import quant_kernel_bench  # noqa: E402  (tools/, beside this script)
 import sm90_compile  # noqa: E402
 
 POINTER_TYPES = {"x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "qw_ptr": "*i32",
@@ -93,24 +93,11 @@ def report(label: str, kernel, weights_per_thread: int, top: int, roles: bool = 
           f"{common}")  # fmt: skip
 
 
-def launches(shape: str) -> dict[str, tuple[int, int, bool]]:
-    """(N, K, SiLU·up) of each projection of a model shape, as one batch-1 GEMV each."""
-    cfg = shape_config(shape)
-    h, d = cfg.hidden_size, cfg.head_dim
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    return {
-        "qkv": (qkv, h, False),
-        "o_proj": (h, cfg.num_attention_heads * d, False),
-        "gate_up": (2 * cfg.intermediate_size, h, True),
-        "down_proj": (h, cfg.intermediate_size, False),
-        "lm_head": (cfg.vocab_size, h, False),
-    }
-
-
-def report_launches(shape: str, top: int) -> None:
-    """The tensor-core GEMV as the engine launches each projection at batch 1 (int4 in
-    groups of 128 with offsets, under PDL)."""
-    for name, (n, k, silu) in launches(shape).items():
+def report_launches(shape: str) -> None:
+    """The tensor-core GEMV as the engine launches each projection of a model shape at batch
+    1 (int4 in groups of 128 with offsets, under PDL; gate_up with SiLU·up)."""
+    for name, (n, k) in quant_kernel_bench.shapes(shape).items():
+        silu = name == "gate_up"
         cfg = quant_gemv_mma.mma_gemv_config(n, k)
         programs = -(-n // cfg.rows) * cfg.splits
         const = {
@@ -120,12 +107,12 @@ def report_launches(shape: str, top: int) -> None:
             "EARLY": quant_gemv_mma.launches_early(programs, quant_gemv.SM_COUNT_FALLBACK),
             "AHEAD": quant_gemv_mma.first_step_ahead(True, silu),
         }  # fmt: skip
-        k_ = sm90_compile.compile_kernel(
-            quant_gemv_mma._mma_gemv_kernel, _types(quant_gemv_mma._mma_gemv_kernel, const),
-            const, cfg.num_warps, cfg.num_stages, cfg.max_registers,
-        )  # fmt: skip
+        fn = quant_gemv_mma._mma_gemv_kernel
+        kernel = sm90_compile.compile_kernel(
+            fn, _types(fn, const), const, cfg.num_warps, cfg.num_stages, cfg.max_registers
+        )
         per_thread = cfg.rows * cfg.panels * 128 // (32 * cfg.num_warps)
-        report(f"{shape} {name} ({n} x {k}) {cfg}", k_, per_thread, top, roles=True)
+        report(f"{shape} {name} ({n} x {k}) {cfg}", kernel, per_thread, 0, roles=True)
 
 
 def main() -> None:
@@ -158,7 +145,7 @@ def main() -> None:
             report(f"tensor-core int4 g128{' + offsets' if offset else ''} {cfg}", k,
                    per_thread, top)  # fmt: skip
     if args.shape:
-        report_launches(args.shape, top)
+        report_launches(args.shape)
 
 
 if __name__ == "__main__":

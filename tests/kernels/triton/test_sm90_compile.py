@@ -112,6 +112,6 @@ def test_the_sass_tools_count_their_kernels(tool, args, each_line):
     if args:
         roles = [line for line in lines if line.startswith("0.5B ")]
         assert [line.split(" (")[0] for line in roles] == [
-            "0.5B qkv", "0.5B o_proj", "0.5B gate_up", "0.5B down_proj", "0.5B lm_head"
+            "0.5B qkv", "0.5B o", "0.5B gate_up", "0.5B down", "0.5B lm_head"
         ]  # fmt: skip
         assert all("unpack " in line and ", other " in line for line in roles), roles
