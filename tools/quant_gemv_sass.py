@@ -47,9 +47,9 @@ def _types(fn, const: dict) -> dict[str, str]:
     }  # fmt: skip
 
 
-def compile_sm90(fn, const: dict, warps: int, stages: int):
+def compile_sm90(fn, const: dict, warps: int, stages: int, maxnreg: int | None = None):
     """fn through sm90_compile.compile_kernel with _types' argument types."""
-    return sm90_compile.compile_kernel(fn, _types(fn, const), const, warps, stages)
+    return sm90_compile.compile_kernel(fn, _types(fn, const), const, warps, stages, maxnreg)
 
 
 def loop_opcodes(sass: str, suffixes: bool = False) -> collections.Counter:
@@ -107,10 +107,8 @@ def report_launches(shape: str) -> None:
             "EARLY": quant_gemv_mma.launches_early(programs, quant_gemv.SM_COUNT_FALLBACK),
             "AHEAD": quant_gemv_mma.first_step_ahead(True, silu),
         }  # fmt: skip
-        fn = quant_gemv_mma._mma_gemv_kernel
-        kernel = sm90_compile.compile_kernel(
-            fn, _types(fn, const), const, cfg.num_warps, cfg.num_stages, cfg.max_registers
-        )
+        kernel = compile_sm90(quant_gemv_mma._mma_gemv_kernel, const, cfg.num_warps,
+                              cfg.num_stages, cfg.max_registers)  # fmt: skip
         per_thread = cfg.rows * cfg.panels * 128 // (32 * cfg.num_warps)
         report(f"{shape} {name} ({n} x {k}) {cfg}", kernel, per_thread, 0, roles=True)
 
