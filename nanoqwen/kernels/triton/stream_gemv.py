@@ -50,6 +50,8 @@ class StreamGemvConfig:
     # tiles copied before the wait for x under PDL (at most three: _stream_gemv_kernel holds
     # them in registers; three took 7B's projections to 80-168 registers and cost time)
     ahead: int = 2
+    # A thread's registers at most (ptxas' maxnreg), or the compiler's choice.
+    max_registers: int | None = None
 
 
 def stream_gemv_config(n: int, k: int) -> StreamGemvConfig:
@@ -235,5 +237,6 @@ def stream_gemv(
         EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),
         launch_pdl=pdl,
         num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )  # fmt: skip
     return y if norm is None else (y, total)
