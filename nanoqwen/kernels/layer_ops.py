@@ -33,6 +33,14 @@ class LayerOps:
     # one row's final add+RMSNorm and the lm_head after it, float32 logits:
     # (x, residual or None, norm weight, eps, lm_head weight, out or None) -> logits [1, vocab]
     norm_logits: Callable | None = None
+    # One row with the residual add in the epilogue of the product in front of it, which
+    # keeps partial sums of the stream's squares, and the add+RMSNorm behind it taking its
+    # 1 / RMS from them (kernels/triton/split_sums.py), for the weights `streams` takes:
+    # (x, weight, bias, residual) -> (residual + x @ weight.T + bias, squares), and
+    # (stream, squares, norm weight, eps, weight, bias, silu_mul) -> the product
+    streams: Callable[[torch.Tensor], bool] = lambda weight: False
+    gemv_add: Callable | None = None
+    squares_norm_gemv: Callable | None = None
 
 
 TORCH_OPS = LayerOps("torch")
@@ -43,10 +51,13 @@ def triton_ops() -> LayerOps:
     from nanoqwen.kernels.triton.gemv import (
         embed_norm_gemv,
         gemv,
+        gemv_add,
         gemv_pays,
         gemv_silu_mul,
         norm_gemv,
         norm_gemv_silu_mul,
+        squares_norm_gemv,
+        streams,
     )
     from nanoqwen.kernels.triton.rms_norm import rms_norm
     from nanoqwen.kernels.triton.silu_mul import silu_mul
@@ -63,7 +74,8 @@ def triton_ops() -> LayerOps:
 
     return LayerOps(
         "triton", add_rms_norm, silu_mul, gemv, gemv_silu_mul, gemv_pays,
-        norm_gemv, norm_gemv_silu_mul, embed_norm_gemv, norm_logits,
+        norm_gemv, norm_gemv_silu_mul, embed_norm_gemv, norm_logits, streams, gemv_add,
+        squares_norm_gemv,
     )  # fmt: skip
 
 

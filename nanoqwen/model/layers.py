@@ -31,6 +31,20 @@ class Linear(nn.Module):
             return self.ops.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def takes_squares(self) -> bool:
+        """Whether one row can run add_row and normed_row (ops.streams takes the weight)."""
+        return self.gemv and self.ops.gemv_add is not None and self.ops.streams(self.weight)
+
+    def add_row(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(residual + self(x), the float32 partial sums of its squares) for one row."""
+        return self.ops.gemv_add(x, self.weight, self.bias, residual)
+
+    def normed_row(self, stream, squares, norm, silu_mul: bool = False) -> torch.Tensor:
+        """self(norm(stream)), or SiLU·up of it, for one row whose squares add_row summed."""
+        return self.ops.squares_norm_gemv(stream, squares, norm.weight, norm.eps, self.weight,
+                                          self.bias, silu_mul)  # fmt: skip
+
 
 class RMSNorm(nn.Module):
     """RMSNorm that can also absorb the residual add in front of it: ops.add_rms_norm (one

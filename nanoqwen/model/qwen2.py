@@ -10,6 +10,7 @@ from nanoqwen.attention.rotary import RotaryEmbedding
 from nanoqwen.kernels.layer_ops import LayerOps
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import MLP, Linear, RMSNorm
+from nanoqwen.model.summed_row import SummedRow, summed_mlp_half, takes_squares
 from nanoqwen.model.tensor_parallel import (
     ReducingRMSNorm,
     TensorParallel,
@@ -42,8 +43,12 @@ class Attention(nn.Module):
         return self.attend(self.qkv_proj(x), meta)
 
     def attend(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.heads(qkv, meta))
+
+    def heads(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention heads' output, [tokens, q_size], before o_proj."""
         out = self.backend.forward(qkv, self.k_cache, self.v_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 class DecoderLayer(nn.Module):
@@ -62,32 +67,50 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | SummedRow,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
         ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the previous layer's output, not yet added to the residual stream; with ids
-        (the first layer), x is the embedding table and the input its rows at ids."""
+    ) -> tuple[torch.Tensor | SummedRow, torch.Tensor]:
+        """x is the previous layer's output, not yet added to the residual stream, or a
+        SummedRow (then residual is its stream); with ids (the first layer), x is the
+        embedding table and the input its rows at ids. Returns (x, residual) in the same
+        forms: a SummedRow where the layer's projections take squares (summed_row.py)."""
         attn, mlp = self.self_attn, self.mlp
         dense = getattr(attn.qkv_proj, "gemv", False)
         norm = self.input_layernorm
-        fused = self._norm_into(x, residual, norm, attn.qkv_proj, dense, False, ids)
+        if isinstance(x, SummedRow):
+            qkv, residual = attn.qkv_proj.normed_row(x.stream, x.squares, norm), x.stream
+            fused = (qkv, residual)
+        else:
+            fused = self._norm_into(x, residual, norm, attn.qkv_proj, dense, False, ids)
         if fused is None:
             if ids is not None:
                 x = x[ids]
             h, residual = norm(x, residual)
-            h = attn(h, meta)
+            heads = attn.heads(attn.qkv_proj(h), meta)
         else:
             qkv, residual = fused
-            h = attn.attend(qkv, meta)
+            heads = attn.heads(qkv, meta)
         norm = self.post_attention_layernorm
+        if heads.shape[0] == 1 and self.sums_rows:
+            out = summed_mlp_half(heads, residual, attn.o_proj, norm, mlp)
+            return out, out.stream
+        h = attn.o_proj(heads)
         fused = self._norm_into(h, residual, norm, mlp.gate_up_proj, mlp.gemv, True)
         if fused is None:
             h, residual = norm(h, residual)
             return mlp(h), residual
         act, residual = fused
         return mlp.down_proj(act), residual
+
+    @property
+    def sums_rows(self) -> bool:
+        """Whether one row runs summed_row.py's way through this layer."""
+        attn, mlp = self.self_attn, self.mlp
+        plain = type(self.input_layernorm) is RMSNorm
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return plain and takes_squares(*projections)
 
     def _norm_into(self, x, residual, norm, proj, dense: bool, silu_mul: bool, ids=None):
         """(proj(norm(x + residual)), with silu_mul SiLU·up of it, and x + residual) in one
@@ -141,6 +164,11 @@ class Qwen2ForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_positions, cfg.rope_theta, device, cfg.rope_scaling
         )
         self.attention_backend: AttentionBackend | None = None  # set_attention_backend's
+        # forward()'s x where the last layer added its output to the residual stream itself
+        # (summed_row.py): never written, as the norms after it write only the residual
+        self.register_buffer(
+            "zero_row", torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device), False
+        )
 
     def set_ops(self, ops: LayerOps) -> None:
         """The device's kernels for every norm and MLP, and its single-row GEMVs for the
@@ -187,6 +215,9 @@ class Qwen2ForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, meta, ids)
             ids = None
+        if isinstance(x, SummedRow):
+            # residual already holds the last layer's output: x + residual is residual
+            x = self.zero_row
         return x, residual
 
     def compute_logits(

@@ -226,3 +226,23 @@ def norm_gemv_silu_mul(x, residual, norm_weight, eps: float, gate_up):
     rows, cols = _blocks(two_n, k)
     return _launch(x, gate_up, None, two_n // 2, max(1, rows // 2), cols, silu_mul=True,
                    norm=(residual, norm_weight, eps))  # fmt: skip
+
+
+def streams(weight: torch.Tensor) -> bool:
+    """Whether one row through this weight runs stream_gemv (whose launches can add the
+    residual after the product and take the add+RMSNorm from partial sums of squares)."""
+    return gemv_pays(weight) and weight.numel() * weight.element_size() > GEMV_MAX_BYTES
+
+
+def gemv_add(x, weight, bias, residual):
+    """(residual + gemv(x, weight, bias), the float32 partial sums of its squares) for a
+    weight that streams, HF's rounding of the residual add, in one launch."""
+    return stream_gemv(x, weight, bias, residual=residual)
+
+
+def squares_norm_gemv(stream, squares, norm_weight, eps: float, weight, bias=None,
+                      silu_mul: bool = False):  # fmt: skip
+    """gemv (or gemv_silu_mul) of RMSNorm(stream) * norm_weight for a weight that streams,
+    the norm's 1 / RMS from squares (gemv_add's), in one launch."""
+    return stream_gemv(stream, weight, bias, silu_mul, (None, norm_weight, eps),
+                       squares=squares)[0]  # fmt: skip

@@ -6,7 +6,12 @@ most), so no kernel of its own runs in front.
 The sum of squares only loads, over a loop unrolled at compile time: with the store of x +
 residual inside that loop (sm_90 SASS), no chunk's loads could issue before the previous
 chunk's store, and each program of 7B's qkv, gate_up and lm_head waited on 14 L2 round trips
-in a row. The store goes with the product's own pass over the row instead (gemv_input)."""
+in a row. The store goes with the product's own pass over the row instead (gemv_input).
+
+Where the kernel in front finished the row as the residual stream with its sum of squares in
+parts (split_sums.py, ADD_RES), x is that row and the 1 / RMS comes from the parts
+(squares_rstd): no residual to load or store, and a few hundred floats where every value was
+read."""
 
 from __future__ import annotations
 
@@ -41,6 +46,16 @@ def row_rstd(x_ptr, res_ptr, K, eps, HAS_RES: tl.constexpr, BK: tl.constexpr,
         v = input_chunk(x_ptr, res_ptr, cols, cols < K, HAS_RES).to(tl.float32)
         squares += v * v
     return tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton.jit
+def squares_rstd(sq_ptr, NB, K, eps, NB_PAD: tl.constexpr):
+    """1 / RMS of a row whose sum of squares is in NB partial sums (split_sums.finish_rows
+    with ADD_RES), added in one fixed order. Loads skip L1, which may hold an earlier
+    launch's sums."""
+    i = tl.arange(0, NB_PAD)
+    parts = tl.load(sq_ptr + i, mask=i < NB, other=0.0, cache_modifier=".cg")
+    return tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
 
 
 @triton.jit

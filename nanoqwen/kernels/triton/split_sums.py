@@ -6,6 +6,11 @@ same result whatever the order of arrival), then the bias or SiLU·up, and store
 part_ptr: [SPLITS, width] float32, width the product's rows (N, or 2N with SiLU·up: the
 gate sums, then the up sums); counts_ptr: one int32 per block of rows, zero between
 launches (counters.zeroed_counters), which the last program leaves zero again.
+
+With ADD_RES the rows finish as the next residual stream (HF's residual add after o_proj and
+down_proj): y rounded, plus the residual's rows, rounded again; and each block stores its
+rows' float32 sum of squares to sq_ptr[block], so that the add+RMSNorm after it takes its
+1 / RMS from a few hundred partial sums (gemv_inputs.squares_rstd) instead of every value.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ def split_span(total, chunk, SPLITS: tl.constexpr):
 
 @triton.jit
 def finish_split(
-    part_ptr, counts_ptr, bias, y_ptr, block, split, rows, r_mask, y, up, N,
+    part_ptr, counts_ptr, bias, y_ptr, block, split, rows, r_mask, y, up, N, res_ptr, sq_ptr,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    ADD_RES: tl.constexpr,
 ):  # fmt: skip
     """A program's float32 sums of its block of rows (and of their up rows) to y_ptr: at
     once with one split, else by the block's last split to arrive. bias: the rows' bias in
-    float32 (row_bias), which a launch under PDL loads before its wait."""
+    float32 (row_bias), which a launch under PDL loads before its wait. ADD_RES: y_ptr gets
+    the residual stream, sq_ptr the block's sum of squares (finish_rows)."""
     if SPLITS > 1:
         width = N
         if SILU_MUL:
@@ -41,9 +48,11 @@ def finish_split(
         if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
                     SILU_MUL):  # fmt: skip
             y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
-            finish_rows(bias, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+            finish_rows(bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, block, HAS_BIAS,
+                        SILU_MUL, ADD_RES)  # fmt: skip
     else:
-        finish_rows(bias, y_ptr, rows, r_mask, y, up, HAS_BIAS, SILU_MUL)
+        finish_rows(bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, block, HAS_BIAS,
+                    SILU_MUL, ADD_RES)  # fmt: skip
 
 
 @triton.jit
@@ -85,16 +94,25 @@ def sum_splits(part_ptr, rows, r_mask, N, width, SPLITS: tl.constexpr, SILU_MUL:
 
 @triton.jit
 def finish_rows(
-    bias, y_ptr, rows, r_mask, y, up, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr
+    bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, block, HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
 ):  # fmt: skip
-    """The float32 sums of the rows to y_ptr's dtype, with the bias, or silu(y) * up."""
+    """The float32 sums of the rows to y_ptr's dtype, with the bias, or silu(y) * up; with
+    ADD_RES, plus the residual's rows, and the block's sum of squares of the result to
+    sq_ptr[block]."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
         y += bias
     if SILU_MUL:
         # Both projections round to the model dtype first, as the unfused path's matmul does.
         y = _silu_mul(y.to(dtype), up.to(dtype), dtype)
-    tl.store(y_ptr + rows, y.to(dtype), mask=r_mask)
+    y = y.to(dtype)
+    if ADD_RES:
+        r = tl.load(res_ptr + rows, mask=r_mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        h = tl.where(r_mask, y.to(tl.float32), 0.0)  # rows past N may hold a copy of N - 1
+        tl.store(sq_ptr + block, tl.sum(h * h, 0))
+    tl.store(y_ptr + rows, y, mask=r_mask)
 
 
 def split_columns(k: int, tile: int, splits: int) -> tuple[int, int]:

@@ -29,7 +29,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.gemv_inputs import gemv_input, input_from, raw_input, row_rstd
+from nanoqwen.kernels.triton.gemv_inputs import (
+    gemv_input,
+    input_from,
+    raw_input,
+    row_rstd,
+    squares_rstd,
+)
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import sm_count
 from nanoqwen.kernels.triton.split_sums import finish_split, row_bias, split_columns, split_span
@@ -90,12 +96,12 @@ def _take(acc, acc_up, w, u, raw, sum_ptr, k0, K, rstd, first, NORM: tl.constexp
 @triton.jit
 def _stream_gemv_kernel(
     x_ptr, w_desc, b_ptr, y_ptr, res_ptr, nw_ptr, sum_ptr, ids_ptr, part_ptr, counts_ptr,
-    N, K, chunk, eps,
+    sq_ptr, N, K, chunk, NB, eps,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
     EMBED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
     STAGES: tl.constexpr, AHEAD: tl.constexpr, NORM_CHUNKS: tl.constexpr, PDL: tl.constexpr,
     NORM_WIDTH: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, SQUARES: tl.constexpr, ADD_RES: tl.constexpr, NB_PAD: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for rows BN*pid..; with SILU_MUL, W holds gate rows then N up rows and
     y = silu(W_gate x) * (W_up x). Program (pid, s) takes columns [s * chunk, (s + 1) *
@@ -104,7 +110,10 @@ def _stream_gemv_kernel(
     Columns past K arrive as zeros (TMA's bounds), and so do rows past the weight's; gate
     rows past N read up rows, never stored. With NORM, the first block's programs store x +
     residual over their columns, the whole row between them. With EMBED, x_ptr is the
-    embedding table and x its row at the token id ids_ptr holds, stored like x + residual."""
+    embedding table and x its row at the token id ids_ptr holds, stored like x + residual.
+    With SQUARES (and NORM), x is already the residual stream and its sum of squares is in
+    the NB partial sums at sq_ptr; with ADD_RES, y is finished as the residual stream
+    (res_ptr's rows added) with its blocks' sums of squares to sq_ptr (split_sums.py)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty  # the input's rounding (y may be float32)
     if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
         if EARLY:
@@ -138,7 +147,9 @@ def _stream_gemv_kernel(
         c2 = k_begin + 2 * BK + tl.arange(0, BK)
         raw2 = raw_input(x_ptr, res_ptr, nw_ptr, c2, c2 < K, NORM, HAS_RES)
     rstd = 0.0
-    if NORM:
+    if SQUARES:
+        rstd = squares_rstd(sq_ptr, NB, K, eps, NB_PAD)
+    elif NORM:
         rstd = row_rstd(x_ptr, res_ptr, K, eps, HAS_RES, BK, NORM_CHUNKS, NORM_WIDTH)
     first = block == 0
     SUM: tl.constexpr = HAS_RES or EMBED
@@ -170,7 +181,7 @@ def _stream_gemv_kernel(
     y = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
     finish_split(part_ptr, counts_ptr, bias, y_ptr, block, tl.program_id(1), rows, r_mask, y,
-                 up, N, SPLITS, HAS_BIAS, SILU_MUL)  # fmt: skip
+                 up, N, res_ptr, sq_ptr, SPLITS, HAS_BIAS, SILU_MUL, ADD_RES)  # fmt: skip
 
 
 def one_wave(cfg: StreamGemvConfig, silu_mul: bool, itemsize: int, device) -> int:
@@ -203,13 +214,18 @@ def stream_gemv(
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     ids: torch.Tensor | None = None,
+    squares: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ):
     """x [1, K] times weight [N, K] (+ bias): [1, N] in out_dtype (x's by default; float32
     logits straight from the float32 sums), written into out when given (contiguous, of that
     shape and dtype); with silu_mul, weight = [W_gate; W_up] and the result silu(gate) * up,
     [1, N // 2]. norm: (residual or None, norm weight, eps) for the add+RMSNorm in front, and
     then (y, x + residual) is returned. ids (with norm): x is an embedding table and the
-    input its row at ids[0]."""
+    input its row at ids[0]. squares (with norm, residual None): x is already the residual
+    stream, the float32 partial sums of its squares are these. residual: the product is
+    added to it as HF's residual add does and (x + residual stream, its squares) returned,
+    the squares a float32 [1, blocks] tensor for a later launch's `squares`."""
     rows_w, k = weight.shape
     n = rows_w // 2 if silu_mul else rows_w
     cfg = config or stream_gemv_config(n, k)
@@ -223,20 +239,34 @@ def stream_gemv(
         counts = zeroed_counters(x.device, blocks, "stream gemv splits")
     x = x.contiguous()
     res, nw, eps = norm if norm is not None else (None, x, 0.0)
-    stores = res is not None or ids is not None
+    if squares is not None and (norm is None or res is not None or ids is not None):
+        raise ValueError("squares go with a norm over x alone (no residual, no ids)")
+    if residual is not None and (norm is not None or silu_mul):
+        raise ValueError("a residual add after the product takes no norm or SiLU·up")
+    sq = squares
+    if residual is not None:
+        sq = torch.empty(1, blocks, dtype=torch.float32, device=x.device)
+        res = residual.contiguous()
+    has_res = norm is not None and res is not None
+    stores = has_res or ids is not None
     total = x.new_empty(1, k) if stores else x
     desc = TensorDescriptor.from_tensor(weight, [cfg.rows, cfg.cols])
     _stream_gemv_kernel[(blocks, splits)](
         x, desc, x if bias is None else bias, y, x if res is None else res.contiguous(), nw,
-        total, x if ids is None else ids, part, counts, n, k, chunk, eps,
+        total, x if ids is None else ids, part, counts, x if sq is None else sq, n, k, chunk,
+        0 if sq is None else sq.shape[-1], eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RES=res is not None, EMBED=ids is not None, BN=cfg.rows, BK=cfg.cols,
+        HAS_RES=has_res, EMBED=ids is not None, BN=cfg.rows, BK=cfg.cols,
         SPLITS=splits, STAGES=cfg.num_stages, AHEAD=tiles_ahead(cfg, pdl, chunk),
         NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
         NORM_WIDTH=norm_width(k),
         EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),
+        SQUARES=squares is not None, ADD_RES=residual is not None,
+        NB_PAD=triton.next_power_of_2(sq.shape[-1]) if sq is not None else 1,
         launch_pdl=pdl,
         num_warps=cfg.num_warps,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )  # fmt: skip
+    if residual is not None:
+        return y, sq
     return y if norm is None else (y, total)

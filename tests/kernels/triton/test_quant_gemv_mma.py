@@ -50,9 +50,9 @@ def launches(monkeypatch):
     calls = []
     launch = quant_gemv_mma.launch_mma_gemv
 
-    def recorded(x, w, bias, silu_mul, config):
+    def recorded(x, w, bias, silu_mul, config, **kwargs):
         calls.append(silu_mul)
-        return launch(x, w, bias, silu_mul, config)
+        return launch(x, w, bias, silu_mul, config, **kwargs)
 
     monkeypatch.setattr("nanoqwen.kernels.triton.quant_matmul.launch_mma_gemv", recorded)
     return calls
@@ -208,3 +208,29 @@ def test_first_step_loaded_ahead_gives_the_same_bits(config, monkeypatch):
     (linear, fused), (linear_ahead, fused_ahead) = results
     torch.testing.assert_close(linear.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
     assert torch.equal(linear_ahead, linear) and torch.equal(fused_ahead, fused)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, MmaGemvConfig(16, 1, splits=3), MmaGemvConfig(32, 2)],
+    ids=["default", "16x1-3splits", "32x2"],
+)
+def test_residual_add_after_the_product_and_the_norm_from_its_squares(config):
+    """o_proj, then the add+RMSNorm and gate_up, as one row runs them at 7B on int4 weights:
+    the first launch finishes the residual stream with its blocks' sums of squares, the
+    next normalizes that stream from those sums in its own loads of x."""
+    n, k = 128, 384  # the stream's 128 values, one panel of the next weight
+    packed, w = make_weight(n, k, 128, True, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    x, res = torch.randn(1, k, generator=gen), torch.randn(1, n, generator=gen)
+    stream, squares = quant_gemv_mma.launch_mma_gemv(x, packed, None, False, config,
+                                                     residual=res)  # fmt: skip
+    plain = quant_gemv_mma.launch_mma_gemv(x, packed, None, False, config)
+    assert torch.equal(stream, plain + res)
+    torch.testing.assert_close(squares.sum(), stream.pow(2).sum())
+    packed2, w2 = make_weight(N, n, 128, True, seed=4)
+    nw = torch.rand(n, generator=gen) + 0.5
+    normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    y = quant_gemv_mma.launch_mma_gemv(stream, packed2, None, False, config,
+                                       norm=(squares, nw, 1e-6))  # fmt: skip
+    torch.testing.assert_close(y.double(), reference(normed, w2), rtol=1e-4, atol=1e-3)

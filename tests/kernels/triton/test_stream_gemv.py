@@ -91,6 +91,41 @@ def test_stream_norm_gemv_equals_add_rms_norm_then_the_projection(residual, conf
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
+def test_residual_add_after_the_product_and_the_norm_from_its_squares(config, ahead):
+    """o_proj, then the add+RMSNorm and gate_up, as one row runs them at 7B: the first launch
+    finishes the residual stream (its product plus the residual) with its blocks' sums of
+    squares, the next two normalize that stream from those sums."""
+    n, k, m = 52, 708, 37  # rows of 52 floats: 16-byte strides for the next weight
+    gen = torch.Generator().manual_seed(n + k)
+    x, res = torch.randn(1, k, generator=gen), torch.randn(1, n, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    stream, squares = stream_gemv(x, w, residual=res, config=CONFIGS[config])
+    assert torch.equal(stream, stream_gemv(x, w, config=CONFIGS[config]) + res)
+    blocks = -(-n // CONFIGS[config].rows)
+    assert squares.shape == (1, blocks) and squares.dtype == torch.float32
+    torch.testing.assert_close(squares.sum(), stream.pow(2).sum())
+    nw = torch.rand(n, generator=gen) + 0.5
+    w2, b2 = torch.randn(2 * m, n, generator=gen), torch.randn(2 * m, generator=gen)
+    normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    y, same = stream_gemv(stream, w2, b2, norm=(None, nw, 1e-6), squares=squares)
+    torch.testing.assert_close(y, F.linear(normed, w2, b2), rtol=1e-4, atol=1e-3)
+    assert same is stream
+    act, _ = stream_gemv(stream, w2, silu_mul=True, norm=(None, nw, 1e-6), squares=squares,
+                         config=CONFIGS[config])  # fmt: skip
+    gate, up = F.linear(normed, w2).chunk(2, dim=-1)
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-3, atol=1e-2)
+
+
+def test_squares_take_a_norm_over_the_stream_alone():
+    x, w = torch.randn(1, 64), torch.randn(16, 64)
+    squares = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="squares go with a norm"):
+        stream_gemv(x, w, norm=(torch.randn(1, 64), torch.ones(64), 1e-6), squares=squares)
+    with pytest.raises(ValueError, match="residual add after the product"):
+        stream_gemv(x, w, norm=(None, torch.ones(64), 1e-6), residual=torch.randn(1, 16))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_stream_norm_gemv_reads_the_first_layers_row_from_the_embedding_table(config, ahead):
     """The first layer at one row: the GEMV takes the embedding table and the token id, and
     returns the projection of that row normalized, and the row itself (the residual stream)."""

@@ -109,16 +109,21 @@ def test_fused_model_generates_what_the_reference_layers_generate(
     """Batch-1 decode through every fused kernel (add+RMSNorm inside the qkv and gate_up
     GEMVs, GEMV with bias, GEMV with SiLU·up, the final norm inside the lm_head's streamed
     GEMV) picks the same greedy tokens with the same logits; all-streamed: every projection
-    on stream_gemv.py's kernel, as 7B's are (weights above GEMV_MAX_BYTES)."""
+    on stream_gemv.py's kernel, as 7B's are (weights above GEMV_MAX_BYTES), o_proj and
+    down_proj adding the residual in their epilogue and the norms after them taking their
+    sums of squares (model/summed_row.py)."""
     from nanoqwen import LLM, SamplingParams
 
     streamed_calls = set()
     if streamed:
         inner_stream = gemv_module.stream_gemv
 
-        def stream(x, weight, bias=None, silu_mul=False, norm=None, ids=None):
-            streamed_calls.add((bias is not None, silu_mul, norm is not None, ids is not None))
-            return inner_stream(x, weight, bias, silu_mul, norm, ids=ids)
+        def stream(x, weight, bias=None, silu_mul=False, norm=None, ids=None, squares=None,
+                   residual=None):  # fmt: skip
+            streamed_calls.add((bias is not None, silu_mul, norm is not None, ids is not None,
+                                squares is not None, residual is not None))  # fmt: skip
+            return inner_stream(x, weight, bias, silu_mul, norm, ids=ids, squares=squares,
+                                residual=residual)  # fmt: skip
 
         monkeypatch.setattr(gemv_module, "GEMV_MAX_BYTES", 0)
         monkeypatch.setattr(gemv_module, "stream_gemv", stream)
@@ -143,14 +148,16 @@ def test_fused_model_generates_what_the_reference_layers_generate(
         tokens[fused] = out.token_ids
         decode_logprobs[fused] = [e.logprob for e in out.logprobs]
         logits[fused] = llm.runner.prompt_logits(prompt + tokens[fused], last=1)
-    assert calls, "decode did not take the add+RMSNorm inside the GEMV"
+    assert calls or streamed, "decode did not take the add+RMSNorm inside the GEMV"
     assert embed_calls, "decode gathered the first layer's row in front of its GEMV"
     assert logits_calls, "decode did not take the final norm inside the lm_head's GEMV"
     assert tokens[True] == tokens[False]
     assert decode_logprobs[True] == pytest.approx(decode_logprobs[False], abs=1e-5)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
-    if streamed:  # (bias, SiLU·up, norm, embedding row): qkv, gate_up, o_proj and down_proj
+    if streamed:
+        # (bias, SiLU·up, norm, embedding row, squares, residual): the first layer's qkv,
+        # every later one's, gate_up, and o_proj and down_proj
         assert streamed_calls == {
-            (True, False, True, False), (True, False, True, True), (False, True, True, False),
-            (False, False, False, False),
+            (True, False, True, True, False, False), (True, False, True, False, True, False),
+            (False, True, True, False, True, False), (False, False, False, False, False, True),
         }  # fmt: skip
