@@ -254,8 +254,7 @@ def _mma_gemv_kernel(
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
     SPLITS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    AHEAD: tl.constexpr, NORM: tl.constexpr = False, ADD_RES: tl.constexpr = False,
-    NB_PAD: tl.constexpr = 1,
+    AHEAD: tl.constexpr, NORM: tl.constexpr, ADD_RES: tl.constexpr, NB_PAD: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for BN weight rows a program; with SILU_MUL, W holds gate rows then N
     up rows, a program takes BN / 2 of each (one pass over both) and y = silu(W_gate x) *

@@ -135,22 +135,32 @@ def stream_gemv_cases():
         y = F32 if name.endswith("lm_head") else BF16  # float32 logits
         types = dict(x_ptr=BF16, w_desc=f"tensordesc<bf16[{cfg.rows}, {cfg.cols}]>",
                      b_ptr=BF16, y_ptr=y, res_ptr=BF16, nw_ptr=BF16, sum_ptr=BF16, ids_ptr=I64,
-                     part_ptr=F32, counts_ptr=I32, N="i32:16", K="i32:16", chunk="i32:16",
-                     eps="fp32")  # fmt: skip
+                     part_ptr=F32, counts_ptr=I32, sq_ptr=F32, N="i32:16", K="i32:16",
+                     chunk="i32:16", NB="i32", eps="fp32")  # fmt: skip
         chunk = sg.split_columns(k, cfg.cols, cfg.splits)[0]
-        embeds = (False, True) if name == "qkv" else (False,)  # the first layer's qkv
-        for pdl, embed in itertools.product((False, True), embeds):
+        # the first layer's qkv; qkv and gate_up normalizing from sums of squares, o_proj and
+        # down_proj adding the residual (model/summed_row.py)
+        forms = ["plain"]
+        forms += ["embed"] if name == "qkv" else []
+        forms += ["squares"] if name in ("qkv", "gate_up") else []
+        forms += ["add"] if name in ("o", "down") else []
+        for pdl, form in itertools.product((False, True), forms):
+            embed, squares = form == "embed", form == "squares"
             # gate_up's 1,184 programs and the lm_head's 9,500 run in waves: they let the
             # kernel behind launch late
-            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm and not embed,
+            flags = dict(HAS_BIAS=bias, SILU_MUL=silu, NORM=norm,
+                         HAS_RES=norm and not embed and not squares,
                          EMBED=embed, BN=cfg.rows,
                          BK=cfg.cols, SPLITS=cfg.splits, STAGES=cfg.num_stages,
                          AHEAD=sg.tiles_ahead(cfg, pdl, chunk),
                          NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
                          NORM_WIDTH=sg.norm_width(k),
-                         EARLY=not silu and "lm_head" not in name)  # fmt: skip
+                         EARLY=not silu and "lm_head" not in name, SQUARES=squares,
+                         ADD_RES=form == "add",
+                         NB_PAD=256 if form in ("squares", "add") else 1)  # fmt: skip
             label = "stream gemv " + ("" if name.startswith("0.5B") else "7B ") + name
-            label += (" +embed" if embed else "") + (" +pdl" if pdl else "")
+            label += f" +{form}" if form != "plain" else ""
+            label += " +pdl" if pdl else ""
             yield label, sg._stream_gemv_kernel, types, flags, cfg.num_warps, cfg.num_stages
 
 
@@ -321,8 +331,9 @@ def quant_cases():
     # N, K and KW (K / 8) are multiples of 16 at every Qwen2.5 shape, and the launcher
     # specializes on that (the packed words' loads vectorize); G (K / 128) is not.
     types = dict(x_ptr=BF16, qw_ptr=I32, s_ptr=BF16, o_ptr=BF16, b_ptr=BF16, y_ptr=BF16,
-                 part_ptr=F32, counts_ptr=I32, N="i32:16", K="i32:16", KW="i32:16", G="i32",
-                 chunk="i32")  # fmt: skip
+                 part_ptr=F32, counts_ptr=I32, res_ptr=BF16, nw_ptr=BF16, sq_ptr=F32,
+                 N="i32:16", K="i32:16", KW="i32:16", G="i32", chunk="i32", NB="i32",
+                 eps="fp32")  # fmt: skip
     for name, n, k, bias, silu in (
         ("qkv", 4608, 3584, True, False), ("o", 3584, 3584, False, False),
         ("gate_up", 37888, 3584, False, True), ("down", 3584, 18944, False, False),
@@ -333,9 +344,15 @@ def quant_cases():
             early = q.launches_early(triton.cdiv(n, cfg.rows) * splits, 132)
             flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
                          BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True,
-                         PDL=True, EARLY=early, AHEAD=not silu)  # fmt: skip
+                         PDL=True, EARLY=early, AHEAD=not silu, NORM=False, ADD_RES=False,
+                         NB_PAD=1)  # fmt: skip
             label = f"int4 gemv 7B {name}" + (f" splits {splits}" if splits != cfg.splits else "")
             yield label, q._mma_gemv_kernel, types, flags, cfg.num_warps, 3
+            if splits == cfg.splits:  # as model/summed_row.py launches it
+                summed = dict(NORM=True, NB_PAD=256) if name in ("qkv", "gate_up") else {}
+                summed = summed or dict(ADD_RES=True, NB_PAD=256)
+                yield (label + " +summed", q._mma_gemv_kernel, types, {**flags, **summed},
+                       cfg.num_warps, 3)  # fmt: skip
 
 
 CASES = (gemv_cases, stream_gemv_cases, sampler_cases, attention_cases, quant_cases)
