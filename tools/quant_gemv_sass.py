@@ -37,11 +37,11 @@ DIVISIBLE = ("N", "K", "KW")  # what a launch specializes as multiples of 16, wi
 
 
 def _types(fn, const: dict) -> dict[str, str]:
-    """Every argument of fn not in const: an int32 (eps a float32), or a pointer where its
-    name ends in _ptr (float32 unless POINTER_TYPES says otherwise)."""
+    """Every argument of fn not in const: an int32, or a pointer where its name ends in _ptr
+    (float32 unless POINTER_TYPES says otherwise)."""
     return {
         name: POINTER_TYPES.get(name, "*fp32") if name.endswith("_ptr")
-        else "i32:16" if name in DIVISIBLE else "fp32" if name == "eps" else "i32"
+        else "i32:16" if name in DIVISIBLE else "i32"
         for name in fn.arg_names
         if name not in const
     }  # fmt: skip
@@ -105,8 +105,7 @@ def report_launches(shape: str) -> None:
             "BN": cfg.rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "SPLITS": cfg.splits,
             "ASM": True, "PDL": True,
             "EARLY": quant_gemv_mma.launches_early(programs, quant_gemv.SM_COUNT_FALLBACK),
-            "AHEAD": quant_gemv_mma.first_step_ahead(True, silu), "NORM": False,
-            "ADD_RES": False, "NB_PAD": 1,
+            "AHEAD": quant_gemv_mma.first_step_ahead(True, silu),
         }  # fmt: skip
         kernel = compile_sm90(quant_gemv_mma._mma_gemv_kernel, const, cfg.num_warps,
                               cfg.num_stages, cfg.max_registers)  # fmt: skip
@@ -137,8 +136,7 @@ def main() -> None:
             const = {
                 "GROUP": 128, "HAS_OFFSET": offset, "HAS_BIAS": False, "SILU_MUL": False,
                 "BN": rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "SPLITS": 1,
-                "ASM": True, "PDL": True, "EARLY": False, "AHEAD": True, "NORM": False,
-                "ADD_RES": False, "NB_PAD": 1,
+                "ASM": True, "PDL": True, "EARLY": False, "AHEAD": True,
             }  # fmt: skip
             k = compile_sm90(quant_gemv_mma._mma_gemv_kernel, const, cfg.num_warps, cfg.num_stages)
             per_thread = rows * cfg.panels * 128 // (32 * cfg.num_warps)

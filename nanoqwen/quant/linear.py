@@ -93,7 +93,6 @@ class QuantizedLinear(nn.Module):
         self._decode: tuple = ()  # for PackedParts, its parts (PackedBlocks)
         self._parts = isinstance(weight, PackedParts)
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._row_dtype = torch.float32  # activations' dtype, as prepare() packed for
 
     @property
     def device(self) -> torch.device:
@@ -125,7 +124,6 @@ class QuantizedLinear(nn.Module):
         GGUF blocks make that copy when a call first has many rows (the lm_head, which
         computes logits for a few rows but for prompt logprobs)."""
         w = self.weight
-        self._row_dtype = dtype
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
         if isinstance(w, (PackedBlocks, PackedParts)):
@@ -216,26 +214,6 @@ class QuantizedLinear(nn.Module):
         from nanoqwen.kernels.triton.quant_matmul import quant_linear_silu_mul
 
         return quant_linear_silu_mul(x, self._decode[0])
-
-    @property
-    def takes_squares(self) -> bool:
-        """Whether one row can run add_row and normed_row (the tensor-core int4 GEMV)."""
-        from nanoqwen.kernels.triton.quant_matmul import row_squares_fit
-
-        return self.kind == "triton" and row_squares_fit(self._decode[0], self._row_dtype)
-
-    def add_row(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(residual + self(x), the float32 partial sums of its squares) for one row (CUDA)."""
-        from nanoqwen.kernels.triton.quant_matmul import quant_row_add
-
-        return quant_row_add(x, self._decode[0], self.bias, residual)
-
-    def normed_row(self, stream, squares, norm, silu_mul: bool = False) -> torch.Tensor:
-        """self(norm(stream)), or SiLU·up of it, for one row whose squares add_row summed."""
-        from nanoqwen.kernels.triton.quant_matmul import quant_normed_row
-
-        return quant_normed_row(stream, squares, norm.weight, norm.eps, self._decode[0],
-                                self.bias, silu_mul)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "triton":

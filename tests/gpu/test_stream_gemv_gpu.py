@@ -116,3 +116,41 @@ def test_a_chain_of_streamed_projections_replays_its_eager_result():
 
     x = torch.zeros(1, 3584, device="cuda", dtype=torch.bfloat16)
     assert_replays_eager(layer, x, torch.zeros_like(x))
+
+
+def test_a_summed_layer_equals_the_norms_in_front_and_replays_its_eager_result():
+    """One row of a layer as model/summed_row.py runs it at 7B: o_proj and down_proj add the
+    residual in their epilogue and keep sums of squares, qkv and gate_up normalize from
+    them. Against the same layer with the add+RMSNorm in front of qkv and gate_up, and
+    replayed from a CUDA graph with new inputs, bit for bit."""
+    from nanoqwen.kernels.triton.stream_gemv import stream_gemv
+
+    qkv, qkv_b = weights(*SHAPES["qkv"][:3], seed=1)
+    o, _ = weights(*SHAPES["o"][:3], seed=2)
+    gate_up, _ = weights(*SHAPES["gate_up"][:3], seed=3)
+    down, _ = weights(*SHAPES["down"][:3], seed=4)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    nw = torch.rand(3584, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
+    heads = torch.randn(1, 3584, generator=gen, device="cuda").to(torch.bfloat16)
+    res = torch.randn(1, 3584, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def summed(heads, res):
+        stream, squares = stream_gemv(heads, o, residual=res)
+        h = stream_gemv(stream, qkv, qkv_b, norm=(None, nw, 1e-6), squares=squares)[0]
+        stream, squares = stream_gemv(h[:, :3584].contiguous(), o, residual=stream)
+        m = stream_gemv(stream, gate_up, silu_mul=True, norm=(None, nw, 1e-6),
+                        squares=squares)[0]  # fmt: skip
+        return stream_gemv(m, down, residual=stream)
+
+    def in_front(heads, res):
+        h, res = stream_gemv(stream_gemv(heads, o), qkv, qkv_b, norm=(res, nw, 1e-6))
+        m, res = stream_gemv(stream_gemv(h[:, :3584].contiguous(), o), gate_up,
+                             silu_mul=True, norm=(res, nw, 1e-6))  # fmt: skip
+        return (stream_gemv(m, down).float() + res.float()).to(res.dtype)
+
+    stream, squares = summed(heads, res)
+    want = in_front(heads, res)
+    torch.testing.assert_close(stream.float(), want.float(), rtol=2e-2, atol=4e-2)
+    assert squares.shape == (1, 224)
+    torch.testing.assert_close(squares.sum(), stream.float().pow(2).sum(), rtol=1e-4, atol=0)
+    assert_replays_eager(summed, heads, res)

@@ -59,7 +59,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
-from nanoqwen.kernels.triton.gemv_inputs import squares_rstd
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group, sm_count
 from nanoqwen.kernels.triton.split_sums import finish_split, row_bias, split_columns, split_span
@@ -182,12 +181,11 @@ def _step_words(qw_ptr, rows64, KW, p0, BP: tl.constexpr):
 
 @triton.jit
 def _step(
-    acc, words, x_ptr, s_ptr, o_ptr, nw_ptr, rstd, rows64, K, KW, G, p0, p_end,
+    acc, words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p0, p_end,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-    ASM: tl.constexpr, NORM: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
-    """acc plus one loop step's products: the words of panels [p0, p0 + BP) times x (with
-    NORM, x normalized by rstd and times the norm weight, rounded as rms_norm.py rounds)."""
+    """acc plus one loop step's products: the words of panels [p0, p0 + BP) times x."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     P: tl.constexpr = 16  # PANEL
     panel = p0 + tl.arange(0, BP)
@@ -198,10 +196,6 @@ def _step(
     # K order: column (4c + 2h + b) * 16 + i is position i * 4 + 2b + c of half h.
     cols = pc[:, None] * (8 * P) + tl.arange(0, 8 * P)[None, :]
     x = tl.load(x_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-    if NORM:
-        nw = tl.load(nw_ptr + cols, mask=p_ok[:, None] & (cols < K), other=0.0)
-        x = (x.to(tl.float32) * rstd).to(dtype)
-        x = (x.to(tl.float32) * nw.to(tl.float32)).to(dtype)
     x5 = tl.permute(tl.reshape(x, [BP, 2, 2, 2, P]), (0, 4, 3, 1, 2))
     x_low, x_high = tl.split(tl.reshape(x5, [BP, 4 * P, 2]))
     part = _dot(tl.reshape(low, [BP, BN, 4 * P]), x_low, None)
@@ -224,9 +218,9 @@ def _step(
 
 @triton.jit
 def _row_dot(
-    x_ptr, qw_ptr, s_ptr, o_ptr, nw_ptr, rstd, rows, K, KW, G, p_begin, p_end, first_words,
+    x_ptr, qw_ptr, s_ptr, o_ptr, rows, K, KW, G, p_begin, p_end, first_words,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-    STAGES: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr, NORM: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """float32 dot products of x with the dequantized weight rows `rows` (in bounds) over
     panels [p_begin, p_end): [BN]. AHEAD: first_words holds the first step's words, loaded
@@ -235,13 +229,13 @@ def _row_dot(
     acc = tl.zeros([BP, BN, 16], tl.float32)
     start = p_begin
     if AHEAD:
-        acc = _step(acc, first_words, x_ptr, s_ptr, o_ptr, nw_ptr, rstd, rows64, K, KW, G,
-                    p_begin, p_end, GROUP, HAS_OFFSET, BN, BP, ASM, NORM)  # fmt: skip
+        acc = _step(acc, first_words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p_begin, p_end,
+                    GROUP, HAS_OFFSET, BN, BP, ASM)  # fmt: skip
         start += BP
     for p0 in tl.range(start, p_end, BP, num_stages=STAGES):
         words = _step_words(qw_ptr, rows64, KW, p0, BP)
-        acc = _step(acc, words, x_ptr, s_ptr, o_ptr, nw_ptr, rstd, rows64, K, KW, G, p0, p_end,
-                    GROUP, HAS_OFFSET, BN, BP, ASM, NORM)  # fmt: skip
+        acc = _step(acc, words, x_ptr, s_ptr, o_ptr, rows64, K, KW, G, p0, p_end, GROUP,
+                    HAS_OFFSET, BN, BP, ASM)  # fmt: skip
     # Every column of the product is the same sum: take column 0 (no rounding) of each step.
     first = tl.arange(0, 16)[None, None, :] == 0
     return tl.sum(tl.sum(tl.where(first, acc, 0.0), 2), 0)
@@ -249,12 +243,11 @@ def _row_dot(
 
 @triton.jit
 def _mma_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, res_ptr, nw_ptr, sq_ptr,
-    N, K, KW, G, chunk, NB, eps,
+    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, N, K, KW, G, chunk,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
     SPLITS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    AHEAD: tl.constexpr, NORM: tl.constexpr, ADD_RES: tl.constexpr, NB_PAD: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):  # fmt: skip
     """y = W x (+ b) for BN weight rows a program; with SILU_MUL, W holds gate rows then N
     up rows, a program takes BN / 2 of each (one pass over both) and y = silu(W_gate x) *
@@ -262,9 +255,7 @@ def _mma_gemv_kernel(
     part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N with SILU_MUL) and
     counts_ptr one zeroed int32 per block of rows. With PDL it waits for x before its first
     load, and lets the kernel behind launch at its start (EARLY) or once its loops are
-    done. NORM: x is the residual stream, RMSNorm'd with the norm weight at nw_ptr and the
-    NB partial sums of its squares at sq_ptr; ADD_RES: y is finished as the residual stream
-    (res_ptr's rows added), its blocks' sums of squares to sq_ptr (split_sums.py)."""
+    done."""
     if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
         if EARLY:
             gdc_launch_dependents()
@@ -285,12 +276,9 @@ def _mma_gemv_kernel(
     bias = row_bias(b_ptr, rows, r_mask, HAS_BIAS)
     if PDL:
         gdc_wait()  # x is the kernel in front's output
-    rstd = 0.0
-    if NORM:
-        rstd = squares_rstd(sq_ptr, NB, K, eps, NB_PAD)
     y = _row_dot(
-        x_ptr, qw_ptr, s_ptr, o_ptr, nw_ptr, rstd, w_rows, K, KW, G, p_begin, p_end, first,
-        GROUP, HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD, NORM,
+        x_ptr, qw_ptr, s_ptr, o_ptr, w_rows, K, KW, G, p_begin, p_end, first, GROUP,
+        HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
     )  # fmt: skip
     up = y
     if SILU_MUL:
@@ -299,7 +287,7 @@ def _mma_gemv_kernel(
         if not EARLY:
             gdc_launch_dependents()
     finish_split(part_ptr, counts_ptr, bias, y_ptr, block, tl.program_id(1), rows, r_mask, y,
-                 up, N, res_ptr, sq_ptr, SPLITS, HAS_BIAS, SILU_MUL, ADD_RES)  # fmt: skip
+                 up, N, y_ptr, y_ptr, SPLITS, HAS_BIAS, SILU_MUL, False)  # fmt: skip
 
 
 def mma_gemv_fits(x: torch.Tensor, w) -> bool:
@@ -332,28 +320,13 @@ def first_step_ahead(pdl: bool, silu_mul: bool) -> bool:
 
 
 def launch_mma_gemv(
-    x: torch.Tensor,
-    w,
-    bias: torch.Tensor | None,
-    silu_mul: bool,
-    config: MmaGemvConfig | None,
-    norm: tuple | None = None,
-    residual: torch.Tensor | None = None,
-):
-    """x [1, K] times the packed int4 weight: [1, N], or [1, N // 2] with silu_mul.
-    norm: (squares, norm weight, eps), x being the residual stream and squares the float32
-    partial sums of its squares (a launch with `residual` made both): the RMSNorm in front.
-    residual: the product is added to it as HF's residual add does, and (x + residual
-    stream, its squares) returned."""
+    x: torch.Tensor, w, bias: torch.Tensor | None, silu_mul: bool, config: MmaGemvConfig | None
+) -> torch.Tensor:
+    """x [1, K] times the packed int4 weight: [1, N], or [1, N // 2] with silu_mul."""
     n = w.out_features // 2 if silu_mul else w.out_features
     cfg = config or mma_gemv_config(w.out_features, w.in_features)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(w.out_features, cfg.rows)  # rows: weight rows a program
-    if residual is not None and (norm is not None or silu_mul):
-        raise ValueError("a residual add after the product takes no norm or SiLU·up")
-    sq, nw, eps = norm if norm is not None else (None, x, 0.0)
-    if residual is not None:
-        sq = torch.empty(1, blocks, dtype=torch.float32, device=x.device)
     chunk, splits = split_columns(w.qweight.shape[1] // PANEL, cfg.panels, cfg.splits)
     part = counts = y  # unused with one split
     if splits > 1:
@@ -364,15 +337,11 @@ def launch_mma_gemv(
     ahead = first_step_ahead(pdl, silu_mul)
     _mma_gemv_kernel[(blocks, splits)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
-        w.scales if bias is None else bias, y, part, counts,
-        x if residual is None else residual.contiguous(), nw, x if sq is None else sq, n,
-        w.in_features, w.qweight.shape[1], w.scales.shape[1], chunk,
-        0 if sq is None else sq.shape[-1], eps, GROUP=kernel_group(w),
+        w.scales if bias is None else bias, y, part, counts, n, w.in_features,
+        w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
-        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=ahead,
-        NORM=norm is not None, ADD_RES=residual is not None,
-        NB_PAD=triton.next_power_of_2(sq.shape[-1]) if sq is not None else 1, launch_pdl=pdl,
+        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=ahead, launch_pdl=pdl,
         num_warps=cfg.num_warps, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )  # fmt: skip
-    return y if residual is None else (y, sq)
+    return y

@@ -21,13 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.kernels.triton.quant_gemm import GemmConfig, dequantize, launch_gemm
-from nanoqwen.kernels.triton.quant_gemv import PANEL, GemvConfig, kernel_group, launch_gemv
-from nanoqwen.kernels.triton.quant_gemv_mma import (
-    MMA_PANEL_COLS,
-    MmaGemvConfig,
-    launch_mma_gemv,
-    mma_gemv_fits,
-)
+from nanoqwen.kernels.triton.quant_gemv import PANEL, GemvConfig, launch_gemv
+from nanoqwen.kernels.triton.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_gemv_fits
 
 DEQUANT_MIN_M = 512  # from here a dense dequantized matrix and cuBLAS beat the Triton GEMM
 
@@ -184,34 +179,3 @@ def quant_linear_silu_mul(
     from nanoqwen.kernels.triton.silu_mul import silu_mul
 
     return silu_mul(quant_linear(x, w))
-
-
-def row_squares_fit(w: PackedWeight, dtype: torch.dtype) -> bool:
-    """Whether one row through w can add the residual in the epilogue and take the add+RMSNorm
-    from partial sums of squares (quant_row_add, quant_normed_row): the tensor-core GEMV."""
-    half = dtype in (torch.bfloat16, torch.float16)
-    return half and w.bits == 4 and kernel_group(w) % MMA_PANEL_COLS == 0
-
-
-def quant_row_add(
-    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, residual: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + quant_linear(x, w, bias), the float32 partial sums of its squares) for one
-    row, HF's rounding of the residual add, in one launch."""
-    _check_input(x, w)
-    return launch_mma_gemv(x, w, bias, False, None, residual=residual)
-
-
-def quant_normed_row(
-    stream: torch.Tensor,
-    squares: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: PackedWeight,
-    bias: torch.Tensor | None = None,
-    silu_mul: bool = False,
-) -> torch.Tensor:
-    """quant_linear (or quant_linear_silu_mul) of RMSNorm(stream) * norm_weight for one row,
-    the norm's 1 / RMS from squares (quant_row_add's), in one launch."""
-    _check_input(stream, w)
-    return launch_mma_gemv(stream, w, bias, silu_mul, None, norm=(squares, norm_weight, eps))

@@ -20,7 +20,6 @@ from nanoqwen.kernels.triton.quant_matmul import (  # noqa: E402
     pack_for_triton,
     quant_linear,
     quant_linear_silu_mul,
-    row_squares_fit,
 )
 
 N = 37  # a partial block of output rows at 16 and 32 rows a program
@@ -51,9 +50,9 @@ def launches(monkeypatch):
     calls = []
     launch = quant_gemv_mma.launch_mma_gemv
 
-    def recorded(x, w, bias, silu_mul, config, **kwargs):
+    def recorded(x, w, bias, silu_mul, config):
         calls.append(silu_mul)
-        return launch(x, w, bias, silu_mul, config, **kwargs)
+        return launch(x, w, bias, silu_mul, config)
 
     monkeypatch.setattr("nanoqwen.kernels.triton.quant_matmul.launch_mma_gemv", recorded)
     return calls
@@ -157,10 +156,6 @@ def test_which_weights_take_the_tensor_cores():
     assert not mma_gemv_fits(x_gpu_bf16, q8)
     # float32 stays on the exact CUDA-core kernel on a GPU (tf32 tensor cores would round x)
     assert not mma_gemv_fits(x_gpu_fp32, g128)
-    # and so one row's residual add and norm from sums of squares go with those weights
-    assert row_squares_fit(g128, torch.bfloat16) and row_squares_fit(per_channel, torch.float16)
-    assert not row_squares_fit(g64, torch.bfloat16) and not row_squares_fit(q8, torch.bfloat16)
-    assert not row_squares_fit(g128, torch.float32)
 
 
 def test_mlp_runs_one_row_of_a_quantized_gate_up_through_the_fused_gemv(launches):
@@ -213,59 +208,3 @@ def test_first_step_loaded_ahead_gives_the_same_bits(config, monkeypatch):
     (linear, fused), (linear_ahead, fused_ahead) = results
     torch.testing.assert_close(linear.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
     assert torch.equal(linear_ahead, linear) and torch.equal(fused_ahead, fused)
-
-
-@pytest.mark.parametrize(
-    "config",
-    [None, MmaGemvConfig(16, 1, splits=3), MmaGemvConfig(32, 2)],
-    ids=["default", "16x1-3splits", "32x2"],
-)
-def test_residual_add_after_the_product_and_the_norm_from_its_squares(config):
-    """o_proj, then the add+RMSNorm and gate_up, as one row runs them at 7B on int4 weights:
-    the first launch finishes the residual stream with its blocks' sums of squares, the
-    next normalizes that stream from those sums in its own loads of x."""
-    n, k = 128, 384  # the stream's 128 values, one panel of the next weight
-    packed, w = make_weight(n, k, 128, True, seed=3)
-    gen = torch.Generator().manual_seed(5)
-    x, res = torch.randn(1, k, generator=gen), torch.randn(1, n, generator=gen)
-    stream, squares = quant_gemv_mma.launch_mma_gemv(x, packed, None, False, config,
-                                                     residual=res)  # fmt: skip
-    plain = quant_gemv_mma.launch_mma_gemv(x, packed, None, False, config)
-    assert torch.equal(stream, plain + res)
-    torch.testing.assert_close(squares.sum(), stream.pow(2).sum())
-    packed2, w2 = make_weight(N, n, 128, True, seed=4)
-    nw = torch.rand(n, generator=gen) + 0.5
-    normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
-    y = quant_gemv_mma.launch_mma_gemv(stream, packed2, None, False, config,
-                                       norm=(squares, nw, 1e-6))  # fmt: skip
-    torch.testing.assert_close(y.double(), reference(normed, w2), rtol=1e-4, atol=1e-3)
-
-
-def test_a_layers_summed_mlp_half_on_int4_projections_equals_the_layers_one_by_one():
-    """model/summed_row.py at one row on QuantizedLinear projections (the CUDA layout, packed
-    here for the interpreter): o_proj adding the residual, gate_up normalizing the stream
-    from its squares, down_proj adding it again, against o_proj, the residual add, RMSNorm,
-    the MLP and the second add run one by one."""
-    from nanoqwen.model.layers import MLP, RMSNorm
-    from nanoqwen.model.summed_row import summed_mlp_half
-    from nanoqwen.quant.format import quantize_int4
-    from nanoqwen.quant.linear import QuantizedLinear, cuda_pack
-
-    gen = torch.Generator().manual_seed(1)
-
-    def int4(n, k):
-        layer = QuantizedLinear(quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 128), None)
-        layer._decode, layer.kind = (cuda_pack(layer.weight),), "triton"
-        return layer
-
-    hidden, inter = 128, 128
-    o_proj, mlp = int4(hidden, hidden), MLP(hidden, inter, torch.float32, "cpu")
-    mlp.gate_up_proj, mlp.down_proj = int4(2 * inter, hidden), int4(hidden, inter)
-    norm = RMSNorm(hidden, 1e-6, torch.float32, "cpu")
-    norm.weight.data.copy_(torch.rand(hidden, generator=gen) + 0.5)
-    heads, residual = torch.randn(1, hidden, generator=gen), torch.randn(1, hidden, generator=gen)
-    out = summed_mlp_half(heads, residual, o_proj, norm, mlp)
-    normed, stream = norm(o_proj(heads), residual.clone())
-    expected = mlp(normed) + stream
-    torch.testing.assert_close(out.stream, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out.squares.sum(), out.stream.pow(2).sum())
