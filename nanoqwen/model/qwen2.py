@@ -39,12 +39,6 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend | None = None
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), meta)
-
-    def attend(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.heads(qkv, meta))
-
     def heads(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The attention heads' output, [tokens, q_size], before o_proj."""
         out = self.backend.forward(qkv, self.k_cache, self.v_cache, meta)
