@@ -103,7 +103,7 @@ def main() -> None:
     key = graphs.key_for(1, args.prompt_len + 6, llm.runner.sampler.filtering)
     default = sg.stream_gemv_config
     default_int4 = qm.mma_gemv_config
-    defaults = {key: getattr(*key) for _, _, constants in settings for key in constants}
+    defaults = {const: getattr(*const) for _, _, constants in settings for const in constants}
     times: dict[str, list[float]] = {name: [] for name, _, _ in settings}
     first = None  # the first setting's logits, which the others' are checked against
     for r in range(args.rounds):

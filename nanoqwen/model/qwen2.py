@@ -74,8 +74,7 @@ class DecoderLayer(nn.Module):
         dense = getattr(attn.qkv_proj, "gemv", False)
         norm = self.input_layernorm
         if isinstance(x, SummedRow):
-            qkv, residual = attn.qkv_proj.normed_row(x.stream, x.squares, norm), x.stream
-            fused = (qkv, residual)
+            fused = attn.qkv_proj.normed_row(x.stream, x.squares, norm), x.stream
         else:
             fused = self._norm_into(x, residual, norm, attn.qkv_proj, dense, False, ids)
         if fused is None:

@@ -2,9 +2,11 @@
 front of it and each add+RMSNorm in the prologue of the product behind it: o_proj and
 down_proj finish the residual stream and keep partial sums of its squares, and qkv, gate_up
 and the next layer's qkv take the norm's 1 / RMS from those sums
-(kernels/triton/split_sums.py). The batch-1 decode step runs this where every projection of
-a layer takes it (Linear or QuantizedLinear.takes_squares): no add+RMSNorm has a launch of
-its own, and no product reads the whole row to normalize it."""
+(kernels/triton/split_sums.py), so no product reads the whole row and the residual to
+normalize it. The batch-1 decode step runs this where every projection of a layer takes it
+(Linear.takes_squares: the streamed GEMV, 7B's projections). Projections without it (int4
+weights, whose GEMV would normalize x in every loop step: BENCHMARKS.md) run the layer as
+before."""
 
 from __future__ import annotations
 
