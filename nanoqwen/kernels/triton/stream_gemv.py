@@ -61,6 +61,9 @@ class StreamGemvConfig:
     ahead: int = 2
     # A thread's registers at most (ptxas' maxnreg), or the compiler's choice.
     max_registers: int | None = None
+    # Under PDL, 1: the kernel behind may launch at this one's start, 0: once its loops are
+    # done; None: at its start where the grid fits in one wave (launches_early).
+    early: int | None = None
 
 
 def stream_gemv_config(n: int, k: int) -> StreamGemvConfig:
@@ -194,6 +197,16 @@ def one_wave(cfg: StreamGemvConfig, silu_mul: bool, itemsize: int, device) -> in
     return min(8, SMEM_PER_SM // smem) * sm_count(device)
 
 
+def launches_early(cfg: StreamGemvConfig, programs: int, silu_mul: bool, itemsize: int,
+                   device) -> bool:  # fmt: skip
+    """Whether the kernel behind may launch at this one's start: cfg.early, else where the
+    grid fits in one wave (a larger one's later programs would find the SMs held by the
+    programs waiting behind it)."""
+    if cfg.early is not None:
+        return bool(cfg.early)
+    return programs <= one_wave(cfg, silu_mul, itemsize, device)
+
+
 def norm_width(k: int) -> int:
     """Columns the add+RMSNorm's sum of squares loads at once (gemv_inputs.row_rstd), 0 for
     a chunk at a time: 7B's 3,584-wide rows in one wide load (its step 1.005x, H100,
@@ -263,7 +276,7 @@ def stream_gemv(
         SPLITS=splits, STAGES=cfg.num_stages, AHEAD=tiles_ahead(cfg, pdl, chunk),
         NORM_CHUNKS=triton.cdiv(k, cfg.cols), PDL=pdl,
         NORM_WIDTH=norm_width(k),
-        EARLY=blocks * splits <= one_wave(cfg, silu_mul, weight.element_size(), x.device),
+        EARLY=launches_early(cfg, blocks * splits, silu_mul, weight.element_size(), x.device),
         SQUARES=squares is not None, ADD_RES=residual is not None,
         NB_PAD=triton.next_power_of_2(sq.shape[-1]) if sq is not None else 1,
         launch_pdl=pdl,

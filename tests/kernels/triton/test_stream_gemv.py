@@ -194,3 +194,14 @@ def test_stream_gemv_config_fills_the_gpu_with_whole_tiles():
     assert cfg(3584, 3584).splits == 3  # o_proj
     assert cfg(3584, 18944).splits == 3  # down_proj
     assert cfg(18944, 3584).splits == 1  # gate_up (gate rows)
+
+
+def test_a_grid_in_one_wave_lets_the_kernel_behind_launch_at_its_start():
+    """7B's launches on 132 SMs: o_proj's 672 programs fit in one wave (three stages of 8 KB
+    tiles, eight an SM), gate_up's 1,184 (16 KB of gate and up rows a stage, four an SM) do
+    not; StreamGemvConfig.early overrides either."""
+    cpu, cfg = torch.device("cpu"), sg.stream_gemv_config
+    assert sg.launches_early(cfg(3584, 3584), 672, False, 2, cpu)
+    assert not sg.launches_early(cfg(18944, 3584), 1184, True, 2, cpu)
+    assert sg.launches_early(replace(cfg(18944, 3584), early=1), 1184, True, 2, cpu)
+    assert not sg.launches_early(replace(cfg(3584, 3584), early=0), 672, False, 2, cpu)
