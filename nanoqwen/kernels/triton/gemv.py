@@ -165,7 +165,7 @@ def _launch(x, weight, bias, n, rows, cols, silu_mul, norm=None, ids=None):
     """norm: (residual or None, norm weight, eps), for the RMSNorm prologue; returns
     (y, x + residual) then, else y. ids: x is an embedding table, the input its row at
     ids[0]."""
-    if weight.numel() * weight.element_size() > GEMV_MAX_BYTES:
+    if _streamed_size(weight):
         return stream_gemv(x, weight, bias, silu_mul, norm, ids=ids)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x)
@@ -228,10 +228,15 @@ def norm_gemv_silu_mul(x, residual, norm_weight, eps: float, gate_up):
                    norm=(residual, norm_weight, eps))  # fmt: skip
 
 
+def _streamed_size(weight: torch.Tensor) -> bool:
+    """Whether _launch hands this weight to stream_gemv."""
+    return weight.numel() * weight.element_size() > GEMV_MAX_BYTES
+
+
 def streams(weight: torch.Tensor) -> bool:
     """Whether one row through this weight runs stream_gemv (whose launches can add the
     residual after the product and take the add+RMSNorm from partial sums of squares)."""
-    return gemv_pays(weight) and weight.numel() * weight.element_size() > GEMV_MAX_BYTES
+    return gemv_pays(weight) and _streamed_size(weight)
 
 
 def gemv_add(x, weight, bias, residual):
