@@ -36,11 +36,14 @@ class Linear(nn.Module):
         """Whether one row can run add_row and normed_row (ops.streams takes the weight)."""
         return self.gemv and self.ops.gemv_add is not None and self.ops.streams(self.weight)
 
-    def add_row(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(residual + self(x), the float32 partial sums of its squares) for one row."""
+    def add_row(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_after=None
+    ) -> tuple[torch.Tensor, ...]:
+        """(residual + self(x), the float32 partial sums of its squares) for one row
+        (norm_after, the norm behind: the product after it normalizes for itself)."""
         return self.ops.gemv_add(x, self.weight, self.bias, residual)
 
-    def normed_row(self, stream, squares, norm, silu_mul: bool = False) -> torch.Tensor:
+    def normed_row(self, stream, squares, norm, silu_mul: bool = False, weighted=None):
         """self(norm(stream)), or SiLU·up of it, for one row whose squares add_row summed."""
         return self.ops.squares_norm_gemv(stream, squares, norm.weight, norm.eps, self.weight,
                                           self.bias, silu_mul)  # fmt: skip

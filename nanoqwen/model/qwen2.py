@@ -65,16 +65,19 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
         ids: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor | SummedRow, torch.Tensor]:
         """x is the previous layer's output, not yet added to the residual stream, or a
         SummedRow (then residual is its stream); with ids (the first layer), x is the
         embedding table and the input its rows at ids. Returns (x, residual) in the same
-        forms: a SummedRow where the layer's projections take squares (summed_row.py)."""
+        forms: a SummedRow where the layer's projections take squares (summed_row.py).
+        next_norm: the next layer's input norm, for a SummedRow of weighted rows."""
         attn, mlp = self.self_attn, self.mlp
         dense = getattr(attn.qkv_proj, "gemv", False)
         norm = self.input_layernorm
         if isinstance(x, SummedRow):
-            fused = attn.qkv_proj.normed_row(x.stream, x.squares, norm), x.stream
+            qkv = attn.qkv_proj.normed_row(x.stream, x.squares, norm, False, x.weighted)
+            fused = qkv, x.stream
         else:
             fused = self._norm_into(x, residual, norm, attn.qkv_proj, dense, False, ids)
         if fused is None:
@@ -87,7 +90,7 @@ class DecoderLayer(nn.Module):
             heads = attn.heads(qkv, meta)
         norm = self.post_attention_layernorm
         if heads.shape[0] == 1 and self.sums_rows:
-            out = summed_mlp_half(heads, residual, attn.o_proj, norm, mlp)
+            out = summed_mlp_half(heads, residual, attn.o_proj, norm, mlp, next_norm)
             return out, out.stream
         h = attn.o_proj(heads)
         fused = self._norm_into(h, residual, norm, mlp.gate_up_proj, mlp.gemv, True)
@@ -205,8 +208,9 @@ class Qwen2ForCausalLM(nn.Module):
         else:  # a QuantizedEmbedding
             x = self.embed_tokens[input_ids]
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, meta, ids)
+        behind = [layer.input_layernorm for layer in self.layers[1:]] + [None]
+        for layer, next_norm in zip(self.layers, behind, strict=True):
+            x, residual = layer(x, residual, meta, ids, next_norm)
             ids = None
         if isinstance(x, SummedRow):
             # residual already holds the last layer's output: x + residual is residual

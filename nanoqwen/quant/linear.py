@@ -93,6 +93,7 @@ class QuantizedLinear(nn.Module):
         self._decode: tuple = ()  # for PackedParts, its parts (PackedBlocks)
         self._parts = isinstance(weight, PackedParts)
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.dtype: torch.dtype | None = None  # the activations', from prepare()
 
     @property
     def device(self) -> torch.device:
@@ -124,6 +125,7 @@ class QuantizedLinear(nn.Module):
         GGUF blocks make that copy when a call first has many rows (the lm_head, which
         computes logits for a few rows but for prompt logprobs)."""
         w = self.weight
+        self.dtype = dtype
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
         if isinstance(w, (PackedBlocks, PackedParts)):
@@ -203,6 +205,38 @@ class QuantizedLinear(nn.Module):
             tensors = [t for t in found if isinstance(t, torch.Tensor)]
         total = sum(t.numel() * t.element_size() for t in tensors)
         return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    @property
+    def takes_squares(self) -> bool:
+        """Whether one row can run add_row and normed_row (the tensor-core int4 GEMV)."""
+        if self.kind != "triton":
+            return False
+        from nanoqwen.kernels.triton.quant_matmul import sums_rows
+
+        return sums_rows(self._decode[0], self.dtype, self.device)
+
+    # add_row also weighs the stream by the norm behind (model/summed_row.py)
+    takes_weighted = True
+
+    def add_row(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_after=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(residual + self(x), the float32 partial sums of its squares, and where a norm
+        follows the stream times its weight, rounded) for one row."""
+        from nanoqwen.kernels.triton.quant_matmul import quant_linear_add
+
+        weight = None if norm_after is None else norm_after.weight
+        return quant_linear_add(x, self._decode[0], self.bias, residual, weight)
+
+    def normed_row(self, stream, squares, norm, silu_mul: bool = False, weighted=None):
+        """self(norm(stream)), or SiLU·up of it, for one row whose squares (and weighted
+        stream) add_row made: the norm's 1 / RMS multiplies the product's sums."""
+        from nanoqwen.kernels.triton.quant_matmul import quant_linear_normed
+
+        if weighted is None:
+            weighted = (stream * norm.weight).to(stream.dtype)
+        return quant_linear_normed(weighted, self._decode[0], self.bias, squares, norm.eps,
+                                   silu_mul)  # fmt: skip
 
     @property
     def fuses_silu_mul(self) -> bool:

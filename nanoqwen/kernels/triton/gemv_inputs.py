@@ -51,10 +51,20 @@ def row_rstd(x_ptr, res_ptr, K, eps, HAS_RES: tl.constexpr, BK: tl.constexpr,
 @triton.jit
 def squares_rstd(sq_ptr, NB, K, eps, NB_PAD: tl.constexpr):
     """1 / RMS of a row whose sum of squares is in NB partial sums (split_sums.finish_rows
-    with ADD_RES), added in one fixed order. Loads skip L1, which may hold an earlier
-    launch's sums."""
+    with ADD_RES), added in one fixed order."""
+    return parts_rstd(square_parts(sq_ptr, NB, NB_PAD), K, eps)
+
+
+@triton.jit
+def square_parts(sq_ptr, NB, NB_PAD: tl.constexpr):
+    """squares_rstd's loads, for a kernel to issue long before it needs the sum. They skip
+    L1, which may hold an earlier launch's sums."""
     i = tl.arange(0, NB_PAD)
-    parts = tl.load(sq_ptr + i, mask=i < NB, other=0.0, cache_modifier=".cg")
+    return tl.load(sq_ptr + i, mask=i < NB, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def parts_rstd(parts, K, eps):
     return tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
 
 

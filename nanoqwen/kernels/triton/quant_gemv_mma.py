@@ -59,6 +59,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nanoqwen.kernels.triton.counters import zeroed_counters
+from nanoqwen.kernels.triton.gemv_inputs import parts_rstd, square_parts
 from nanoqwen.kernels.triton.pdl import use_pdl
 from nanoqwen.kernels.triton.quant_gemv import PANEL, kernel_group, sm_count
 from nanoqwen.kernels.triton.split_sums import finish_split, row_bias, split_columns, split_span
@@ -243,11 +244,13 @@ def _row_dot(
 
 @triton.jit
 def _mma_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, N, K, KW, G, chunk,
+    x_ptr, qw_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, counts_ptr, res_ptr, nw_ptr, xw_ptr,
+    sq_ptr, sq_in_ptr, N, K, KW, G, chunk, NB, eps,
     GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, STAGES: tl.constexpr,
     SPLITS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    AHEAD: tl.constexpr,
+    AHEAD: tl.constexpr, ADD_RES: tl.constexpr = False, WEIGHTED: tl.constexpr = False,
+    SQUARES: tl.constexpr = False, NB_PAD: tl.constexpr = 1,
 ):  # fmt: skip
     """y = W x (+ b) for BN weight rows a program; with SILU_MUL, W holds gate rows then N
     up rows, a program takes BN / 2 of each (one pass over both) and y = silu(W_gate x) *
@@ -255,7 +258,9 @@ def _mma_gemv_kernel(
     part_ptr holds [SPLITS, rows] float32 sums (rows: N, or 2N with SILU_MUL) and
     counts_ptr one zeroed int32 per block of rows. With PDL it waits for x before its first
     load, and lets the kernel behind launch at its start (EARLY) or once its loops are
-    done."""
+    done. ADD_RES (and WEIGHTED): y finishes as the residual stream, as split_sums.py's
+    finish_rows does. SQUARES: x is a norm's output but for its 1 / RMS, which multiplies
+    the sums, from the NB partial sums of squares at sq_in_ptr."""
     if PDL:  # noqa: SIM102 (compile-time guards: Triton's `and` would not be)
         if EARLY:
             gdc_launch_dependents()
@@ -276,10 +281,15 @@ def _mma_gemv_kernel(
     bias = row_bias(b_ptr, rows, r_mask, HAS_BIAS)
     if PDL:
         gdc_wait()  # x is the kernel in front's output
+    if SQUARES:
+        # summed only after the loop, so that no step waits for these loads
+        parts = square_parts(sq_in_ptr, NB, NB_PAD)
     y = _row_dot(
         x_ptr, qw_ptr, s_ptr, o_ptr, w_rows, K, KW, G, p_begin, p_end, first, GROUP,
         HAS_OFFSET, BN, BP, STAGES, ASM, AHEAD,
     )  # fmt: skip
+    if SQUARES:
+        y = y * parts_rstd(parts, K, eps)  # the splits' sums alike, before they add up
     up = y
     if SILU_MUL:
         y, up = tl.split(tl.permute(tl.reshape(y, [2, OUT]), (1, 0)))
@@ -287,14 +297,20 @@ def _mma_gemv_kernel(
         if not EARLY:
             gdc_launch_dependents()
     finish_split(part_ptr, counts_ptr, bias, y_ptr, block, tl.program_id(1), rows, r_mask, y,
-                 up, N, y_ptr, y_ptr, SPLITS, HAS_BIAS, SILU_MUL, False)  # fmt: skip
+                 up, N, res_ptr, sq_ptr, nw_ptr, xw_ptr, SPLITS, HAS_BIAS, SILU_MUL, ADD_RES,
+                 WEIGHTED)  # fmt: skip
 
 
 def mma_gemv_fits(x: torch.Tensor, w) -> bool:
     """int4 in groups of whole panels, 16-bit activations on a GPU (or the interpreter)."""
+    return mma_fits(w, x.dtype, x.device)
+
+
+def mma_fits(w, dtype: torch.dtype, device: torch.device) -> bool:
+    """mma_gemv_fits for activations of this dtype on this device."""
     if w.bits != 4 or kernel_group(w) % MMA_PANEL_COLS:
         return False
-    return x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)
+    return device.type == "cpu" or dtype in (torch.bfloat16, torch.float16)
 
 
 def mma_gemv_config(n: int, k: int) -> MmaGemvConfig:
@@ -320,13 +336,33 @@ def first_step_ahead(pdl: bool, silu_mul: bool) -> bool:
 
 
 def launch_mma_gemv(
-    x: torch.Tensor, w, bias: torch.Tensor | None, silu_mul: bool, config: MmaGemvConfig | None
-) -> torch.Tensor:
-    """x [1, K] times the packed int4 weight: [1, N], or [1, N // 2] with silu_mul."""
+    x: torch.Tensor,
+    w,
+    bias: torch.Tensor | None,
+    silu_mul: bool,
+    config: MmaGemvConfig | None,
+    residual: torch.Tensor | None = None,
+    norm_after: torch.Tensor | None = None,
+    squares: torch.Tensor | None = None,
+    eps: float = 0.0,
+):
+    """x [1, K] times the packed int4 weight: [1, N], or [1, N // 2] with silu_mul.
+    residual: the product added to it as HF's residual add does, and (stream, float32
+    partial sums of its squares [1, blocks], stream * norm_after rounded or None) returned.
+    squares (another launch's): x is RMSNorm's output but for its 1 / RMS, which comes from
+    these, with eps."""
+    if residual is not None and silu_mul:
+        raise ValueError("a residual add after the product takes no SiLU·up")
+    if norm_after is not None and residual is None:
+        raise ValueError("norm_after goes with a residual add")
     n = w.out_features // 2 if silu_mul else w.out_features
     cfg = config or mma_gemv_config(w.out_features, w.in_features)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(w.out_features, cfg.rows)  # rows: weight rows a program
+    sq = xw = None
+    if residual is not None:
+        sq = torch.empty(1, blocks, dtype=torch.float32, device=x.device)
+        xw = torch.empty_like(y) if norm_after is not None else None
     chunk, splits = split_columns(w.qweight.shape[1] // PANEL, cfg.panels, cfg.splits)
     part = counts = y  # unused with one split
     if splits > 1:
@@ -337,11 +373,20 @@ def launch_mma_gemv(
     ahead = first_step_ahead(pdl, silu_mul)
     _mma_gemv_kernel[(blocks, splits)](
         x.contiguous(), w.qweight, w.scales, w.scales if w.offsets is None else w.offsets,
-        w.scales if bias is None else bias, y, part, counts, n, w.in_features,
-        w.qweight.shape[1], w.scales.shape[1], chunk, GROUP=kernel_group(w),
+        w.scales if bias is None else bias, y, part, counts,
+        y if residual is None else residual.contiguous(),
+        y if norm_after is None else norm_after, y if xw is None else xw,
+        y if sq is None else sq, y if squares is None else squares, n, w.in_features,
+        w.qweight.shape[1], w.scales.shape[1], chunk,
+        0 if squares is None else squares.shape[-1], eps, GROUP=kernel_group(w),
         HAS_OFFSET=w.offsets is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BN=cfg.rows, BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits,
-        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=ahead, launch_pdl=pdl,
-        num_warps=cfg.num_warps, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
+        ASM=x.device.type == "cuda", PDL=pdl, EARLY=early, AHEAD=ahead,
+        ADD_RES=residual is not None, WEIGHTED=xw is not None, SQUARES=squares is not None,
+        NB_PAD=triton.next_power_of_2(squares.shape[-1]) if squares is not None else 1,
+        launch_pdl=pdl, num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )  # fmt: skip
+    if residual is not None:
+        return y, sq, xw
     return y

@@ -22,7 +22,12 @@ import torch.nn.functional as F
 
 from nanoqwen.kernels.triton.quant_gemm import GemmConfig, dequantize, launch_gemm
 from nanoqwen.kernels.triton.quant_gemv import PANEL, GemvConfig, launch_gemv
-from nanoqwen.kernels.triton.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_gemv_fits
+from nanoqwen.kernels.triton.quant_gemv_mma import (
+    MmaGemvConfig,
+    launch_mma_gemv,
+    mma_fits,
+    mma_gemv_fits,
+)
 
 DEQUANT_MIN_M = 512  # from here a dense dequantized matrix and cuBLAS beat the Triton GEMM
 
@@ -179,3 +184,38 @@ def quant_linear_silu_mul(
     from nanoqwen.kernels.triton.silu_mul import silu_mul
 
     return silu_mul(quant_linear(x, w))
+
+
+def sums_rows(w: PackedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether one row of such activations through w runs quant_linear_add and
+    quant_linear_normed (the tensor-core GEMV)."""
+    return mma_fits(w, dtype, device)
+
+
+def quant_linear_add(
+    x: torch.Tensor,
+    w: PackedWeight,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_after: torch.Tensor | None = None,
+    config: MmaGemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One row's (residual + quant_linear(x, w, bias), float32 partial sums of its squares,
+    that times norm_after rounded, or None without it) in one launch (sums_rows)."""
+    _check_input(x, w)
+    return launch_mma_gemv(x, w, bias, False, config, residual=residual, norm_after=norm_after)
+
+
+def quant_linear_normed(
+    weighted: torch.Tensor,
+    w: PackedWeight,
+    bias: torch.Tensor | None,
+    squares: torch.Tensor,
+    eps: float,
+    silu_mul: bool = False,
+    config: MmaGemvConfig | None = None,
+) -> torch.Tensor:
+    """quant_linear (or quant_linear_silu_mul) of one row's RMSNorm for the row's squares
+    and weighted (quant_linear_add's): the norm's 1 / RMS multiplies the product's sums."""
+    _check_input(weighted, w)
+    return launch_mma_gemv(weighted, w, bias, silu_mul, config, squares=squares, eps=eps)

@@ -34,13 +34,14 @@ def split_span(total, chunk, SPLITS: tl.constexpr):
 @triton.jit
 def finish_split(
     part_ptr, counts_ptr, bias, y_ptr, block, split, rows, r_mask, y, up, N, res_ptr, sq_ptr,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    ADD_RES: tl.constexpr,
+    nw_ptr, xw_ptr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    ADD_RES: tl.constexpr, WEIGHTED: tl.constexpr = False,
 ):  # fmt: skip
     """A program's float32 sums of its block of rows (and of their up rows) to y_ptr: at
     once with one split, else by the block's last split to arrive. bias: the rows' bias in
     float32 (row_bias), which a launch under PDL loads before its wait. ADD_RES: y_ptr gets
-    the residual stream, sq_ptr the block's sum of squares (finish_rows)."""
+    the residual stream, sq_ptr the block's sum of squares, and with WEIGHTED xw_ptr the
+    stream times the norm weight at nw_ptr (finish_rows)."""
     if SPLITS > 1:
         width = N
         if SILU_MUL:
@@ -48,11 +49,11 @@ def finish_split(
         if count_in(part_ptr, counts_ptr, block, split, rows, r_mask, y, up, N, width, SPLITS,
                     SILU_MUL):  # fmt: skip
             y, up = sum_splits(part_ptr, rows, r_mask, N, width, SPLITS, SILU_MUL)
-            finish_rows(bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, block, HAS_BIAS,
-                        SILU_MUL, ADD_RES)  # fmt: skip
+            finish_rows(bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, nw_ptr, xw_ptr,
+                        block, HAS_BIAS, SILU_MUL, ADD_RES, WEIGHTED)  # fmt: skip
     else:
-        finish_rows(bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, block, HAS_BIAS,
-                    SILU_MUL, ADD_RES)  # fmt: skip
+        finish_rows(bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, nw_ptr, xw_ptr, block,
+                    HAS_BIAS, SILU_MUL, ADD_RES, WEIGHTED)  # fmt: skip
 
 
 @triton.jit
@@ -94,12 +95,15 @@ def sum_splits(part_ptr, rows, r_mask, N, width, SPLITS: tl.constexpr, SILU_MUL:
 
 @triton.jit
 def finish_rows(
-    bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, block, HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
+    bias, y_ptr, rows, r_mask, y, up, res_ptr, sq_ptr, nw_ptr, xw_ptr, block,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
+    WEIGHTED: tl.constexpr,
 ):  # fmt: skip
     """The float32 sums of the rows to y_ptr's dtype, with the bias, or silu(y) * up; with
     ADD_RES, plus the residual's rows, and the block's sum of squares of the result to
-    sq_ptr[block]."""
+    sq_ptr[block]; with WEIGHTED too, the result times the norm weight's rows (nw_ptr),
+    rounded, to xw_ptr: the next norm's output but for its 1 / RMS, which the product
+    behind takes from the squares (quant_gemv_mma.py)."""
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
         y += bias
@@ -112,6 +116,9 @@ def finish_rows(
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
         h = tl.where(r_mask, y.to(tl.float32), 0.0)  # rows past N may hold a copy of N - 1
         tl.store(sq_ptr + block, tl.sum(h * h, 0))
+        if WEIGHTED:
+            nw = tl.load(nw_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+            tl.store(xw_ptr + rows, (h * nw).to(dtype), mask=r_mask)
     tl.store(y_ptr + rows, y, mask=r_mask)
 
 

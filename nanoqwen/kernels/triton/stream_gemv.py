@@ -187,7 +187,8 @@ def _stream_gemv_kernel(
     y = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
     finish_split(part_ptr, counts_ptr, bias, y_ptr, block, tl.program_id(1), rows, r_mask, y,
-                 up, N, res_ptr, sq_ptr, SPLITS, HAS_BIAS, SILU_MUL, ADD_RES)  # fmt: skip
+                 up, N, res_ptr, sq_ptr, y_ptr, y_ptr, SPLITS, HAS_BIAS, SILU_MUL,
+                 ADD_RES)  # fmt: skip
 
 
 def one_wave(cfg: StreamGemvConfig, silu_mul: bool, itemsize: int, device) -> int:

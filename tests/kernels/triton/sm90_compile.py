@@ -331,8 +331,9 @@ def quant_cases():
     # N, K and KW (K / 8) are multiples of 16 at every Qwen2.5 shape, and the launcher
     # specializes on that (the packed words' loads vectorize); G (K / 128) is not.
     types = dict(x_ptr=BF16, qw_ptr=I32, s_ptr=BF16, o_ptr=BF16, b_ptr=BF16, y_ptr=BF16,
-                 part_ptr=F32, counts_ptr=I32, N="i32:16", K="i32:16", KW="i32:16", G="i32",
-                 chunk="i32")  # fmt: skip
+                 part_ptr=F32, counts_ptr=I32, res_ptr=BF16, nw_ptr=BF16, xw_ptr=BF16,
+                 sq_ptr=F32, sq_in_ptr=F32, N="i32:16", K="i32:16", KW="i32:16", G="i32",
+                 chunk="i32", NB="i32", eps="fp32")  # fmt: skip
     for name, n, k, bias, silu in (
         ("qkv", 4608, 3584, True, False), ("o", 3584, 3584, False, False),
         ("gate_up", 37888, 3584, False, True), ("down", 3584, 18944, False, False),
@@ -343,9 +344,19 @@ def quant_cases():
             early = q.launches_early(triton.cdiv(n, cfg.rows) * splits, 132)
             flags = dict(GROUP=128, HAS_OFFSET=True, HAS_BIAS=bias, SILU_MUL=silu, BN=cfg.rows,
                          BP=cfg.panels, STAGES=cfg.num_stages, SPLITS=splits, ASM=True,
-                         PDL=True, EARLY=early, AHEAD=not silu)  # fmt: skip
+                         PDL=True, EARLY=early, AHEAD=not silu, ADD_RES=False, WEIGHTED=False,
+                         SQUARES=False, NB_PAD=1)  # fmt: skip
             label = f"int4 gemv 7B {name}" + (f" splits {splits}" if splits != cfg.splits else "")
             yield label, q._mma_gemv_kernel, types, flags, cfg.num_warps, 3
+        # As the layer runs at one row (model/summed_row.py): o_proj and down_proj add the
+        # residual and weigh it, qkv and gate_up scale by the squares' 1 / RMS.
+        if name in ("o", "down"):
+            summed = dict(ADD_RES=True, WEIGHTED=True)
+            label = f"int4 gemv 7B {name} +residual"
+        else:
+            summed = dict(SQUARES=True, NB_PAD=256)
+            label = f"int4 gemv 7B {name} +squares"
+        yield label, q._mma_gemv_kernel, types, {**flags, **summed}, cfg.num_warps, 3
 
 
 CASES = (gemv_cases, stream_gemv_cases, sampler_cases, attention_cases, quant_cases)

@@ -208,3 +208,107 @@ def test_first_step_loaded_ahead_gives_the_same_bits(config, monkeypatch):
     (linear, fused), (linear_ahead, fused_ahead) = results
     torch.testing.assert_close(linear.double(), reference(x, w, bias), rtol=1e-5, atol=1e-4)
     assert torch.equal(linear_ahead, linear) and torch.equal(fused_ahead, fused)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, MmaGemvConfig(16, 1, splits=3), MmaGemvConfig(32, 2)],
+    ids=["default", "16x1-3splits", "32x2"],
+)
+def test_a_residual_add_after_the_product_finishes_the_stream(config):
+    """quant_linear_add: the product plus the residual (the next residual stream, as the
+    plain product and an add give it), each block of rows' sum of squares, and the stream
+    times the next norm's weight."""
+    from nanoqwen.kernels.triton.quant_matmul import quant_linear_add
+
+    packed, _ = make_weight(N, 384, 128, True, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(1, 384, generator=gen), torch.randn(1, N, generator=gen)
+    bias, norm_weight = torch.randn(N, generator=gen), torch.rand(N, generator=gen) + 0.5
+    stream, squares, weighted = quant_linear_add(x, packed, bias, residual, norm_weight, config)
+    assert torch.equal(stream, quant_linear(x, packed, bias, config=config) + residual)
+    rows = (config or quant_gemv_mma.mma_gemv_config(N, 384)).rows
+    blocks = stream[0].split(rows)
+    assert squares.shape == (1, len(blocks))
+    torch.testing.assert_close(squares[0], torch.stack([(b * b).sum() for b in blocks]))
+    assert torch.equal(weighted, stream * norm_weight)
+    _, _, none = quant_linear_add(x, packed, bias, residual, None, config)
+    assert none is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, MmaGemvConfig(16, 1, splits=3), MmaGemvConfig(32, 2)],
+    ids=["default", "16x1-3splits", "32x2"],
+)
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["linear", "silu_mul"])
+def test_the_norms_scale_multiplies_the_sums(config, silu_mul):
+    """quant_linear_normed: the product of a row's RMSNorm given as its weighted row and
+    partial sums of squares: the 1 / RMS from those sums times the product of the weighted
+    row, before the bias or SiLU·up."""
+    from nanoqwen.kernels.triton.quant_matmul import quant_linear_normed
+
+    rows = 2 * N if silu_mul else N
+    packed, w = make_weight(rows, 384, 128, True, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    stream, norm_weight = torch.randn(1, 384, generator=gen), torch.rand(384, generator=gen)
+    squares = torch.stack([(c * c).sum() for c in stream[0].split(100)])[None]
+    weighted = stream * norm_weight
+    bias = None if silu_mul else torch.randn(N, generator=gen)
+    y = quant_linear_normed(weighted, packed, bias, squares, 1e-6, silu_mul, config)
+    rstd = torch.rsqrt(stream.double().pow(2).mean() + 1e-6)
+    product = reference(weighted, w) * rstd
+    if silu_mul:
+        gate, up = product.chunk(2, dim=-1)
+        torch.testing.assert_close(y.double(), F.silu(gate) * up, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(y.double(), product + bias.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_int4_layers_sum_their_rows_and_generate_what_the_norms_in_front_generate(
+    tmp_path, monkeypatch
+):
+    """Batch-1 decode through int4 layers on the tensor-core GEMV (the CUDA layout, packed
+    here for the interpreter): o_proj and down_proj add the residual and weigh the stream by
+    the norm behind, qkv and gate_up take the norm's 1 / RMS from the squares
+    (model/summed_row.py), and the greedy tokens and their logprobs are those of the same
+    layers with add+RMSNorm in front."""
+    from conftest import write_tiny_model
+
+    from nanoqwen import LLM, SamplingParams
+    from nanoqwen.kernels.triton import quant_matmul
+    from nanoqwen.model.quantize import install, linear_names
+    from nanoqwen.model.qwen2 import DecoderLayer
+    from nanoqwen.quant.format import quantize_int4
+    from nanoqwen.quant.linear import QuantizedLinear, cuda_pack
+
+    write_tiny_model(tmp_path, hidden_size=128, intermediate_size=256)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    adds = []
+    add = quant_matmul.quant_linear_add
+    monkeypatch.setattr(quant_matmul, "quant_linear_add", lambda *a: adds.append(a[4]) or add(*a))
+    outputs = {}
+    for summed in (False, True):
+        if not summed:
+            monkeypatch.setattr(DecoderLayer, "sums_rows", property(lambda self: False))
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(quant_matmul, "quant_linear_add",
+                                lambda *a: adds.append(a[4]) or add(*a))  # fmt: skip
+        llm = LLM(str(tmp_path), dtype="float32", progress=False)
+        model = llm.runner.model
+        names = linear_names(model)
+        install(model, {n: quantize_int4(model.get_submodule(n).weight, 128) for n in names},
+                torch.float32)  # fmt: skip
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear):
+                m._decode, m.kind = (cuda_pack(m.weight),), "triton"
+        assert all(layer.sums_rows == summed for layer in model.layers)
+        out = llm.generate([[5, 17, 99, 3]], params)[0]
+        outputs[summed] = out.token_ids, [e.logprob for e in out.logprobs]
+    # 5 decode steps, 2 layers: o_proj weighs by its post-attention norm, down_proj by the
+    # next layer's input norm, the last layer's by none (the final norm runs as before)
+    assert len(adds) == 5 * 4 and sum(a is None for a in adds) == 5
+    assert outputs[True][0] == outputs[False][0]
+    # float32: the 1 / RMS multiplies the sums instead of x, and the codes' 128 (see above)
+    assert outputs[True][1] == pytest.approx(outputs[False][1], abs=5e-4)
