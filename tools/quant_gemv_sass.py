@@ -93,6 +93,11 @@ def report(label: str, kernel, weights_per_thread: int, top: int, roles: bool = 
           f"{common}")  # fmt: skip
 
 
+# The product alone: no residual add, no norm scale (model/summed_row.py's launches add a
+# few instructions after the loop, none in it).
+PLAIN_EPILOGUE = {"ADD_RES": False, "WEIGHTED": False, "SQUARES": False, "NB_PAD": 1}
+
+
 def report_launches(shape: str) -> None:
     """The tensor-core GEMV as the engine launches each projection of a model shape at batch
     1 (int4 in groups of 128 with offsets, under PDL; gate_up with SiLU·up)."""
@@ -105,7 +110,7 @@ def report_launches(shape: str) -> None:
             "BN": cfg.rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "SPLITS": cfg.splits,
             "ASM": True, "PDL": True,
             "EARLY": quant_gemv_mma.launches_early(programs, quant_gemv.SM_COUNT_FALLBACK),
-            "AHEAD": quant_gemv_mma.first_step_ahead(True, silu),
+            "AHEAD": quant_gemv_mma.first_step_ahead(True, silu), **PLAIN_EPILOGUE,
         }  # fmt: skip
         kernel = compile_sm90(quant_gemv_mma._mma_gemv_kernel, const, cfg.num_warps,
                               cfg.num_stages, cfg.max_registers)  # fmt: skip
@@ -136,7 +141,7 @@ def main() -> None:
             const = {
                 "GROUP": 128, "HAS_OFFSET": offset, "HAS_BIAS": False, "SILU_MUL": False,
                 "BN": rows, "BP": cfg.panels, "STAGES": cfg.num_stages, "SPLITS": 1,
-                "ASM": True, "PDL": True, "EARLY": False, "AHEAD": True,
+                "ASM": True, "PDL": True, "EARLY": False, "AHEAD": True, **PLAIN_EPILOGUE,
             }  # fmt: skip
             k = compile_sm90(quant_gemv_mma._mma_gemv_kernel, const, cfg.num_warps, cfg.num_stages)
             per_thread = rows * cfg.panels * 128 // (32 * cfg.num_warps)
