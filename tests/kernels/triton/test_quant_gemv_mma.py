@@ -287,14 +287,8 @@ def test_int4_layers_sum_their_rows_and_generate_what_the_norms_in_front_generat
     adds = []
     add = quant_matmul.quant_linear_add
     monkeypatch.setattr(quant_matmul, "quant_linear_add", lambda *a: adds.append(a[4]) or add(*a))
-    outputs = {}
-    for summed in (False, True):
-        if not summed:
-            monkeypatch.setattr(DecoderLayer, "sums_rows", property(lambda self: False))
-        else:
-            monkeypatch.undo()
-            monkeypatch.setattr(quant_matmul, "quant_linear_add",
-                                lambda *a: adds.append(a[4]) or add(*a))  # fmt: skip
+
+    def generate(summed: bool):
         llm = LLM(str(tmp_path), dtype="float32", progress=False)
         model = llm.runner.model
         names = linear_names(model)
@@ -305,7 +299,13 @@ def test_int4_layers_sum_their_rows_and_generate_what_the_norms_in_front_generat
                 m._decode, m.kind = (cuda_pack(m.weight),), "triton"
         assert all(layer.sums_rows == summed for layer in model.layers)
         out = llm.generate([[5, 17, 99, 3]], params)[0]
-        outputs[summed] = out.token_ids, [e.logprob for e in out.logprobs]
+        return out.token_ids, [e.logprob for e in out.logprobs]
+
+    with monkeypatch.context() as m:
+        m.setattr(DecoderLayer, "sums_rows", property(lambda self: False))
+        outputs = {False: generate(False)}
+    assert not adds
+    outputs[True] = generate(True)
     # 5 decode steps, 2 layers: o_proj weighs by its post-attention norm, down_proj by the
     # next layer's input norm, the last layer's by none (the final norm runs as before)
     assert len(adds) == 5 * 4 and sum(a is None for a in adds) == 5
