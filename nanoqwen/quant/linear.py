@@ -211,9 +211,9 @@ class QuantizedLinear(nn.Module):
         """Whether one row can run add_row and normed_row (the tensor-core int4 GEMV)."""
         if self.kind != "triton":
             return False
-        from nanoqwen.kernels.triton.quant_matmul import sums_rows
+        from nanoqwen.kernels.triton.quant_gemv_mma import mma_fits
 
-        return sums_rows(self._decode[0], self.dtype, self.device)
+        return mma_fits(self._decode[0], self.dtype, self.device)
 
     # add_row also weighs the stream by the norm behind (model/summed_row.py)
     takes_weighted = True

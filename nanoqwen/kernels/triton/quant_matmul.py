@@ -22,12 +22,7 @@ import torch.nn.functional as F
 
 from nanoqwen.kernels.triton.quant_gemm import GemmConfig, dequantize, launch_gemm
 from nanoqwen.kernels.triton.quant_gemv import PANEL, GemvConfig, launch_gemv
-from nanoqwen.kernels.triton.quant_gemv_mma import (
-    MmaGemvConfig,
-    launch_mma_gemv,
-    mma_fits,
-    mma_gemv_fits,
-)
+from nanoqwen.kernels.triton.quant_gemv_mma import MmaGemvConfig, launch_mma_gemv, mma_gemv_fits
 
 DEQUANT_MIN_M = 512  # from here a dense dequantized matrix and cuBLAS beat the Triton GEMM
 
@@ -186,12 +181,6 @@ def quant_linear_silu_mul(
     return silu_mul(quant_linear(x, w))
 
 
-def sums_rows(w: PackedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether one row of such activations through w runs quant_linear_add and
-    quant_linear_normed (the tensor-core GEMV)."""
-    return mma_fits(w, dtype, device)
-
-
 def quant_linear_add(
     x: torch.Tensor,
     w: PackedWeight,
@@ -201,7 +190,8 @@ def quant_linear_add(
     config: MmaGemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One row's (residual + quant_linear(x, w, bias), float32 partial sums of its squares,
-    that times norm_after rounded, or None without it) in one launch (sums_rows)."""
+    that times norm_after rounded, or None without it) in one launch, on the tensor-core
+    GEMV (where quant_gemv_mma.mma_fits)."""
     _check_input(x, w)
     return launch_mma_gemv(x, w, bias, False, config, residual=residual, norm_after=norm_after)
 
